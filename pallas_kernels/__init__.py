@@ -1,0 +1,1 @@
+"""Pallas GPU kernels, each beside its pure-jnp reference. Imports only jax."""

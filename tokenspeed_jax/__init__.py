@@ -1,0 +1,1 @@
+"""tokenspeed-jax runtime: page tables, pools, models, runner, engine, server, CLI."""
