@@ -1,0 +1,328 @@
+"""Ragged paged attention (prefill chunks and decodes in one call) as a Pallas GPU kernel.
+
+Layout: `q f[T, Hq, D]` packs every request's query tokens; K/V live in page pools
+`f[P, page_size, Hkv, D]`; request `s` reads its pages through `page_table[s]` (0 = null page).
+
+Kernel design (Triton lowering, see `backend.py`):
+- The grid is `(query blocks, kv heads)`. A query block is up to `block_q` consecutive query tokens
+  of ONE request; its rows are `block_q x next_pow2(G)` (token, q head of the GQA group) pairs, so a
+  decode step loads each K/V tile once for all G query heads that share it. Block -> request
+  metadata is computed with a handful of `[S]`-sized jnp ops outside the kernel; surplus grid
+  programs (the grid size is a static upper bound) do zero loop iterations.
+- Each program loops over blocks of `pages_per_block` pages from the page holding the block's
+  first in-window key to the page holding its last query. Pages wholly before the sliding window
+  are never visited, so a hole (page 0) there is never loaded, and a 32k context with a 4k window
+  streams only 4k tokens. Online softmax in float32 (exp2 domain); loads are masked, and logits
+  and probabilities go through `jnp.where`, so NaN garbage outside `[window start, query]` never
+  reaches the output.
+- Sinks enter as the initial running max/denominator (a key with logit `sink` and value 0).
+- Output rows are written with masked stores into a zero-initialised aliased buffer, so padding
+  tokens come out as exact zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend
+from pallas_kernels.ragged import sanitize, token_layout
+
+__all__ = ["PagedAttentionConfig", "default_config", "paged_attention", "paged_attention_reference"]
+
+_LOG2E = math.log2(math.e)
+_MASK = -1e30  # finite: (mask - mask) must stay 0, never inf - inf = NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig:
+    """Tuning knobs (all static). Validated on construction and against the inputs.
+
+    pages_per_block: pages per inner-loop K/V tile; `pages_per_block * page_size` (the tile's
+      token count) must be a power of two >= 16 (Triton tile/MMA constraints).
+    block_q: query tokens per program (power of two). Rows per program = block_q * next_pow2(G)
+      and must be >= 16 (Triton's minimum MMA M). Small for decode, larger for prefill.
+    num_warps, num_stages: Triton launch / software-pipelining parameters.
+    """
+
+    pages_per_block: int = 4
+    block_q: int = 4
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for field in ("pages_per_block", "block_q", "num_warps", "num_stages"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedAttentionConfig.{field}={value!r} must be an int >= 1")
+        for field in ("pages_per_block", "block_q", "num_warps"):
+            if not backend.is_power_of_2(getattr(self, field)):
+                raise ValueError(f"PagedAttentionConfig.{field}={getattr(self, field)} must be "
+                                 "a power of two")
+
+
+def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int
+                   ) -> PagedAttentionConfig:
+    """Static heuristic: decode-dominated shapes (<= 2 query tokens per request on average) use
+    the minimum 16 rows per program (each K/V tile serves all G heads; more rows would only burn
+    tensor-core time on padding); prefill-heavy shapes use 64 rows for arithmetic intensity.
+    K/V tiles of 64 tokens keep two pipeline stages of bf16 D=128 K+V within 64 KiB of smem."""
+    gp = backend.next_power_of_2(group)
+    rows = 16 if num_tokens <= 2 * num_seqs_max else 64
+    return PagedAttentionConfig(pages_per_block=max(1, 64 // page_size),
+                                block_q=max(1, rows // gp),
+                                num_warps=4 if rows <= 16 else 8)
+
+
+def _check_config(cfg: PagedAttentionConfig, page_size: int, group: int, head_dim: int) -> None:
+    if not backend.is_power_of_2(page_size):
+        raise ValueError(f"page_size={page_size} must be a power of two for the Pallas kernel")
+    if not backend.is_power_of_2(head_dim) or head_dim < 16:
+        raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the Pallas kernel")
+    if cfg.pages_per_block * page_size < 16:
+        raise ValueError(f"{cfg.pages_per_block=} * {page_size=} must be >= 16 tokens")
+    if cfg.block_q * backend.next_power_of_2(group) < 16:
+        raise ValueError(f"{cfg.block_q=} * next_pow2({group=}) must be >= 16 rows")
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs, *,
+                  sm_scale, sliding_window, soft_cap, sinks) -> float:
+    """Static (shape/dtype/option) validation shared by kernel and reference; returns sm_scale."""
+    floats = (jnp.float32, jnp.bfloat16)
+    if q.ndim != 3:
+        raise ValueError(f"{q.shape=} must be [T, Hq, D]")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"{k_pages.shape=} and {v_pages.shape=} must both be "
+                         "[P, page_size, Hkv, D]")
+    t, hq, d = q.shape
+    _, _, hkv, dk = k_pages.shape
+    if dk != d:
+        raise ValueError(f"{q.shape=} and {k_pages.shape=} disagree on head_dim")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"{q.shape=}: Hq must be a multiple of Hkv ({k_pages.shape=})")
+    if q.dtype not in floats or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(f"{q.dtype=}, {k_pages.dtype=}, {v_pages.dtype=} must all be "
+                         "float32 or all bfloat16")
+    if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"{page_table.shape=} ({page_table.dtype}) must be int [S, max_pages]")
+    s = page_table.shape[0]
+    for name, arr, shape in (("kv_lens", kv_lens, (s,)), ("cu_q_lens", cu_q_lens, (s + 1,)),
+                             ("num_seqs", num_seqs, (1,))):
+        if arr.shape != shape or not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name}.shape={arr.shape} ({arr.dtype}) must be int {shape} "
+                             f"for {page_table.shape=}")
+    if sinks is not None and (sinks.shape != (hq,) or not jnp.issubdtype(sinks.dtype,
+                                                                          jnp.floating)):
+        raise ValueError(f"{sinks.shape=} must be float ({hq},) for {q.shape=}")
+    if sliding_window is not None and (not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"{sliding_window=} must be None or an int >= 1")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"{soft_cap=} must be None or > 0")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"{sm_scale=} must be None or > 0")
+    return float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+
+
+def _block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
+                    cu_q_lens: jax.Array, num_seqs: jax.Array, page_size: int,
+                    block_q: int) -> tuple[jax.Array, int]:
+    """i32[4, NB]: per grid block (request, first token, end token, position offset).
+
+    NB = cdiv(T, block_q) + S bounds sum_s cdiv(q_len_s, block_q); unused blocks get an empty
+    token range and do no work.
+    """
+    t, s = q.shape[0], page_table.shape[0]
+    cu, kv, q_len = sanitize(cu_q_lens, kv_lens, num_seqs, t, page_table.shape[1] * page_size)
+    nb_per_seq = (q_len + block_q - 1) // block_q
+    ends = jnp.cumsum(nb_per_seq)
+    num_blocks = pl.cdiv(t, block_q) + s
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), s - 1).astype(jnp.int32)
+    within = b - (ends[seq] - nb_per_seq[seq])
+    q0 = cu[seq] + within * block_q
+    q1 = jnp.where(b < ends[-1], jnp.minimum(q0 + block_q, cu[seq + 1]), q0)
+    pos_off = kv[seq] - cu[seq + 1]  # absolute position = packed token index + pos_off
+    return jnp.stack([seq, q0, q1, pos_off]).astype(jnp.int32), num_blocks
+
+
+def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, _out_init_ref, out_ref, *,
+            group: int, block_q: int, pages_per_block: int, page_size: int, head_dim: int,
+            num_tokens: int, pool_tokens: int, scale: float, window: int | None,
+            soft_cap: float | None, has_sinks: bool) -> None:
+    b, h = pl.program_id(0), pl.program_id(1)
+    seq, q0, q1, pos_off = meta_ref[0, b], meta_ref[1, b], meta_ref[2, b], meta_ref[3, b]
+    gp = backend.next_power_of_2(group)
+    rows = lax.iota(jnp.int32, block_q * gp)
+    tok = q0 + rows // gp
+    g = rows % gp
+    row_ok = (tok < q1) & (g < group)
+    # Out-of-range sentinel for masked rows: dropped by interpret-mode scatters, never touched
+    # on GPU, and never aliasing a real row of this store.
+    tok_idx = jnp.where(row_ok, tok, num_tokens)
+    head = h * group + g
+    qpos = tok + pos_off
+    d = lax.iota(jnp.int32, head_dim)
+    q = backend.load(q_ref, (tok_idx[:, None], head[:, None], d[None, :]),
+                     mask=row_ok[:, None], other=0.0)
+
+    # Key range of the whole block: union over its rows of [qpos - W + 1, qpos].
+    lo = jnp.maximum(q0 + pos_off - window + 1, 0) if window is not None else jnp.int32(0)
+    hi = q1 + pos_off  # exclusive; <= kv_len
+    page_lo = lo // page_size
+    page_hi = (jnp.maximum(hi, 0) + page_size - 1) // page_size
+    n_iter = jnp.where(hi > lo, (page_hi - page_lo + pages_per_block - 1) // pages_per_block, 0)
+
+    block_k = pages_per_block * page_size
+    kk = lax.iota(jnp.int32, block_k)
+    qk_scale = scale if soft_cap is None else scale / soft_cap
+
+    def body(j, carry):
+        acc, m, denom = carry
+        kpos = (page_lo + j * pages_per_block) * page_size + kk
+        k_ok = (kpos >= lo) & (kpos < hi)
+        page = backend.load(pt_ref, (seq, kpos // page_size), mask=k_ok, other=0)
+        flat = jnp.where(k_ok, page * page_size + kpos % page_size, pool_tokens)
+        kv_idx = (flat[:, None], h, d[None, :])
+        k = backend.load(k_ref, kv_idx, mask=k_ok[:, None], other=0.0)
+        logits = backend.dot(q, k, trans_b=True) * qk_scale
+        if soft_cap is not None:
+            logits = jnp.tanh(logits) * soft_cap
+        logits = logits * _LOG2E
+        mask = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+        if window is not None:
+            mask = mask & (kpos[None, :] > qpos[:, None] - window)
+        logits = jnp.where(mask, logits, _MASK)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.where(mask, jnp.exp2(logits - m_new[:, None]), 0.0)
+        v = backend.load(v_ref, kv_idx, mask=k_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + backend.dot(p.astype(v.dtype), v)
+        return acc, m_new, denom * alpha + jnp.sum(p, axis=1)
+
+    n_rows = block_q * gp
+    acc = jnp.zeros((n_rows, head_dim), jnp.float32)
+    if has_sinks:
+        sink = backend.load(sinks_ref, (jnp.where(g < group, head, 0),), mask=g < group,
+                            other=0.0)
+        m0, l0 = sink.astype(jnp.float32) * _LOG2E, jnp.ones((n_rows,), jnp.float32)
+    else:
+        m0, l0 = jnp.full((n_rows,), _MASK, jnp.float32), jnp.zeros((n_rows,), jnp.float32)
+    acc, _, denom = lax.fori_loop(0, n_iter, body, (acc, m0, l0))
+    out = acc / jnp.where(denom > 0.0, denom, 1.0)[:, None]
+    backend.store(out_ref, (tok_idx[:, None], head[:, None], d[None, :]),
+                  out.astype(out_ref.dtype), mask=row_ok[:, None])
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
+                    num_seqs: jax.Array, *, sm_scale: float | None = None,
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    sinks: jax.Array | None = None, interpret: bool = False,
+                    config: PagedAttentionConfig | None = None) -> jax.Array:
+    """Ragged paged attention (Pallas GPU kernel; `interpret=True` runs it on CPU).
+
+    Args:
+      q: f[T, Hq, D] packed query tokens of all requests (float32 or bfloat16).
+      k_pages, v_pages: f[P, page_size, Hkv, D] page pools (same dtype as q); Hq % Hkv == 0.
+      page_table: i32[S, max_pages] page ids per request slot (0 = null page / hole).
+      kv_lens: i32[S] tokens in cache per request, including this step's query tokens.
+      cu_q_lens: i32[S+1] prefix sums of query tokens per request.
+      num_seqs: i32[1] live requests; rows >= num_seqs are padding.
+      sm_scale: logit scale, default 1/sqrt(D).
+      sliding_window: W >= 1: the query at position n sees keys [n-W+1, n]; None = full causal.
+      soft_cap: if set, logits become `cap * tanh(logits / cap)` (after scaling).
+      sinks: f[Hq] per-head sink logits (join the softmax denominator, contribute no value).
+      interpret: run the kernel with the Pallas interpreter (CPU tests).
+      config: tuning; None = `default_config(...)` for these static shapes.
+
+    Returns:
+      f[T, Hq, D] in q's dtype; padding tokens are zeros.
+    """
+    scale = _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
+                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                          sinks=sinks)
+    t, hq, d = q.shape
+    num_pages, page_size, hkv, _ = k_pages.shape
+    group = hq // hkv
+    cfg = config or default_config(t, page_table.shape[0], page_size, group)
+    _check_config(cfg, page_size, group, d)
+    if t == 0:
+        return jnp.zeros_like(q)
+    meta, num_blocks = _block_metadata(q, page_table, kv_lens, cu_q_lens, num_seqs, page_size,
+                                       cfg.block_q)
+    kernel = functools.partial(
+        _kernel, group=group, block_q=cfg.block_q, pages_per_block=cfg.pages_per_block,
+        page_size=page_size, head_dim=d, num_tokens=t, pool_tokens=num_pages * page_size,
+        scale=scale, window=sliding_window, soft_cap=soft_cap, has_sinks=sinks is not None)
+    sinks_arr = (sinks.astype(jnp.float32) if sinks is not None
+                 else jnp.zeros((hq,), jnp.float32))
+    call = backend.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(num_blocks, hkv),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
+        name=f"ragged_paged_attention_bq{cfg.block_q}_ppb{cfg.pages_per_block}",
+        input_output_aliases={6: 0})
+    # Flattened pools: token-granular row index page * page_size + offset (free reshape).
+    flat_shape = (num_pages * page_size, hkv, d)
+    return call(meta, page_table.astype(jnp.int32), q, k_pages.reshape(flat_shape),
+                v_pages.reshape(flat_shape), sinks_arr, jnp.zeros_like(q))
+
+
+def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                              page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
+                              num_seqs: jax.Array, *, sm_scale: float | None = None,
+                              sliding_window: int | None = None, soft_cap: float | None = None,
+                              sinks: jax.Array | None = None, interpret: bool = False,
+                              token_batch: int = 16) -> jax.Array:
+    """Pure-jnp twin of `paged_attention` (same arguments and result; `interpret` is ignored).
+
+    Each query token gathers its request's whole page row (float32 math) and masks everything
+    outside `[max(0, pos - W + 1), pos]` with `jnp.where` (logits AND values, since NaN * 0 =
+    NaN). Tokens are processed `token_batch` at a time (`lax.map`), so memory is
+    O(token_batch * max_pages * page_size * Hkv * D) rather than O(T * context).
+    """
+    del interpret
+    scale = _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
+                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                          sinks=sinks)
+    t, hq, d = q.shape
+    _, page_size, hkv, _ = k_pages.shape
+    group = hq // hkv
+    ctx = page_table.shape[1] * page_size
+    lay = token_layout(cu_q_lens, kv_lens, num_seqs, t, ctx)
+    kpos = jnp.arange(ctx, dtype=jnp.int32)
+    sink_logits = (None if sinks is None
+                   else sinks.astype(jnp.float32).reshape(hkv, group, 1))
+
+    def one(args: tuple[jax.Array, ...]) -> jax.Array:
+        q_t, seq, pos, valid = args
+        row = page_table[seq].astype(jnp.int32)
+        k = k_pages[row].reshape(ctx, hkv, d).astype(jnp.float32)
+        v = v_pages[row].reshape(ctx, hkv, d).astype(jnp.float32)
+        keep = valid & (kpos <= pos)
+        if sliding_window is not None:
+            keep = keep & (kpos > pos - sliding_window)
+        qg = q_t.astype(jnp.float32).reshape(hkv, group, d)
+        logits = jnp.einsum("hgd,lhd->hgl", qg, k, precision=lax.Precision.HIGHEST) * scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(keep, logits, -jnp.inf)
+        if sink_logits is not None:
+            logits = jnp.concatenate([logits, sink_logits], axis=-1)
+        m = jnp.max(logits, axis=-1, keepdims=True)
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        v = jnp.where(keep[:, None, None], v, 0.0)
+        o = jnp.einsum("hgl,lhd->hgd", p[..., :ctx], v, precision=lax.Precision.HIGHEST)
+        o = o / jnp.where(denom > 0, denom, 1.0)
+        return jnp.where(valid, o.reshape(hq, d), 0.0).astype(q.dtype)
+
+    if t == 0:
+        return jnp.zeros_like(q)
+    return lax.map(one, (q, lay.seq, lay.pos, lay.valid), batch_size=min(token_batch, t))
