@@ -2,6 +2,29 @@
 
 from __future__ import annotations
 
+from scheduler.block_pool import NULL_PAGE, BlockPool
+from scheduler.block_table import BlockTable
+from scheduler.coordinator import CacheCoordinator
+from scheduler.group_spec import (
+    PagedCacheGroupSpec,
+    compute_max_logical_pages_for_capture,
+    compute_paged_cache_group_page_counts,
+    group_specs_from_layer_types,
+    layer_group_indices,
+)
+from scheduler.manager_base import CacheGroupManager, FullHistoryManager
+from scheduler.sliding_window import SlidingWindowManager, StateManager
 from scheduler.step_ops import GroupLayout, GroupStepOps, StepOps
 
-__all__ = ["GroupLayout", "GroupStepOps", "StepOps"]
+__all__ = [
+    "NULL_PAGE", "BlockPool", "BlockTable", "CacheCoordinator", "CacheGroupManager",
+    "FullHistoryManager", "GroupLayout", "GroupStepOps", "PagedCacheGroupSpec",
+    "SlidingWindowManager", "StateManager", "StepOps", "compute_max_logical_pages_for_capture",
+    "compute_paged_cache_group_page_counts", "group_specs_from_layer_types", "layer_group_indices",
+]
+
+from scheduler.config import SchedulerConfig  # noqa: E402
+from scheduler.request import RequestOutput  # noqa: E402
+from scheduler.scheduler import Scheduler  # noqa: E402
+
+__all__ += ["RequestOutput", "Scheduler", "SchedulerConfig"]

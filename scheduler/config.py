@@ -1,0 +1,67 @@
+"""`SchedulerConfig`: every number that fixes the scheduler's policy and the StepOps shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scheduler.group_spec import PagedCacheGroupSpec
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """Scheduler settings. StepOps shapes depend only on these.
+
+    groups: cache groups (None = one full-history group of `page_size` tokens per page).
+    max_live_requests: device page-table mirror slots (requests holding pages at once);
+        None = max_batch_requests.
+    decode_reserve_tokens: decode tokens promised (and reserved) when a first chunk is admitted.
+    enable_adoption: repoint a just-computed page to an existing canonical copy and free it.
+    debug_checks: after every schedule/update run `check_invariants()` and the tail-only mirror
+        comparison (slow; for tests and debugging).
+    """
+
+    num_pages: int
+    page_size: int = 16
+    max_batch_requests: int = 64
+    max_scheduled_tokens: int = 2048
+    max_context_len: int = 8192
+    groups: list[PagedCacheGroupSpec] | None = None
+    enable_prefix_cache: bool = True
+    max_live_requests: int | None = None
+    decode_reserve_tokens: int = 1
+    enable_adoption: bool = True
+    debug_checks: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_batch_requests", "max_scheduled_tokens",
+                     "max_context_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if self.num_pages < 2:
+            raise ValueError(f"SchedulerConfig.num_pages must be >= 2 (page 0 is the null page), "
+                             f"got {self.num_pages}")
+        if self.max_live_requests is not None and self.max_live_requests <= 0:
+            raise ValueError(f"SchedulerConfig.max_live_requests must be positive, got "
+                             f"{self.max_live_requests}")
+        if self.decode_reserve_tokens < 0:
+            raise ValueError(f"SchedulerConfig.decode_reserve_tokens must be >= 0, got "
+                             f"{self.decode_reserve_tokens}")
+        if self.groups is None:
+            self.groups = [PagedCacheGroupSpec("full", "full_history", self.page_size, 1, None)]
+        elif not self.groups:
+            raise ValueError("SchedulerConfig.groups is empty")
+
+    @property
+    def num_live_slots(self) -> int:
+        return self.max_live_requests or self.max_batch_requests
+
+    def group_width(self, spec: PagedCacheGroupSpec) -> int:
+        return _ceil_div(self.max_context_len, spec.page_tokens)
+
+    def group_delta_width(self, spec: PagedCacheGroupSpec) -> int:
+        return min(self.group_width(spec), _ceil_div(self.max_scheduled_tokens, spec.page_tokens) + 1)

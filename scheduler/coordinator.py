@@ -1,0 +1,161 @@
+"""`CacheCoordinator`: all cache groups of one request over one shared pool (DESIGN.md §4-5)."""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+from scheduler.block_pool import NULL_PAGE, BlockPool
+from scheduler.block_table import BlockTable
+from scheduler.group_spec import PagedCacheGroupSpec
+from scheduler.manager_base import CacheGroupManager, FullHistoryManager
+from scheduler.sliding_window import SlidingWindowManager, StateManager
+
+
+class CacheCoordinator:
+    """Check-then-act growth, prefix match, publish/adopt and reclaim across groups."""
+
+    def __init__(self, specs: list[PagedCacheGroupSpec], pool: BlockPool) -> None:
+        if not specs:
+            raise ValueError("CacheCoordinator needs at least one group spec")
+        ids = [s.group_id for s in specs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate group ids in {ids}")
+        self.specs = list(specs)
+        self.pool = pool
+        sizes = [s.page_tokens for s in specs]
+        self.base = reduce(math.gcd, sizes)
+        self.lcm = reduce(math.lcm, sizes)
+        self.managers: list[CacheGroupManager] = [self._make_manager(s) for s in specs]
+        # base pages per group page: group page i is keyed by base hash (i+1)*k - 1
+        self._base_per_page = [b // self.base for b in sizes]
+
+    def _make_manager(self, spec: PagedCacheGroupSpec) -> CacheGroupManager:
+        b = spec.page_tokens
+        if spec.family == "state":
+            return StateManager(b)
+        if spec.retention == "full_history":
+            return FullHistoryManager(b)
+        return SlidingWindowManager(b, spec.sliding_window_tokens,
+                                    live_tail_alignment=self.lcm if spec.live_tail_alloc else 0)
+
+    # ------------------------------------------------------------------ growth
+    def new_tables(self) -> list[BlockTable]:
+        return [BlockTable() for _ in self.specs]
+
+    def blocks_needed_for(self, tables: list[BlockTable], num_tokens: int) -> int:
+        return sum(m.blocks_needed_for(t, num_tokens) for m, t in zip(self.managers, tables))
+
+    def blocks_needed_for_sequential(self, tables: list[BlockTable], first_tokens: int,
+                                     extra_tokens: int) -> int:
+        return sum(m.blocks_needed_for_sequential(t, first_tokens, extra_tokens)
+                   for m, t in zip(self.managers, tables))
+
+    def acquire(self, tables: list[BlockTable], num_tokens: int,
+                available: int | None = None) -> bool:
+        """Grow every group by `num_tokens`, or change nothing. `available` caps the pages this
+        call may take (default: all free pages), so reservations of others can be honoured."""
+        need = self.blocks_needed_for(tables, num_tokens)
+        limit = self.pool.num_free if available is None else min(available, self.pool.num_free)
+        if need > limit:
+            return False
+        for m, t in zip(self.managers, tables):
+            ok = m.acquire(self.pool, t, num_tokens)
+            assert ok, "coordinator demand mirror disagrees with a manager's acquire"
+        return True
+
+    def free(self, tables: list[BlockTable]) -> None:
+        for m, t in zip(self.managers, tables):
+            m.free(self.pool, t)
+
+    # ------------------------------------------------------------------ retention
+    def reclaim(self, tables: list[BlockTable], num_tokens: int) -> list[list[int]]:
+        """Reclaim slid-out slots at extent `num_tokens`; returns the new hole slots per group."""
+        return [m.reclaim_slots(self.pool, t, num_tokens) for m, t in zip(self.managers, tables)]
+
+    def blocks_reclaimable_at(self, tables: list[BlockTable], num_tokens: int) -> int:
+        return sum(m.blocks_reclaimable_at(t, num_tokens, pool=self.pool)
+                   for m, t in zip(self.managers, tables))
+
+    # ------------------------------------------------------------------ prefix cache
+    def _lookup(self, g: int, base_hashes: list[bytes]):
+        k = self._base_per_page[g]
+        pool = self.pool
+
+        def lookup(slot: int) -> int | None:
+            return pool.lookup((g, base_hashes[(slot + 1) * k - 1]))
+
+        return lookup
+
+    def match_prefix(self, base_hashes: list[bytes], limit_tokens: int) -> tuple[int, list[list[int]]]:
+        """Longest lcm-aligned boundary <= limit_tokens at which every group can resume, and the
+        per-group rows (holes = 0) to resume with. Nothing is claimed."""
+        limit = min(limit_tokens, len(base_hashes) * self.base)
+        limit -= limit % self.lcm
+        lookups = [self._lookup(g, base_hashes) for g in range(len(self.specs))]
+        max_slots = [len(base_hashes) // k for k in self._base_per_page]
+        while limit > 0:
+            rows = []
+            boundary = limit
+            for g, m in enumerate(self.managers):
+                got, row = m.match(lookups[g], max_slots[g], limit)
+                boundary = min(boundary, got)
+                rows.append(row)
+            if boundary == limit:
+                return limit, rows
+            limit = boundary - boundary % self.lcm
+        return 0, [[] for _ in self.specs]
+
+    def claim_prefix(self, tables: list[BlockTable], num_tokens: int, rows: list[list[int]]) -> None:
+        """Point fresh tables at matched rows and take a reference on every hit page."""
+        for m, t, row in zip(self.managers, tables, rows):
+            assert not t.pages, "claim_prefix needs fresh tables"
+            assert len(row) * m.block_size == num_tokens
+            self.pool.touch(row)
+            t.pages = list(row)
+            t.tail_avail = 0
+            t.num_published = len(row)
+            floor = 0
+            while floor < len(row) and row[floor] == NULL_PAGE:
+                floor += 1
+            t.reclaim_floor = floor
+
+    def prefix_pages_in_free_list(self, rows: list[list[int]]) -> int:
+        """Hit pages that claiming would pull out of the free list (they cost free pages)."""
+        return sum(1 for row in rows for p in set(row) if p != NULL_PAGE and self.pool.is_free(p))
+
+    def publish(self, tables: list[BlockTable], base_hashes: list[bytes], num_tokens: int,
+                adopt: bool = True, chunk_end: bool = True) -> list[int]:
+        """Register completed pages (computed tokens < num_tokens) under their hashes.
+
+        Holes and already-hashed pages are skipped. With `adopt`, a page whose hash already has a
+        canonical page is repointed to it and the private duplicate freed. State groups register
+        only the page ending exactly at a chunk end (`chunk_end` and page-aligned).
+        Returns, per group, the slots whose page id changed (adoption), for the mirror."""
+        pool = self.pool
+        changed: list[list[int]] = []
+        for g, (spec, t) in enumerate(zip(self.specs, tables)):
+            k = self._base_per_page[g]
+            b = spec.page_tokens
+            complete = min(num_tokens // b, len(base_hashes) // k, len(t.pages))
+            moved: list[int] = []
+            start = t.num_published
+            if spec.family == "state":
+                start = complete - 1 if chunk_end and num_tokens % b == 0 else complete
+                start = max(start, t.num_published)
+            for slot in range(start, complete):
+                page = t.pages[slot]
+                if page == NULL_PAGE or pool.key_of(page) is not None:
+                    continue
+                key = (g, base_hashes[(slot + 1) * k - 1])
+                canonical = pool.lookup(key)
+                if canonical is None or not adopt:
+                    pool.register(page, key)
+                elif canonical != page:
+                    pool.touch([canonical])
+                    t.pages[slot] = canonical
+                    pool.free([page])
+                    moved.append(slot)
+            t.num_published = max(t.num_published, complete)
+            changed.append(moved)
+        return changed

@@ -1,0 +1,86 @@
+"""Per-request host state and the finished-request output record."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from scheduler.block_table import BlockTable
+from scheduler.hashing import PrefixHasher
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # never admitted, or retracted and waiting to resume
+    RUNNING = "running"  # holds pages and a device slot
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What `Scheduler.update` returns for a finished request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids (a stop token, if any, is the last one)
+    finish_reason: str  # "length" | "stop" | "abort"
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_retractions: int = 0
+
+
+class Request:
+    """A request's host state. `tokens` = prompt + generated; `num_computed` of them have KV.
+
+    Each step schedules `tokens[num_computed : num_computed + n]`; the row samples iff that
+    reaches the end of `tokens`. A decode is simply n = 1 with one token pending. A retracted
+    request keeps `tokens` (its output folded in) and resumes with a fresh prefix match.
+    """
+
+    __slots__ = ("request_id", "prompt_len", "tokens", "max_new_tokens", "stop_token_ids",
+                 "temperature", "top_p", "top_k", "seed", "prompt_logprobs", "arrival",
+                 "hasher", "status", "tables", "slot", "num_computed", "reserved",
+                 "prefill_done", "num_decode_rows", "needs_refresh", "num_cached_tokens",
+                 "num_retractions", "finish_reason", "published_base_pages", "admitted_once")
+
+    def __init__(self, request_id: str, prompt: list[int], max_new_tokens: int, *,
+                 stop_token_ids: frozenset[int], temperature: float, top_p: float, top_k: int,
+                 seed: int, prompt_logprobs: bool, arrival: int, hash_base: int,
+                 cache_salt: bytes) -> None:
+        self.request_id = request_id
+        self.prompt_len = len(prompt)
+        self.tokens = list(prompt)
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = stop_token_ids
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.seed = seed
+        self.prompt_logprobs = prompt_logprobs
+        self.arrival = arrival
+        self.hasher = PrefixHasher(hash_base, cache_salt)
+        self.hasher.extend(self.tokens)
+        self.status = Status.WAITING
+        self.tables: list[BlockTable] | None = None
+        self.slot = -1
+        self.num_computed = 0
+        self.reserved = 0  # pages promised to this request's next acquire
+        self.prefill_done = False
+        self.num_decode_rows = 0
+        self.needs_refresh = True
+        self.num_cached_tokens = 0
+        self.num_retractions = 0
+        self.finish_reason: str | None = None
+        self.published_base_pages = 0
+        self.admitted_once = False
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.tokens[:self.prompt_len],
+                             self.tokens[self.prompt_len:], self.finish_reason or "abort",
+                             self.num_cached_tokens, self.num_retractions)

@@ -1,0 +1,368 @@
+"""`Scheduler`: request lifecycle, chunked prefill, prefix cache, retraction, StepOps (DESIGN §4-6).
+
+One step: `schedule()` decides every row (running requests first, in admission order, then
+waiting ones), applying per request the transition order publish -> reclaim -> acquire; the device
+runs the returned `StepOps`; `update(ops, sampled)` appends tokens, finishes requests and publishes
+completed pages (adopting canonical copies). Retraction victim policy: the most recently admitted
+running request (LIFO), so the oldest requests always make progress.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import numpy as np
+
+from scheduler.block_pool import BlockPool
+from scheduler.config import SchedulerConfig
+from scheduler.coordinator import CacheCoordinator
+from scheduler.ops_builder import OpsBuilder, ScheduledRow
+from scheduler.request import Request, RequestOutput, Status
+from scheduler.step_ops import StepOps
+from scheduler.tail_mirror import MirrorChecker
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.pool = BlockPool(config.num_pages)
+        self.coord = CacheCoordinator(config.groups, self.pool)
+        self._builder = OpsBuilder(config)
+        self.layouts = self._builder.layouts
+        self._requests: dict[str, Request] = {}
+        self._waiting: list[Request] = []  # retracted requests first, then arrival order
+        self._running: list[Request] = []  # admission order
+        self._free_slots = list(range(config.num_live_slots - 1, -1, -1))
+        self._arrival = itertools.count()
+        self._reserved_total = 0
+        self._num_groups = len(config.groups)
+        self._stats = {"num_retractions": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0,
+                       "adopted_pages": 0, "num_steps": 0, "num_aborted": 0,
+                       "num_full_refresh_rows": 0}
+        self._solo_limit = self._solo_peak_limit()
+        self.mirror_checker = MirrorChecker(self) if config.debug_checks else None
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], max_new_tokens: int,
+                    **options) -> None:
+        """Queue a request. Options: stop_token_ids, temperature (0 = greedy), top_p, top_k,
+        seed, prompt_logprobs (bool), cache_salt (str | bytes). Raises ValueError on bad input
+        (nothing changes then)."""
+        cfg = self.config
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        if min(prompt) < 0:
+            raise ValueError(f"request {request_id!r}: negative token id {min(prompt)}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_new_tokens must be an int >= 1, "
+                             f"got {max_new_tokens!r}")
+        total = len(prompt) + max_new_tokens
+        if total > cfg.max_context_len:
+            raise ValueError(f"request {request_id!r}: prompt ({len(prompt)}) + max_new_tokens "
+                             f"({max_new_tokens}) = {total} exceeds max_context_len "
+                             f"{cfg.max_context_len}")
+        need = self._solo_peak(total)
+        if need > self._solo_limit:
+            raise ValueError(f"request {request_id!r}: needs {need} cache pages even alone, the "
+                             f"pool has {self._solo_limit}")
+        unknown = set(options) - {"stop_token_ids", "temperature", "top_p", "top_k", "seed",
+                                  "prompt_logprobs", "cache_salt"}
+        if unknown:
+            raise ValueError(f"request {request_id!r}: unknown options {sorted(unknown)}")
+        temperature = float(options.get("temperature", 0.0))
+        top_p = float(options.get("top_p", 1.0))
+        top_k = int(options.get("top_k", -1))
+        if not temperature >= 0.0:
+            raise ValueError(f"request {request_id!r}: temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"request {request_id!r}: top_p must be in (0, 1], got {top_p}")
+        if top_k == 0 or top_k < -1:
+            raise ValueError(f"request {request_id!r}: top_k must be -1 or >= 1, got {top_k}")
+        seed = options.get("seed")
+        if seed is None:
+            seed = zlib.crc32(request_id.encode())
+        salt = options.get("cache_salt") or b""
+        if isinstance(salt, str):
+            salt = salt.encode()
+        req = Request(request_id, prompt, max_new_tokens,
+                      stop_token_ids=frozenset(int(t) for t in options.get("stop_token_ids", ())),
+                      temperature=temperature, top_p=top_p, top_k=top_k,
+                      seed=int(seed) & 0xFFFFFFFF,
+                      prompt_logprobs=bool(options.get("prompt_logprobs", False)),
+                      arrival=next(self._arrival), hash_base=self.coord.base, cache_salt=salt)
+        self._requests[request_id] = req
+        self._waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is; its pages come back at once. Unknown ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        if req.status is Status.RUNNING:
+            self._release(req)
+            self._running.remove(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = "abort"
+        self._stats["num_aborted"] += 1
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> StepOps:
+        cfg = self.config
+        budget = cfg.max_scheduled_tokens
+        rows: list[ScheduledRow] = []
+        max_rows = cfg.max_batch_requests
+        i = 0
+        while i < len(self._running) and len(rows) < max_rows and budget > 0:
+            req = self._running[i]
+            row = self._schedule_running(req, budget)
+            if row is None:  # req itself was retracted (it was the LIFO victim)
+                continue
+            rows.append(row)
+            budget -= row.num_tokens
+            i += 1
+        headroom = self._pending_decode_growth() if self._waiting else 0
+        while self._waiting and len(rows) < max_rows and budget > 0 and self._free_slots:
+            row = self._admit(self._waiting[0], budget, headroom)
+            if row is None:
+                break  # FCFS: the head waits for memory, nobody overtakes it
+            self._waiting.pop(0)
+            rows.append(row)
+            budget -= row.num_tokens
+        ops = self._builder.build(rows)
+        self._stats["num_steps"] += 1
+        self._stats["num_full_refresh_rows"] += int(ops.full_refresh.sum())
+        if self.mirror_checker is not None:
+            self.mirror_checker.apply(ops)
+            self.check_invariants()
+        return ops
+
+    def _schedule_running(self, req: Request, budget: int) -> ScheduledRow | None:
+        coord = self.coord
+        n = min(req.remaining, budget)
+        tables = req.tables
+        holes = coord.reclaim(tables, req.num_computed)
+        need = coord.blocks_needed_for(tables, n)
+        while need > self._available_for(req):
+            victim = self._running[-1]
+            self._retract(victim)
+            if victim is req:
+                return None
+        return self._acquire_row(req, n, holes)
+
+    def _available_for(self, req: Request) -> int:
+        return self.pool.num_free - (self._reserved_total - req.reserved)
+
+    def _acquire_row(self, req: Request, n: int, holes: list[list[int]]) -> ScheduledRow:
+        tables = req.tables
+        begins = [len(t.pages) for t in tables]
+        ok = self.coord.acquire(tables, n, available=self._available_for(req))
+        assert ok, "acquire failed after the availability check"
+        self._reserved_total -= req.reserved
+        req.reserved = 0
+        sizes = [len(t.pages) - b for t, b in zip(tables, begins)]
+        samples = n == req.remaining
+        if req.prefill_done:
+            refresh = req.needs_refresh or req.num_decode_rows == 0
+            req.num_decode_rows += 1
+        else:
+            refresh = True  # first or continuation prefill chunk
+            req.prefill_done = samples
+        if not refresh and any(len(h) > lay.delta_width for h, lay in zip(holes, self.layouts)):
+            refresh = True
+        req.needs_refresh = False
+        return ScheduledRow(req, req.num_computed, n, refresh, samples, begins, sizes, holes)
+
+    def _admit(self, req: Request, budget: int, headroom: int) -> ScheduledRow | None:
+        cfg, coord = self.config, self.coord
+        hit, hit_rows = 0, None
+        if cfg.enable_prefix_cache and not req.prompt_logprobs:
+            hit, hit_rows = coord.match_prefix(req.hasher.hashes, len(req.tokens) - 1)
+        tables = coord.new_tables()
+        if hit:
+            for t, row in zip(tables, hit_rows):
+                t.pages = list(row)  # shape only: demand math needs the table length
+        n = min(len(req.tokens) - hit, budget)
+        extra = cfg.decode_reserve_tokens if n == len(req.tokens) - hit else 0
+        chunk_need = coord.blocks_needed_for(tables, n)
+        reserve = coord.blocks_needed_for_sequential(tables, n, extra) - chunk_need
+        pulled = coord.prefix_pages_in_free_list(hit_rows) if hit else 0
+        if chunk_need + reserve + pulled + headroom > (
+                self.pool.num_free - self._reserved_total):
+            return None
+        if hit:
+            for t in tables:
+                t.pages = []
+            coord.claim_prefix(tables, hit, hit_rows)
+        req.tables = tables
+        req.num_computed = hit
+        req.slot = self._free_slots.pop()
+        req.status = Status.RUNNING
+        req.prefill_done = False
+        req.num_decode_rows = 0
+        req.published_base_pages = hit // coord.base
+        if not req.admitted_once:
+            req.admitted_once = True
+            req.num_cached_tokens = hit
+            self._stats["prefix_hit_tokens"] += hit
+            self._stats["prefix_query_tokens"] += req.prompt_len
+        req.reserved = 0
+        self._running.append(req)
+        row = self._acquire_row(req, n, [[] for _ in tables])
+        req.reserved = reserve
+        self._reserved_total += reserve
+        return row
+
+    def _pending_decode_growth(self) -> int:
+        """Pages running decoders will need next step if they sit at a page boundary: admission
+        keeps them free so a new request does not force a retraction one step later."""
+        coord = self.coord
+        return sum(coord.blocks_needed_for(r.tables, 1) for r in self._running
+                   if r.prefill_done and r.reserved == 0)
+
+    # ------------------------------------------------------------------ retraction / release
+    def _retract(self, req: Request) -> None:
+        self._release(req)
+        self._running.remove(req)
+        req.status = Status.WAITING
+        req.num_computed = 0
+        req.num_retractions += 1
+        self._stats["num_retractions"] += 1
+        # retracted requests resume before new arrivals, oldest first
+        pos = 0
+        while (pos < len(self._waiting) and self._waiting[pos].num_retractions > 0
+               and self._waiting[pos].arrival < req.arrival):
+            pos += 1
+        self._waiting.insert(pos, req)
+
+    def _release(self, req: Request) -> None:
+        self.coord.free(req.tables)
+        req.tables = None
+        self._free_slots.append(req.slot)
+        req.slot = -1
+        self._reserved_total -= req.reserved
+        req.reserved = 0
+        req.needs_refresh = True
+        req.prefill_done = False
+        req.num_decode_rows = 0
+
+    # ------------------------------------------------------------------ update
+    def update(self, ops: StepOps, sampled_token_ids: np.ndarray) -> list[RequestOutput]:
+        """Feed back one step: `sampled_token_ids` i32[max_batch_requests], entry i for row i.
+
+        Returns the requests that finished in this step."""
+        sampled = np.asarray(sampled_token_ids)
+        if sampled.shape[0] < ops.num_reqs:
+            raise ValueError(f"{sampled.shape=} has fewer entries than the step's {ops.num_reqs} rows")
+        finished: list[RequestOutput] = []
+        coord, base = self.coord, self.coord.base
+        adopt = self.config.enable_adoption
+        sample_mask = ops.sample_mask
+        qs = ops.query_start
+        done_any = False
+        for i, rid in enumerate(ops.request_ids):
+            req = self._requests.get(rid)
+            if req is None or req.status is not Status.RUNNING:
+                continue  # aborted (or retracted) while the step ran
+            req.num_computed += int(qs[i + 1] - qs[i])
+            if sample_mask[i]:
+                tok = int(sampled[i])
+                req.tokens.append(tok)
+                if tok in req.stop_token_ids:
+                    req.finish_reason = "stop"
+                elif (req.num_generated >= req.max_new_tokens
+                      or len(req.tokens) >= self.config.max_context_len):
+                    req.finish_reason = "length"
+            if req.num_computed // base > req.published_base_pages:
+                req.hasher.extend(req.tokens)
+                moved = coord.publish(req.tables, req.hasher.hashes, req.num_computed, adopt=adopt,
+                                      chunk_end=True)
+                req.published_base_pages = req.num_computed // base
+                if any(moved):
+                    req.needs_refresh = True
+                    self._stats["adopted_pages"] += sum(len(m) for m in moved)
+            if req.finish_reason is not None:
+                self._release(req)
+                req.status = Status.FINISHED
+                del self._requests[rid]
+                finished.append(req.output())
+                done_any = True
+        if done_any:
+            self._running = [r for r in self._running if r.status is Status.RUNNING]
+        if self.mirror_checker is not None:
+            self.check_invariants()
+        return finished
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        pool = self.pool
+        per_group = [0] * self._num_groups
+        for req in self._running:
+            for g, t in enumerate(req.tables):
+                per_group[g] += sum(1 for p in t.pages if p)
+        out = dict(self._stats)
+        out.update(free_pages=pool.num_free, total_pages=pool.num_pages - 1,
+                   used_pages=pool.num_used, reserved_pages=self._reserved_total,
+                   num_running=len(self._running), num_waiting=len(self._waiting),
+                   num_evictions=pool.num_evictions,
+                   group_pages={s.group_id: n for s, n in zip(self.config.groups, per_group)})
+        q = out["prefix_query_tokens"]
+        out["prefix_hit_rate"] = out["prefix_hit_tokens"] / q if q else 0.0
+        if self.mirror_checker is not None:
+            out["tail_only_divergences"] = self.mirror_checker.tail_only_divergences
+        return out
+
+    def authoritative_rows(self) -> dict[int, list[list[int]]]:
+        """slot -> per-group page rows of every running request (for checks and tests)."""
+        return {r.slot: [t.page_ids() for t in r.tables] for r in self._running}
+
+    def check_invariants(self) -> None:
+        """Pool/table consistency; raises AssertionError."""
+        refs: dict[int, int] = {}
+        slots = set()
+        reserved = 0
+        for req in self._running:
+            assert req.status is Status.RUNNING and req.tables is not None
+            assert req.slot not in slots, f"slot {req.slot} used twice"
+            slots.add(req.slot)
+            reserved += req.reserved
+            for t in req.tables:
+                for p in t.pages:
+                    if p:
+                        refs[p] = refs.get(p, 0) + 1
+        for req in self._waiting:
+            assert req.tables is None and req.slot == -1 and req.reserved == 0
+        assert reserved == self._reserved_total, "reservation bookkeeping drifted"
+        assert not slots & set(self._free_slots), "a live slot is also free"
+        assert len(slots) + len(self._free_slots) == self.config.num_live_slots
+        self.pool.check_invariants(refs)
+
+    # ------------------------------------------------------------------ sizing
+    def _solo_peak(self, total_tokens: int) -> int:
+        """Upper bound on pages one request of `total_tokens` pins at once (running alone)."""
+        s = self.config.max_scheduled_tokens
+        need = 0
+        for m, spec in zip(self.coord.managers, self.config.groups):
+            b = spec.page_tokens
+            full = -(-total_tokens // b)
+            if spec.retention == "full_history":
+                need += full
+            else:
+                need += min(full, m.resume_pages + -(-min(s, total_tokens) // b) + 2)
+        return need
+
+    def _solo_peak_limit(self) -> int:
+        return self.pool.num_pages - 1
