@@ -1,0 +1,84 @@
+"""`PagedBatch`: per-step device metadata the paged forward reads (built by the runner)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedBatch:
+    """Packed-token step metadata. T = token bucket, R = batch rows, g = cache group.
+
+    positions i32[T] absolute position of each token (0 on padding).
+    token_row i32[T] batch row of each token, clipped into [0, R) (use token_valid).
+    token_offset i32[T] index of the token inside its row's chunk (t - cu_q_lens[row]).
+    token_valid bool[T] False on padding tokens.
+    kv_lens i32[R]; cu_q_lens i32[R+1]; num_seqs i32[1] (kernel contract, SPEC.md).
+    page_tables[g] i32[R, W_g]: mirror rows of the batch (`mirror[g][req_slots]`).
+    write_idx[g] i32[T]: flat pool index `page * B_g + pos % B_g` of each token, or the
+      out-of-range `num_pages * B_g` (dropped) for padding and holes.
+    layer_groups (static): cache-group index of each layer.
+    """
+
+    positions: jax.Array
+    token_row: jax.Array
+    token_offset: jax.Array
+    token_valid: jax.Array
+    kv_lens: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+    page_tables: tuple[jax.Array, ...]
+    write_idx: tuple[jax.Array, ...]
+    layer_groups: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+def make_paged_batch(
+    mirrors: tuple[jax.Array, ...],
+    req_slots: jax.Array,
+    query_start: jax.Array,
+    kv_lens: jax.Array,
+    positions: jax.Array,
+    token_rows: jax.Array,
+    *,
+    block_sizes: tuple[int, ...],
+    num_pages: int,
+    layer_groups: tuple[int, ...],
+) -> PagedBatch:
+    """Derives the step metadata ON DEVICE from the (already updated) mirrors.
+
+    mirrors[g] i32[S, W_g]; req_slots i32[R] (-1 padding); query_start i32[R+1]; kv_lens i32[R];
+    positions, token_rows i32[T] (token_rows = R on padding). The write location of token t in
+    group g is `page = mirrors[g][slot, pos // B_g]` (architecture.md), so a stale mirror really
+    writes to the wrong page; holes (page 0), padding and columns past W_g drop their writes.
+    """
+    r = req_slots.shape[0]
+    t = jnp.arange(positions.shape[0], dtype=jnp.int32)
+    token_valid = (token_rows >= 0) & (token_rows < r)
+    row = jnp.clip(token_rows, 0, r - 1)
+    slot_ok = req_slots >= 0
+    tables, write_idx = [], []
+    for g, mirror in enumerate(mirrors):
+        num_slots, width = mirror.shape
+        b = block_sizes[g]
+        slots = jnp.clip(req_slots, 0, num_slots - 1)
+        tables.append(jnp.where(slot_ok[:, None], mirror[slots], 0))
+        col = positions // b
+        page = mirror[slots[row], jnp.minimum(col, width - 1)]
+        ok = token_valid & slot_ok[row] & (col < width) & (page != 0)
+        write_idx.append(jnp.where(ok, page * b + positions % b, num_pages * b))
+    return PagedBatch(
+        positions=positions,
+        token_row=row,
+        token_offset=t - query_start[row],
+        token_valid=token_valid,
+        kv_lens=jnp.where(slot_ok, kv_lens, 0),
+        cu_q_lens=query_start,
+        num_seqs=jnp.sum(slot_ok, dtype=jnp.int32)[None],
+        page_tables=tuple(tables),
+        write_idx=tuple(write_idx),
+        layer_groups=layer_groups,
+    )

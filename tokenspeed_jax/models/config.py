@@ -1,0 +1,80 @@
+"""`ModelConfig`: one frozen config for the generic decoder (Llama, Qwen3, Mistral, LFM2, GPT-OSS).
+
+Field names follow Hugging Face `config.json` where one exists, so a loader can build a
+`ModelConfig` mostly by copying keys. Features not implemented yet (MoE, rope scaling variants)
+have fields here and raise `NotImplementedError` where the model would need them, so a later
+loader fails loudly instead of computing something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+LAYER_TYPES = ("full_attention", "sliding_attention", "conv")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static description of a decoder-only model.
+
+    layer_types[i] is "full_attention", "sliding_attention" (window `sliding_window` tokens:
+    a query at position n reads [n - W + 1, n]) or "conv" (LFM2 short causal depthwise conv of
+    kernel `conv_L_cache`).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+    conv_L_cache: int = 3  # LFM2 name for the conv kernel size K
+    conv_bias: bool = False  # bias of in_proj / conv / out_proj in conv blocks (LFM2)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Any = dataclasses.field(default=None, compare=False, hash=False)
+    qk_norm: bool = False  # Qwen3 / LFM2: RMSNorm over head_dim on q and k before RoPE
+    attention_bias: bool = False  # bias on q/k/v projections (GPT-OSS, Qwen2)
+    o_proj_bias: bool = False  # bias on o_proj (GPT-OSS)
+    attention_sinks: bool = False  # GPT-OSS: learned per-head logit in the softmax denominator
+    attn_logit_softcapping: float | None = None
+    sm_scale: float | None = None  # None = head_dim ** -0.5
+    mlp_bias: bool = False
+    num_local_experts: int = 0  # MoE (GPT-OSS) -- extension point, not implemented yet
+    num_experts_per_tok: int = 0
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"  # activations and parameters
+    init_scale: float = 1.0  # weight init std multiplier (random models only)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            raise ValueError("layer_types is empty")
+        for i, t in enumerate(self.layer_types):
+            if t not in LAYER_TYPES:
+                raise ValueError(f"layer {i}: unknown layer type {t!r} (known: {LAYER_TYPES})")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+        if "conv" in self.layer_types and self.conv_L_cache < 1:
+            raise ValueError(f"conv_L_cache must be >= 1, got {self.conv_L_cache}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def scale(self) -> float:
+        return self.sm_scale if self.sm_scale is not None else self.head_dim**-0.5
+
+    def window_of(self, layer: int) -> int | None:
+        """Attention window of layer `layer` (None = full history); conv layers: None."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None

@@ -1,0 +1,77 @@
+"""LFM2-style short causal depthwise conv block, dense and paged.
+
+in_proj -> (B, C, x); u = B * x is the conv input; y = C * conv_K(u); out_proj(y).
+The paged form persists each token's u position-addressed in the conv group's pool
+(`conv_pages f[num_pages, B_g, C]`, live-tail sliding group with W = K) and reads the K-1 previous
+inputs of a token from the packed activations when they are in this step's chunk, else from the
+pool through the page table (DESIGN.md §7). Negative positions read zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tokenspeed_jax.models.batch import PagedBatch
+from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.models.layers import Linear
+
+
+class ShortConv(nnx.Module):
+    """Params: in_proj [H, 3H], conv_weight [K, H] (HF `conv.weight` [H, 1, K] transposed),
+    conv_bias [H] (if cfg.conv_bias), out_proj [H, H]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, k = cfg.hidden_size, cfg.conv_L_cache
+        self.in_proj = Linear(h, 3 * h, bias=cfg.conv_bias, cfg=cfg, rngs=rngs)
+        w = jax.random.normal(rngs.params(), (k, h), jnp.float32) * cfg.init_scale / k**0.5
+        self.conv_weight = nnx.Param(w.astype(cfg.dtype))
+        self.conv_bias = nnx.Param(jnp.zeros((h,), cfg.dtype)) if cfg.conv_bias else None
+        self.out_proj = Linear(h, h, bias=cfg.conv_bias, cfg=cfg, rngs=rngs)
+        self.kernel_size = k
+
+    def _gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        b, c, xx = jnp.split(self.in_proj(x), 3, axis=-1)
+        return b * xx, c
+
+    def _finish(self, taps: list[jax.Array], c: jax.Array) -> jax.Array:
+        """taps[j] f[T, H] = conv input j tokens back (j = 0 is the token itself)."""
+        w = self.conv_weight[...]
+        k = self.kernel_size
+        acc = sum(taps[j] * w[k - 1 - j] for j in range(k))  # torch conv1d is cross-correlation
+        if self.conv_bias is not None:
+            acc = acc + self.conv_bias[...]
+        return self.out_proj(c * acc)
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """Whole sequence x f[S, H] -> f[S, H] with a plain causal conv (test oracle)."""
+        u, c = self._gates(x)
+        s = u.shape[0]
+        padded = jnp.pad(u, ((self.kernel_size - 1, 0), (0, 0)))
+        taps = [
+            padded[self.kernel_size - 1 - j : self.kernel_size - 1 - j + s] for j in range(self.kernel_size)
+        ]
+        return self._finish(taps, c)
+
+    def paged(self, x: jax.Array, cache: dict, batch: PagedBatch, group: int) -> tuple[jax.Array, dict]:
+        """Packed tokens x f[T, H]; cache {"conv": f[P, B_g, H]} -> (f[T, H], new cache)."""
+        u, c = self._gates(x)
+        pool = cache["conv"]
+        num_pages, bs, h = pool.shape
+        flat = pool.reshape(num_pages * bs, h)
+        flat = flat.at[batch.write_idx[group]].set(u.astype(flat.dtype), mode="drop")
+        table = batch.page_tables[group]
+        wp = table.shape[1]
+        t = jnp.arange(u.shape[0], dtype=jnp.int32)
+        taps = [u]
+        for j in range(1, self.kernel_size):
+            q = batch.positions - j
+            in_chunk = batch.token_offset >= j
+            from_chunk = u[jnp.maximum(t - j, 0)]
+            qc = jnp.maximum(q, 0)
+            page = table[batch.token_row, jnp.minimum(qc // bs, wp - 1)]
+            from_pool = flat[page * bs + qc % bs].astype(u.dtype)
+            tap = jnp.where(in_chunk[:, None], from_chunk, from_pool)
+            taps.append(jnp.where((q >= 0)[:, None], tap, 0))
+        return self._finish(taps, c), {"conv": flat.reshape(num_pages, bs, h)}

@@ -1,0 +1,178 @@
+"""The generic decoder (Flax NNX): attention / conv token mixers, SwiGLU MLP, RMSNorm, RoPE.
+
+Parameter names follow Hugging Face Llama/Qwen3 (`embed_tokens`, `layers[i].self_attn.q_proj`,
+`input_layernorm`, `post_attention_layernorm`, `mlp.gate_proj`, `norm`, `lm_head`); conv layers
+use `layers[i].conv.{in_proj, conv_weight, out_proj}` (LFM2's `conv.conv.weight` transposed).
+
+Two forwards over the same parameters:
+* `__call__` (paged): packed tokens of many requests, K/V and conv inputs written into the page
+  pools at `batch.write_idx`, attention read through the page tables -> (hidden f[T, H], caches);
+* `dense`: one whole sequence with plain causal / sliding masks and a plain conv (test oracle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tokenspeed_jax.attention import dense_attention
+from tokenspeed_jax.models.batch import PagedBatch
+from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.models.conv import ShortConv
+from tokenspeed_jax.models.layers import Linear, RMSNorm, apply_rope, make_mlp, rope_inv_freq
+
+AttnFn = Callable[..., jax.Array]  # SPEC.md paged_attention signature
+
+
+class Attention(nnx.Module):
+    """GQA attention with optional qk-norm, qkv bias, sinks, soft-cap and sliding window."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        h, hq, hkv, d = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = Linear(h, hq * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
+        self.k_proj = Linear(h, hkv * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
+        self.v_proj = Linear(h, hkv * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
+        self.o_proj = Linear(hq * d, h, bias=cfg.o_proj_bias, cfg=cfg, rngs=rngs)
+        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
+        self.sinks = (
+            nnx.Param(jax.random.normal(rngs.params(), (hq,), jnp.float32).astype(cfg.dtype))
+            if cfg.attention_sinks
+            else None
+        )
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        self.sliding_window = cfg.window_of(layer)
+        self.soft_cap = cfg.attn_logit_softcapping
+        self.sm_scale = cfg.scale
+        self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # not a Param: never trained/loaded
+
+    def _qkv(self, x: jax.Array, positions: jax.Array):
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = self.inv_freq[...]
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def _kwargs(self) -> dict:
+        return dict(
+            sm_scale=self.sm_scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
+            sinks=None if self.sinks is None else self.sinks[...],
+        )
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        q, k, v = self._qkv(x, jnp.arange(x.shape[0], dtype=jnp.int32))
+        out = dense_attention(q, k, v, **self._kwargs())
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def paged(
+        self, x: jax.Array, cache: dict, batch: PagedBatch, group: int, attn_fn: AttnFn
+    ) -> tuple[jax.Array, dict]:
+        """x f[T, H]; cache {"k", "v": f[P, B_g, Hkv, D]} -> (f[T, H], new cache)."""
+        q, k, v = self._qkv(x, batch.positions)
+        idx = batch.write_idx[group]
+        new = {}
+        for name, val in (("k", k), ("v", v)):
+            pool = cache[name]
+            p, bs = pool.shape[:2]
+            flat = pool.reshape(p * bs, *pool.shape[2:])
+            new[name] = flat.at[idx].set(val.astype(pool.dtype), mode="drop").reshape(pool.shape)
+        out = attn_fn(
+            q,
+            new["k"],
+            new["v"],
+            batch.page_tables[group],
+            batch.kv_lens,
+            batch.cu_q_lens,
+            batch.num_seqs,
+            **self._kwargs(),
+        )
+        return self.o_proj(out.reshape(x.shape[0], -1)), new
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block.
+
+    h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h)).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.layer_type = cfg.layer_types[layer]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
+        if self.layer_type == "conv":
+            self.conv = ShortConv(cfg, rngs=rngs)
+        else:
+            self.self_attn = Attention(cfg, layer, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
+        self.mlp = make_mlp(cfg, rngs=rngs)
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        mixer = self.conv if self.layer_type == "conv" else self.self_attn
+        h = x + mixer.dense(self.input_layernorm(x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def paged(self, x, cache, batch: PagedBatch, group: int, attn_fn: AttnFn):
+        y = self.input_layernorm(x)
+        if self.layer_type == "conv":
+            y, cache = self.conv.paged(y, cache, batch, group)
+        else:
+            y, cache = self.self_attn.paged(y, cache, batch, group, attn_fn)
+        h = x + y
+        return h + self.mlp(self.post_attention_layernorm(h)), cache
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only LM. Params: embed_tokens f[V, H], layers, norm, lm_head (unless tied)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        emb = jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32)
+        self.embed_tokens = nnx.Param(emb.astype(cfg.dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(len(cfg.layer_types))])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
+        )
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final-normed hidden f[..., H] -> float32 logits f32[..., V]."""
+        if self.lm_head is None:
+            out = hidden @ self.embed_tokens[...].T
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+    def __call__(
+        self,
+        token_ids: jax.Array,
+        caches: tuple[dict, ...],
+        batch: PagedBatch,
+        attn_fn: AttnFn,
+    ) -> tuple[jax.Array, tuple[dict, ...]]:
+        """Paged forward of packed tokens i32[T] -> (final-normed hidden f[T, H], new caches)."""
+        x = self.embed_tokens[...][token_ids]
+        new_caches = []
+        for i, layer in enumerate(self.layers):
+            x, c = layer.paged(x, caches[i], batch, batch.layer_groups[i], attn_fn)
+            new_caches.append(c)
+        return self.norm(x), tuple(new_caches)
+
+    def dense(self, token_ids: jax.Array) -> jax.Array:
+        """One whole sequence i32[S] -> logits f32[S, V] (plain masks; test oracle)."""
+        x = self.embed_tokens[...][token_ids]
+        for layer in self.layers:
+            x = layer.dense(x)
+        return self.logits(self.norm(x))

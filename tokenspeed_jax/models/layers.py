@@ -1,0 +1,80 @@
+"""Small building blocks with Hugging Face style parameter names: Linear, RMSNorm, RoPE, MLP.
+
+Weights are stored `[in, out]` (JAX convention); an HF loader transposes `weight` `[out, in]`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tokenspeed_jax.models.config import ModelConfig
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> nnx.Param:
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias). kernel f[in, out]; bias f[out] or absent."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.kernel = _normal(rngs, (d_in, d_out), cfg.init_scale / d_in**0.5, cfg.dtype)
+        self.bias = nnx.Param(jnp.zeros((d_out,), cfg.dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight over the last axis; statistics in float32. weight f[dim]."""
+
+    def __init__(self, dim: int, *, eps: float, cfg: ModelConfig):
+        self.weight = nnx.Param(jnp.ones((dim,), cfg.dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """f32[head_dim // 2] inverse frequencies. Extension point for rope_scaling variants."""
+    if cfg.rope_scaling not in (None, {}) and cfg.rope_scaling.get("rope_type", "default") != ("default"):
+        raise NotImplementedError(f"rope_scaling {cfg.rope_scaling!r} is not implemented yet")
+    d = cfg.head_dim
+    return 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (Llama/Qwen/Mistral/LFM2/GPT-OSS layout). x f[T, H, D]; positions i32[T]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = jnp.cos(freqs)[:, None, :]
+    sin = jnp.sin(freqs)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = Linear(h, i, bias=b, cfg=cfg, rngs=rngs)
+        self.up_proj = Linear(h, i, bias=b, cfg=cfg, rngs=rngs)
+        self.down_proj = Linear(i, h, bias=b, cfg=cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def make_mlp(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+    """Feed-forward block factory: the extension point for MoE (GPT-OSS)."""
+    if cfg.num_local_experts > 0:
+        raise NotImplementedError("MoE feed-forward is not implemented yet")
+    return MLP(cfg, rngs=rngs)
