@@ -1,0 +1,51 @@
+"""Device state layout and pool sizing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tokenspeed_jax.models import tiny_random_config
+from tokenspeed_jax.state import (
+    CPU_POOL_BUDGET_BYTES,
+    bytes_per_page,
+    init_state,
+    pages_from_memory,
+)
+
+CFG = tiny_random_config()  # layers: full, conv, sliding, full
+LG = (0, 2, 1, 0)
+BS = (16, 16, 8)
+
+
+def test_init_state_shapes_and_null_page():
+    st = init_state(CFG, LG, BS, (5, 3, 7), num_pages=11, max_live_requests=4)
+    assert [m.shape for m in st.mirrors] == [(4, 5), (4, 3), (4, 7)]
+    assert st.caches[0]["k"].shape == (11, 16, 2, 16)
+    assert st.caches[1]["conv"].shape == (11, 8, 64)
+    assert st.caches[2]["v"].shape == (11, 16, 2, 16)
+    assert all(float(np.abs(np.asarray(a[0])).max()) == 0 for c in st.caches for a in c.values())
+    with pytest.raises(ValueError):
+        init_state(CFG, LG, BS, (5, 3, 7), num_pages=1, max_live_requests=4)
+
+
+def test_bytes_per_page():
+    kv = 16 * 2 * 16 * 4 * 2  # B * Hkv * D * f32 * (k, v)
+    assert bytes_per_page(CFG, LG, BS) == 3 * kv + 8 * 64 * 4
+
+
+class FakeDevice:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_pages_from_memory():
+    per = bytes_per_page(CFG, LG, BS)
+    dev = FakeDevice({"bytes_limit": 1000 * per, "bytes_in_use": 200 * per})
+    assert pages_from_memory(CFG, LG, BS, device=dev, memory_fraction=0.5) == 400
+    cpu = pages_from_memory(CFG, LG, BS, device=FakeDevice(None))
+    assert 2 <= cpu <= CPU_POOL_BUDGET_BYTES // per
+    assert pages_from_memory(CFG, LG, BS) >= 2  # the real (CPU) device

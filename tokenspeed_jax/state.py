@@ -1,0 +1,117 @@
+"""Device state: per-group page-table mirrors and per-layer page pools, plus pool sizing.
+
+`DeviceState` is a pytree updated functionally and donated to the jitted step:
+  mirrors[g]  i32[max_live_requests, W_g]           the scheduler rows of group g (0 = hole)
+  caches[l]   attention layer: {"k", "v": f[num_pages, B_g, Hkv, D]}
+              conv layer:      {"conv": f[num_pages, B_g, hidden]} (per-token conv input)
+Page id p means the same index in every layer of every group (one shared BlockPool). Page 0 is
+the null page: all zeros, and the write path never targets it (holes drop their writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokenspeed_jax.models.config import ModelConfig
+
+# CPU has no allocator statistics: pools get this budget (capped at a quarter of the free RAM).
+CPU_POOL_BUDGET_BYTES = 256 * 1024 * 1024
+GPU_MEMORY_FRACTION = 0.85  # of the free device memory (bytes_limit - bytes_in_use)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceState:
+    mirrors: tuple[jax.Array, ...]
+    caches: tuple[dict, ...]
+
+
+def layer_cache_shapes(
+    config: ModelConfig,
+    layer_groups: tuple[int, ...],
+    block_sizes: tuple[int, ...],
+    num_pages: int,
+) -> list[dict[str, tuple[int, ...]]]:
+    """Shape of each layer's pool arrays (see module docstring)."""
+    out = []
+    for layer, layer_type in enumerate(config.layer_types):
+        b = block_sizes[layer_groups[layer]]
+        if layer_type == "conv":
+            out.append({"conv": (num_pages, b, config.hidden_size)})
+        else:
+            shape = (num_pages, b, config.num_key_value_heads, config.head_dim)
+            out.append({"k": shape, "v": shape})
+    return out
+
+
+def bytes_per_page(config: ModelConfig, layer_groups: tuple[int, ...], block_sizes: tuple[int, ...]) -> int:
+    """Device bytes one page id costs summed over every layer's pool."""
+    itemsize = jnp.dtype(config.dtype).itemsize
+    shapes = layer_cache_shapes(config, layer_groups, block_sizes, 1)
+    return sum(int(np.prod(s)) * itemsize for c in shapes for s in c.values())
+
+
+def _free_device_bytes(device) -> int | None:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def _free_host_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return CPU_POOL_BUDGET_BYTES * 4
+
+
+def pages_from_memory(
+    config: ModelConfig,
+    layer_groups: tuple[int, ...],
+    block_sizes: tuple[int, ...],
+    *,
+    device=None,
+    memory_fraction: float = GPU_MEMORY_FRACTION,
+    max_pages: int = 1 << 20,
+) -> int:
+    """Number of page ids (null page included) that fit the device memory.
+
+    Accelerators: `memory_fraction` of `bytes_limit - bytes_in_use` from `device.memory_stats()`
+    (so call it after the weights are on the device). CPU (no memory stats): a fixed budget of
+    `CPU_POOL_BUDGET_BYTES`, capped at a quarter of the free host RAM. At least 2 (null + one).
+    """
+    device = device or jax.devices()[0]
+    per_page = bytes_per_page(config, layer_groups, block_sizes)
+    free = _free_device_bytes(device)
+    budget = (
+        int(free * memory_fraction)
+        if free is not None
+        else min(CPU_POOL_BUDGET_BYTES, _free_host_bytes() // 4)
+    )
+    return int(max(2, min(max_pages, budget // per_page)))
+
+
+def init_state(
+    config: ModelConfig,
+    layer_groups: tuple[int, ...],
+    block_sizes: tuple[int, ...],
+    widths: tuple[int, ...],
+    *,
+    num_pages: int,
+    max_live_requests: int,
+) -> DeviceState:
+    """All-zero mirrors (every column a hole) and all-zero pools (page 0 stays zero forever)."""
+    if num_pages < 2:
+        raise ValueError(f"num_pages must be >= 2 (null page + one), got {num_pages}")
+    dtype = jnp.dtype(config.dtype)
+    mirrors = tuple(jnp.zeros((max_live_requests, w), jnp.int32) for w in widths)
+    caches = tuple(
+        {k: jnp.zeros(s, dtype) for k, s in c.items()}
+        for c in layer_cache_shapes(config, layer_groups, block_sizes, num_pages)
+    )
+    return DeviceState(mirrors=mirrors, caches=caches)
