@@ -1,0 +1,288 @@
+"""Scheduler benchmark (issue 3): our `Scheduler` vs TokenSpeed's C++ scheduler, same run.
+
+Host microseconds per scheduler step, no model: sampled tokens are random ids from a seeded
+numpy RNG. One step is
+  ours:   schedule() (incl. building the fixed-shape StepOps) + update(ops, sampled)
+  theirs: next_execution_plan() + reading the plan as a runtime would (rows, lengths, token
+          ids, block_tables_arrays, pages to zero/copy) + building and feeding the
+          ExecutionEvent (one ExtendResult per row, Finish, cache-op acks) + advance()
+Workloads (page 16, token budget 8192, max batch >= requests, same pool size for both):
+  a  256 concurrent decodes, prompt 512, 256 out
+  b  1024 concurrent decodes, prompt 512, 256 out
+  c  256 requests sharing a 2048-token prefix (+64 own tokens), 128 out
+  d  memory pressure: 128 x (256 prompt + 512 out), pool ~42% of peak (retraction)
+  e  full + sliding(128) groups, 32 requests, prompt 128, 8192 out
+  ctx per-step cost vs context: 16 requests decoding at 4k vs at 128k context (same config)
+Both schedulers run each workload in alternating passes (ours, theirs, ours, ...); a
+workload's numbers come from its best pass (lowest median), so noise from other processes on
+the machine costs both alike.
+
+    python benchmarks/scheduler.py                 # full run (several minutes)
+    python benchmarks/scheduler.py --quick         # smoke run (scaled-down workloads)
+    python benchmarks/scheduler.py --only a,c --passes 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Run as a script, this file's folder is sys.path[0] and this file would shadow the `scheduler`
+# package: drop the folder, and load the peer driver beside it by path.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+if sys.modules.get("scheduler") is sys.modules.get("__main__"):
+    sys.modules.pop("scheduler", None)
+
+from scheduler import PagedCacheGroupSpec, Scheduler, SchedulerConfig  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("_peer_tokenspeed", _HERE / "_peer_tokenspeed.py")
+peer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(peer)
+
+PAGE = 16
+BUDGET = 8192
+VOCAB = 32000
+
+
+@dataclasses.dataclass
+class Workload:
+    key: str
+    desc: str
+    num_reqs: int
+    prompt: int  # own (random) prompt tokens per request
+    out: int  # generated tokens per request
+    num_pages: int  # pool size incl. the null page (same for both schedulers)
+    shared_prefix: int = 0  # identical leading tokens of every prompt
+    sliding_window: int | None = None  # adds a sliding group beside the full one
+    snapshot_images: int = 0  # TokenSpeed retraction images (0 = no snapshot pool)
+    max_context_len: int | None = None
+    measure_from_context: int = 0  # ctx: only steps whose rows all sit past this context count
+
+    @property
+    def context(self) -> int:
+        return self.shared_prefix + self.prompt + self.out
+
+    def prompts(self, seed: int) -> list[list[int]]:
+        rng = np.random.default_rng(seed)
+        shared = rng.integers(1, VOCAB, size=self.shared_prefix).tolist()
+        return [shared + rng.integers(1, VOCAB, size=self.prompt).tolist()
+                for _ in range(self.num_reqs)]
+
+
+def _peak_pages(n: int, tokens: int) -> int:
+    return n * -(-tokens // PAGE)
+
+
+def workloads(quick: bool) -> list[Workload]:
+    q = 4 if quick else 1  # --quick: fewer requests / shorter outputs
+    ws = [
+        Workload("a", "256 decodes, prompt 512, 256 out", 256 // q, 512, 256 // q, 12864 // q),
+        Workload("b", "1024 decodes, prompt 512, 256 out", 1024 // q, 512, 256 // q, 51264 // q),
+        Workload("c", "256 x (2048 shared + 64), 128 out", 256 // q, 64, 128 // q, 3776,
+                 shared_prefix=2048),
+        Workload("d", "128 x (256 + 512), pool ~42% of peak", 128 // q, 256, 512 // q,
+                 int(0.42 * _peak_pages(128 // q, 256 + 512 // q)) + 1, snapshot_images=64 // q),
+        Workload("e", "32 x full+swa(128), prompt 128, 8192 out", 32 // q, 128, 8192 // q,
+                 18368 // q, sliding_window=128),
+    ]
+    ctx_out = 64 if quick else 256
+    for ctx in (4096, 131072):
+        n = 4 if quick else 16
+        ws.append(Workload(f"ctx{ctx // 1024}k", f"{n} decodes at {ctx // 1024}k context",
+                           n, ctx - 16, ctx_out, _peak_pages(n, ctx + ctx_out) + n + 64,
+                           max_context_len=131072 + 1024, measure_from_context=ctx - 16))
+    return ws
+
+
+# ---------------------------------------------------------------------- runners
+class OursRunner:
+    def __init__(self, w: Workload) -> None:
+        groups = [PagedCacheGroupSpec("full", "full_history", PAGE, 1, None)]
+        if w.sliding_window:
+            groups.append(PagedCacheGroupSpec("swa", "sliding_window", PAGE, 1, w.sliding_window))
+        self.sched = Scheduler(SchedulerConfig(
+            num_pages=w.num_pages, page_size=PAGE, max_batch_requests=w.num_reqs,
+            max_scheduled_tokens=BUDGET, max_context_len=w.max_context_len or w.context,
+            groups=groups))
+        self.R = w.num_reqs
+        self.last_rows = 0
+        self.last_is_decode = False
+        self.min_context = 0
+
+    def add_requests(self, reqs: list[tuple[str, list[int], int]]) -> None:
+        for rid, prompt, max_new in reqs:
+            self.sched.add_request(rid, prompt, max_new)
+
+    def has_unfinished(self) -> bool:
+        return self.sched.has_unfinished()
+
+    def step(self, sampled: np.ndarray) -> None:
+        ops = self.sched.schedule()
+        self.sched.update(ops, sampled)
+        self.last_rows = ops.num_reqs
+        self.last_is_decode = ops.num_reqs > 0 and ops.num_tokens == ops.num_reqs
+        if ops.num_reqs:
+            self.min_context = int(ops.kv_lens[:ops.num_reqs].min())
+
+    def stats(self) -> dict:
+        s = self.sched.stats()
+        return {"retractions": s["num_retractions"], "prefix_hit_tokens": s["prefix_hit_tokens"]}
+
+
+class TheirsRunner(peer.TokenSpeedRunner):
+    def __init__(self, w: Workload) -> None:
+        snap_pages = w.snapshot_images * -(-w.context // PAGE) * (2 if w.sliding_window else 1)
+        super().__init__(num_pages=w.num_pages, page_size=PAGE, max_batch=w.num_reqs,
+                         max_tokens=BUDGET, sliding_window=w.sliding_window,
+                         snapshot_images=w.snapshot_images, snapshot_pages=snap_pages)
+        self.min_context = 0
+        self._ctx_steps = 0
+
+    def step(self, sampled: np.ndarray) -> None:
+        super().step(sampled.tolist())
+
+    def stats(self) -> dict:
+        return {"retractions": self.num_snapshots, "aborted": self.num_aborted,
+                "prefix_hit_tokens": self.prefix_hit_tokens}
+
+
+# ---------------------------------------------------------------------- timing
+@dataclasses.dataclass
+class PassResult:
+    step_us: np.ndarray
+    decode_mask: np.ndarray
+    rows: np.ndarray
+    total_s: float
+    stats: dict
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.step_us))
+
+
+def run_pass(kind: str, w: Workload, seed: int, max_steps: int) -> PassResult:
+    runner = OursRunner(w) if kind == "ours" else TheirsRunner(w)
+    prompts = w.prompts(seed)
+    runner.add_requests([(f"r{i:05d}", p, w.out) for i, p in enumerate(prompts)])
+    rng = np.random.default_rng(seed + 1)
+    times, decode, rows = [], [], []
+    measured = []
+    gc.collect()
+    perf = time.perf_counter
+    t_start = perf()
+    steps = 0
+    while runner.has_unfinished() and steps < max_steps:
+        sampled = rng.integers(1, VOCAB, size=w.num_reqs, dtype=np.int32)
+        t0 = perf()
+        runner.step(sampled)
+        times.append(perf() - t0)
+        decode.append(runner.last_is_decode)
+        rows.append(runner.last_rows)
+        steps += 1
+        if w.measure_from_context:
+            measured.append(kind != "ours" or runner.min_context > w.measure_from_context)
+    total = perf() - t_start
+    if runner.has_unfinished():
+        raise RuntimeError(f"{kind} did not finish workload {w.key} in {max_steps} steps")
+    us = np.asarray(times) * 1e6
+    dmask = np.asarray(decode, bool)
+    rows_a = np.asarray(rows)
+    if w.measure_from_context:
+        # context test: decode steps only (prefill steps are excluded by the decode mask)
+        keep = np.asarray(measured, bool) & dmask
+        us, dmask, rows_a = us[keep], dmask[keep], rows_a[keep]
+    return PassResult(us, dmask, rows_a, total, runner.stats())
+
+
+def fmt(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="scaled-down smoke run")
+    ap.add_argument("--passes", type=int, default=None, help="passes per scheduler (best is kept)")
+    ap.add_argument("--only", default=None, help="comma-separated workload keys (a,b,c,d,e,ctx4k,ctx128k)")
+    ap.add_argument("--no-peer", action="store_true", help="run ours only")
+    args = ap.parse_args()
+    passes = args.passes or (1 if args.quick else 3)
+    ws = workloads(args.quick)
+    if args.only:
+        keys = set(args.only.split(","))
+        ws = [w for w in ws if w.key in keys]
+    with_peer = peer.available() and not args.no_peer
+    kinds = ["ours", "theirs"] if with_peer else ["ours"]
+
+    results: dict[tuple[str, str], PassResult] = {}
+    for w in ws:
+        for p in range(passes):
+            for kind in (kinds if p % 2 == 0 else kinds[::-1]):
+                r = run_pass(kind, w, seed=0, max_steps=200_000)
+                best = results.get((w.key, kind))
+                if best is None or r.median < best.median:
+                    results[(w.key, kind)] = r
+                print(f"  {w.key:8s} {kind:6s} pass {p}: {len(r.step_us)} steps, median "
+                      f"{r.median:.0f} us, total {r.total_s:.2f} s", file=sys.stderr, flush=True)
+
+    print(f"# scheduler host cost per step: ours vs TokenSpeed "
+          f"{'tokenspeed-scheduler ' + peer.version() if with_peer else '(not installed)'}; "
+          f"best of {passes} pass(es){' (--quick)' if args.quick else ''}")
+    print(f"# python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}")
+    print()
+    print("| workload | steps ours/theirs | median us ours | median us theirs | ratio | "
+          "p90 ours | p90 theirs | decode median ours | decode median theirs | decode ratio | "
+          "total s ours/theirs | notes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for w in ws:
+        o = results[(w.key, "ours")]
+        t = results.get((w.key, "theirs"))
+
+        def dmed(r: PassResult) -> float:
+            return float(np.median(r.step_us[r.decode_mask])) if r.decode_mask.any() else float("nan")
+
+        notes = []
+        if o.stats.get("retractions"):
+            notes.append(f"ours {o.stats['retractions']} retractions")
+        if t and t.stats.get("retractions"):
+            notes.append(f"theirs {t.stats['retractions']} snapshots")
+        if t and t.stats.get("aborted"):
+            notes.append(f"theirs {t.stats['aborted']} aborted")
+        if w.shared_prefix:
+            prompt_tokens = w.num_reqs * (w.shared_prefix + w.prompt)
+            notes.append(f"prompt hit ours {o.stats['prefix_hit_tokens'] / prompt_tokens:.1%}")
+            if t:
+                notes.append(f"theirs {t.stats['prefix_hit_tokens'] / prompt_tokens:.1%}")
+        if w.key.startswith("d"):
+            notes.append(f"median rows ours {np.median(o.rows):.0f}"
+                         + (f" theirs {np.median(t.rows):.0f}" if t else ""))
+        if t is None:
+            print(f"| {w.key}: {w.desc} | {len(o.step_us)} | {fmt(o.median)} | - | - | "
+                  f"{fmt(np.percentile(o.step_us, 90))} | - | {fmt(dmed(o))} | - | - | "
+                  f"{o.total_s:.2f} | {'; '.join(notes)} |")
+            continue
+        print(f"| {w.key}: {w.desc} | {len(o.step_us)}/{len(t.step_us)} | {fmt(o.median)} | "
+              f"{fmt(t.median)} | {o.median / t.median:.2f} | "
+              f"{fmt(np.percentile(o.step_us, 90))} | {fmt(np.percentile(t.step_us, 90))} | "
+              f"{fmt(dmed(o))} | {fmt(dmed(t))} | {dmed(o) / dmed(t):.2f} | "
+              f"{o.total_s:.2f}/{t.total_s:.2f} | {'; '.join(notes)} |")
+    ctx = [k for k in ("ctx4k", "ctx128k") if (k, "ours") in results]
+    if len(ctx) == 2:
+        print()
+        for kind in kinds:
+            a, b = (results[(k, kind)].median for k in ctx)
+            extra = " (target <= 1.2)" if kind == "ours" else ""
+            print(f"{kind}: decode step at 128k / at 4k context = {fmt(b)} / {fmt(a)} us = "
+                  f"{b / a:.2f}{extra}")
+
+
+if __name__ == "__main__":
+    main()
