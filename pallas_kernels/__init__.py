@@ -6,10 +6,20 @@ from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
 )
+from pallas_kernels.short_conv import (
+    ShortConvConfig,
+    conv_write_indices,
+    short_conv,
+    short_conv_reference,
+)
 
 __all__ = [
     "PagedAttentionConfig",
+    "ShortConvConfig",
+    "conv_write_indices",
     "default_config",
     "paged_attention",
     "paged_attention_reference",
+    "short_conv",
+    "short_conv_reference",
 ]

@@ -80,11 +80,15 @@ def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: in
                                 num_warps=4 if rows <= 16 else 8)
 
 
-def _check_config(cfg: PagedAttentionConfig, page_size: int, group: int, head_dim: int) -> None:
+def _check_kernel_shapes(page_size: int, head_dim: int) -> None:
+    """Triton tiles must be powers of two (the jnp reference has no such limit)."""
     if not backend.is_power_of_2(page_size):
         raise ValueError(f"page_size={page_size} must be a power of two for the Pallas kernel")
     if not backend.is_power_of_2(head_dim) or head_dim < 16:
         raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the Pallas kernel")
+
+
+def _check_config(cfg: PagedAttentionConfig, page_size: int, group: int) -> None:
     if cfg.pages_per_block * page_size < 16:
         raise ValueError(f"{cfg.pages_per_block=} * {page_size=} must be >= 16 tokens")
     if cfg.block_q * backend.next_power_of_2(group) < 16:
@@ -251,8 +255,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     t, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_pages.shape
     group = hq // hkv
+    _check_kernel_shapes(page_size, d)
     cfg = config or default_config(t, page_table.shape[0], page_size, group)
-    _check_config(cfg, page_size, group, d)
+    _check_config(cfg, page_size, group)
     if t == 0:
         return jnp.zeros_like(q)
     meta, num_blocks = _block_metadata(q, page_table, kv_lens, cu_q_lens, num_seqs, page_size,
