@@ -1,0 +1,162 @@
+"""`LLM`: the offline batched-generation API (SPEC.md)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Sequence
+
+from scheduler import SchedulerConfig
+from tokenspeed_jax.engine import Engine
+from tokenspeed_jax.outputs import CompletionOutput
+from tokenspeed_jax.sampling_params import SamplingParams
+
+DEFAULT_TINY_CONTEXT = 2048
+DEFAULT_HF_CONTEXT = 8192
+
+
+def _load(model: str, dtype: str, seed: int):
+    """(model config, nnx model, tokenizer) for a built-in name or a local HF checkpoint dir."""
+    from tokenspeed_jax.models import registry
+
+    if model in registry.BUILTIN_MODELS:
+        from tokenspeed_jax.tokenizer import ByteTokenizer
+
+        cfg, net = registry.load_builtin(model, seed=seed, dtype=dtype)
+        return cfg, net, ByteTokenizer()
+    if os.path.isdir(model):
+        try:
+            from tokenspeed_jax.hf import load_checkpoint
+        except ImportError as e:  # pragma: no cover - until the HF loader lands
+            raise ValueError(f"cannot load checkpoint directory {model!r}: {e}") from e
+        return load_checkpoint(model, dtype=dtype)
+    raise ValueError(f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS} or a "
+                     f"local Hugging Face checkpoint directory (config.json + *.safetensors)")
+
+
+class LLM:
+    """Load a model and serve batched `generate` calls with continuous batching inside.
+
+    model: "tiny-random" (built in, no download) or a local Hugging Face checkpoint directory.
+    num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory).
+    More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
+    honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments).
+    """
+
+    def __init__(self, model: str = "tiny-random", *, page_size: int = 16,
+                 num_pages: int | None = None, max_batch_requests: int = 64,
+                 max_scheduled_tokens: int = 2048, max_context_len: int | None = None,
+                 enable_prefix_cache: bool = True, dtype: str = "float32",
+                 attention_backend: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1, **more_options) -> None:
+        import jax
+
+        if tensor_parallel_size < 1 or data_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+        if tensor_parallel_size * data_parallel_size > len(jax.devices()):
+            raise ValueError(f"tensor_parallel_size * data_parallel_size = "
+                             f"{tensor_parallel_size * data_parallel_size} exceeds the "
+                             f"{len(jax.devices())} available device(s)")
+        if tensor_parallel_size != 1 or data_parallel_size != 1:
+            raise NotImplementedError("multi-device serving is not implemented yet")
+        known = {"conv_page_size", "enable_adoption", "max_live_requests", "debug_checks",
+                 "honor_full_refresh", "decode_reserve_tokens"}
+        unknown = set(more_options) - known
+        if unknown:
+            raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
+        if attention_backend not in ("auto", "pallas", "reference"):
+            raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
+                             f"{attention_backend!r}")
+        from tokenspeed_jax.models.registry import cache_group_specs, layer_groups
+        from tokenspeed_jax.runner import ModelRunner
+
+        self.model_config, net, self.tokenizer = _load(model, dtype, seed)
+        if max_context_len is None:
+            limit = getattr(self.model_config, "max_position_embeddings", None)
+            default = DEFAULT_TINY_CONTEXT if model == "tiny-random" else DEFAULT_HF_CONTEXT
+            max_context_len = min(limit, default) if limit else default
+        specs = cache_group_specs(self.model_config, page_size=page_size,
+                                  conv_page_size=more_options.get("conv_page_size", 8))
+        groups = layer_groups(self.model_config, specs)
+        block_sizes = tuple(s.page_tokens for s in specs)
+        if num_pages is None:
+            from tokenspeed_jax.state import pages_from_memory
+
+            num_pages = pages_from_memory(self.model_config, groups, block_sizes)
+        sched_cfg = SchedulerConfig(
+            num_pages=num_pages, page_size=page_size, max_batch_requests=max_batch_requests,
+            max_scheduled_tokens=max_scheduled_tokens, max_context_len=max_context_len,
+            groups=specs, enable_prefix_cache=enable_prefix_cache,
+            max_live_requests=more_options.get("max_live_requests"),
+            enable_adoption=more_options.get("enable_adoption", True),
+            decode_reserve_tokens=more_options.get("decode_reserve_tokens", 1),
+            debug_checks=more_options.get("debug_checks", False))
+        runner = ModelRunner(self.model_config, net, sched_cfg, layer_groups=groups,
+                             backend=attention_backend,
+                             honor_full_refresh=more_options.get("honor_full_refresh", True))
+        eos = self.model_config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        self.engine = Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
+                             eos_token_ids=eos_ids, tokenizer=self.tokenizer)
+        self._gen_ids = itertools.count()
+
+    # ------------------------------------------------------------------ API
+    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str] | str,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False) -> list[CompletionOutput]:
+        """Generate for every prompt; returns outputs in prompt order.
+
+        prompts: token-id lists or strings (tokenized with the model's tokenizer). Invalid
+        prompts or params raise ValueError before anything is queued."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        token_prompts = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else p
+            try:
+                token_prompts.append(self.engine.validate(ids, sp))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        rids = []
+        try:
+            for ids, sp in zip(token_prompts, params):
+                rids.append(self.engine.add_request(ids, sp, f"gen-{next(self._gen_ids)}"))
+            results = self._run(set(rids), use_tqdm)
+        except BaseException:
+            for rid in rids:  # nothing of this call survives an interruption
+                self.engine.abort(rid)
+            raise
+        return [results[r] for r in rids]
+
+    def _run(self, pending: set[str], use_tqdm: bool) -> dict[str, CompletionOutput]:
+        results: dict[str, CompletionOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(pending), desc="generate", unit="req")
+        while pending:
+            for out in self.engine.step():
+                if out.request_id in pending:
+                    pending.discard(out.request_id)
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return results
+
+    def stats(self) -> dict:
+        """Scheduler + engine counters: free/total pages, prefix_hit_rate, retractions, ..."""
+        out = self.engine.stats()
+        if not math.isfinite(out.get("prefix_hit_rate", 0.0)):
+            out["prefix_hit_rate"] = 0.0
+        return out
