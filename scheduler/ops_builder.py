@@ -11,7 +11,7 @@ from scheduler.request import Request
 from scheduler.step_ops import GroupLayout, GroupStepOps, StepOps
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledRow:
     """One request's share of a step, as decided by the scheduler."""
 
@@ -23,6 +23,9 @@ class ScheduledRow:
     begins: list[int]  # per group: first new slot (tail delta)
     sizes: list[int]  # per group: new slots appended this step
     holes: list[list[int]]  # per group: slots reclaimed into holes this step
+    # True only when the row has no full refresh, no new page and no hole in any group (a plain
+    # decode): the builder then skips its per-group work. False is always safe.
+    plain: bool = False
 
 
 class OpsBuilder:
@@ -33,10 +36,17 @@ class OpsBuilder:
             GroupLayout(spec.group_id, spec.page_tokens, config.group_width(spec),
                         config.group_delta_width(spec))
             for spec in config.groups)
+        self._row_index = np.arange(self.R, dtype=np.int32)
 
     def build(self, rows: list[ScheduledRow]) -> StepOps:
+        """Column-wise: one list per field, one numpy assignment per field (O(batch + new
+        pages) for a decode step; full rows only for refreshed requests)."""
         R, T = self.R, self.T
         i32 = np.int32
+        n = len(rows)
+        reqs = [r.req for r in rows]
+        lens = [r.num_tokens for r in rows]
+        starts = [r.start for r in rows]
         req_slots = np.full(R, -1, i32)
         full_refresh = np.zeros(R, bool)
         kv_lens = np.zeros(R, i32)
@@ -50,35 +60,51 @@ class OpsBuilder:
         positions = np.zeros(T, i32)
         token_rows = np.full(T, R, i32)
         prompt_targets = np.full(T, -1, i32)
-        starts = [0] * (R + 1)
+        query_start = np.zeros(R + 1, i32)
         groups = [self._empty_group(lay) for lay in self.layouts]
-        q = 0
-        for i, row in enumerate(rows):
-            req, n, s = row.req, row.num_tokens, row.start
-            starts[i] = q
-            req_slots[i] = req.slot
-            full_refresh[i] = row.full_refresh
-            kv_lens[i] = s + n
-            sample_mask[i] = row.samples
-            temperature[i] = req.temperature
-            top_p[i] = req.top_p
-            top_k[i] = req.top_k
-            seeds[i] = req.seed
-            sample_index[i] = req.num_generated
-            if n == 1:
-                token_ids[q] = req.tokens[s]
-                positions[q] = s
+        q = sum(lens)
+        if n:
+            req_slots[:n] = [r.slot for r in reqs]
+            full_refresh[:n] = [r.full_refresh for r in rows]
+            kv_lens[:n] = [s + k for s, k in zip(starts, lens)]
+            sample_mask[:n] = [r.samples for r in rows]
+            temperature[:n] = [r.temperature for r in reqs]
+            top_p[:n] = [r.top_p for r in reqs]
+            top_k[:n] = [r.top_k for r in reqs]
+            seeds[:n] = [r.seed for r in reqs]
+            sample_index[:n] = [len(r.tokens) - r.prompt_len for r in reqs]
+            np.cumsum(lens, out=query_start[1:n + 1])
+            query_start[n + 1:] = q
+            if q == n:  # every row has one token (decodes)
+                token_ids[:n] = [r.tokens[s] for r, s in zip(reqs, starts)]
+                positions[:n] = starts
+                token_rows[:n] = self._row_index[:n]
             else:
-                token_ids[q:q + n] = req.tokens[s:s + n]
-                positions[q:q + n] = np.arange(s, s + n, dtype=i32)
-            token_rows[q:q + n] = i
-            if req.prompt_logprobs and s < req.prompt_len - 1:
-                stop = min(s + n, req.prompt_len - 1)
-                prompt_targets[q:q + stop - s] = req.tokens[s + 1:stop + 1]
-            q += n
-            for g, arrays in enumerate(groups):
-                begins, sizes, new_pages, full_rows, row_lens, hole_slots = arrays
-                pages = req.tables[g].pages
+                qs = query_start[:n]
+                token_rows[:q] = np.repeat(self._row_index[:n], lens)
+                positions[:q] = np.arange(q, dtype=i32) - np.repeat(qs - np.asarray(starts, i32),
+                                                                   lens)
+                off = 0
+                for req, s, k in zip(reqs, starts, lens):
+                    if k == 1:
+                        token_ids[off] = req.tokens[s]
+                    else:
+                        token_ids[off:off + k] = req.tokens[s:s + k]
+                    off += k
+            off = 0
+            for req, s, k in zip(reqs, starts, lens) if any(r.prompt_logprobs for r in reqs) else ():
+                if req.prompt_logprobs and s < req.prompt_len - 1:
+                    stop = min(s + k, req.prompt_len - 1)
+                    prompt_targets[off:off + stop - s] = req.tokens[s + 1:stop + 1]
+                off += k
+        busy = [i for i, r in enumerate(rows) if not r.plain]
+        for g, arrays in enumerate(groups):
+            begins, sizes, new_pages, full_rows, row_lens, hole_slots = arrays
+            if n:
+                begins[:n] = [r.begins[g] for r in rows]
+            for i in busy:
+                row = rows[i]
+                pages = row.req.tables[g].pages
                 if row.full_refresh:
                     full_rows[i, :len(pages)] = pages
                     row_lens[i] = len(pages)
@@ -86,20 +112,19 @@ class OpsBuilder:
                     holes = row.holes[g]
                     if holes:
                         hole_slots[i, :len(holes)] = holes
-                b, k = row.begins[g], row.sizes[g]
-                begins[i] = b
-                sizes[i] = k
-                if k == 1:
-                    new_pages[i, 0] = pages[b]
-                elif k:
-                    new_pages[i, :k] = pages[b:b + k]
-        num_reqs = len(rows)
-        starts[num_reqs:] = [q] * (R + 1 - num_reqs)
+                k = row.sizes[g]
+                if k:
+                    b = row.begins[g]
+                    sizes[i] = k
+                    if k == 1:
+                        new_pages[i, 0] = pages[b]
+                    else:
+                        new_pages[i, :k] = pages[b:b + k]
         return StepOps(
-            num_reqs=num_reqs, num_tokens=q,
-            request_ids=tuple(r.req.request_id for r in rows),
+            num_reqs=n, num_tokens=q,
+            request_ids=tuple(r.request_id for r in reqs),
             req_slots=req_slots, full_refresh=full_refresh,
-            query_start=np.asarray(starts, i32), kv_lens=kv_lens, sample_mask=sample_mask,
+            query_start=query_start, kv_lens=kv_lens, sample_mask=sample_mask,
             token_ids=token_ids, positions=positions, token_rows=token_rows,
             prompt_targets=prompt_targets, temperature=temperature, top_p=top_p, top_k=top_k,
             seeds=seeds, sample_index=sample_index,
