@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from scheduler.group_spec import PagedCacheGroupSpec
+from scheduler.step_ops import GroupLayout
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -65,3 +66,8 @@ class SchedulerConfig:
 
     def group_delta_width(self, spec: PagedCacheGroupSpec) -> int:
         return min(self.group_width(spec), _ceil_div(self.max_scheduled_tokens, spec.page_tokens) + 1)
+
+    def group_layouts(self) -> tuple[GroupLayout, ...]:
+        """Static shape facts (block size, mirror width, delta width) of every group."""
+        return tuple(GroupLayout(spec.group_id, spec.page_tokens, self.group_width(spec),
+                                 self.group_delta_width(spec)) for spec in self.groups)

@@ -8,17 +8,13 @@ finished scheduler outputs into `CompletionOutput`s. One engine = one model + on
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 
 import numpy as np
 
 from scheduler import Scheduler, SchedulerConfig, StepOps
 from tokenspeed_jax.outputs import CompletionOutput, RequestMetrics
-from tokenspeed_jax.page_table import clamped_rows
 from tokenspeed_jax.sampling_params import SamplingParams
-
-log = logging.getLogger("tokenspeed_jax")
 
 
 class _Track:
@@ -112,8 +108,7 @@ class Engine:
         ops = self.scheduler.schedule()
         if ops.num_reqs == 0:
             return []
-        self._warn_clamped(ops)
-        result = self.runner.step(ops)
+        result = self.runner.step(ops)  # the runner logs clamped rows by request id
         now = time.perf_counter()
         self._route_logprobs(ops, result, now)
         finished = self.scheduler.update(ops, result.sampled)
@@ -148,13 +143,6 @@ class Engine:
                 track = self._tracks.get(ops.request_ids[row])
                 if track is not None and track.prompt_logprobs is not None:
                     track.prompt_logprobs[int(ops.positions[t]) + 1] = float(plp[t])
-
-    def _warn_clamped(self, ops: StepOps) -> None:
-        for g, (gops, lay) in enumerate(zip(ops.groups, self.scheduler.layouts)):
-            for i in clamped_rows(ops.req_slots, gops.begins, gops.sizes, ops.full_refresh,
-                                  gops.row_lens, lay.width):
-                log.warning("page-table row of request %r in group %d exceeds width %d; "
-                            "clamped", ops.request_ids[int(i)], g, lay.width)
 
     def _output(self, rid: str, track: _Track, token_ids: list[int],
                 reason: str) -> CompletionOutput:

@@ -92,7 +92,10 @@ class LLM:
             enable_adoption=more_options.get("enable_adoption", True),
             decode_reserve_tokens=more_options.get("decode_reserve_tokens", 1),
             debug_checks=more_options.get("debug_checks", False))
-        runner = ModelRunner(self.model_config, net, sched_cfg, layer_groups=groups,
+        runner = ModelRunner(self.model_config, net, sched_cfg.group_layouts(),
+                             num_pages=num_pages, max_live_requests=sched_cfg.num_live_slots,
+                             max_batch_requests=max_batch_requests,
+                             max_scheduled_tokens=max_scheduled_tokens, layer_groups=groups,
                              backend=attention_backend,
                              honor_full_refresh=more_options.get("honor_full_refresh", True))
         eos = self.model_config.eos_token_id
