@@ -37,6 +37,9 @@ class Scheduler:
         self._arrival = itertools.count()
         self._reserved_total = 0
         self._num_groups = len(config.groups)
+        # shared (never mutated) per-group values of a fast-path decode row
+        self._no_sizes = [0] * self._num_groups
+        self._no_holes = [[] for _ in range(self._num_groups)]
         self._stats = {"num_retractions": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0,
                        "adopted_pages": 0, "num_steps": 0, "num_aborted": 0,
                        "num_full_refresh_rows": 0}
@@ -126,8 +129,23 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         max_rows = cfg.max_batch_requests
         i = 0
-        while i < len(self._running) and len(rows) < max_rows and budget > 0:
-            req = self._running[i]
+        running, pool, coord = self._running, self.pool, self.coord
+        no_sizes, no_holes = self._no_sizes, self._no_holes
+        while i < len(running) and len(rows) < max_rows and budget > 0:
+            req = running[i]
+            # Decode fast path: one token, no refresh, room in every tail, nothing to reclaim
+            # and no reservation shortfall. Exactly what the general path below would decide.
+            if (req.num_decode_rows and not req.needs_refresh and not req.reserved
+                    and req.prefill_done and len(req.tokens) - req.num_computed == 1
+                    and pool.num_free >= self._reserved_total
+                    and coord.grow_in_tail(req.tables, req.num_computed)):
+                req.num_decode_rows += 1
+                rows.append(ScheduledRow(req, req.num_computed, 1, False, True,
+                                         [len(t.pages) for t in req.tables], no_sizes, no_holes,
+                                         True))
+                budget -= 1
+                i += 1
+                continue
             row = self._schedule_running(req, budget)
             if row is None:  # req itself was retracted (it was the LIFO victim)
                 continue
@@ -270,21 +288,28 @@ class Scheduler:
         finished: list[RequestOutput] = []
         coord, base = self.coord, self.coord.base
         adopt = self.config.enable_adoption
-        sample_mask = ops.sample_mask
-        qs = ops.query_start
+        max_len = self.config.max_context_len
+        n = ops.num_reqs
+        # plain Python values once per step (numpy scalar access per row is slow)
+        sample_mask = ops.sample_mask[:n].tolist()
+        qs = ops.query_start[:n + 1].tolist()
+        sampled_list = sampled[:n].tolist()
+        requests = self._requests
+        running = Status.RUNNING
         done_any = False
         for i, rid in enumerate(ops.request_ids):
-            req = self._requests.get(rid)
-            if req is None or req.status is not Status.RUNNING:
+            req = requests.get(rid)
+            if req is None or req.status is not running:
                 continue  # aborted (or retracted) while the step ran
-            req.num_computed += int(qs[i + 1] - qs[i])
+            req.num_computed += qs[i + 1] - qs[i]
             if sample_mask[i]:
-                tok = int(sampled[i])
-                req.tokens.append(tok)
+                tok = int(sampled_list[i])
+                tokens = req.tokens
+                tokens.append(tok)
                 if tok in req.stop_token_ids:
                     req.finish_reason = "stop"
-                elif (req.num_generated >= req.max_new_tokens
-                      or len(req.tokens) >= self.config.max_context_len):
+                elif (len(tokens) - req.prompt_len >= req.max_new_tokens
+                      or len(tokens) >= max_len):
                     req.finish_reason = "length"
             if req.num_computed // base > req.published_base_pages:
                 req.hasher.extend(req.tokens)
