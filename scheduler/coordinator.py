@@ -29,6 +29,9 @@ class CacheCoordinator:
         self.managers: list[CacheGroupManager] = [self._make_manager(s) for s in specs]
         # base pages per group page: group page i is keyed by base hash (i+1)*k - 1
         self._base_per_page = [b // self.base for b in sizes]
+        # (group, W - 1, B) of every sliding group: the reclaim-due test of `grow_in_tail`
+        self._sliding = [(g, m.window - 1, m.block_size) for g, m in enumerate(self.managers)
+                         if isinstance(m, SlidingWindowManager)]
 
     def _make_manager(self, spec: PagedCacheGroupSpec) -> CacheGroupManager:
         b = spec.page_tokens
@@ -62,6 +65,23 @@ class CacheCoordinator:
         for m, t in zip(self.managers, tables):
             ok = m.acquire(self.pool, t, num_tokens)
             assert ok, "coordinator demand mirror disagrees with a manager's acquire"
+        return True
+
+    def grow_in_tail(self, tables: list[BlockTable], extent: int) -> bool:
+        """Decode fast path: if no group needs a new page for one more token and no sliding group
+        has a slot to reclaim at `extent` (tokens in cache), take the token from every tail and
+        return True; otherwise change nothing and return False. When it returns True, the state
+        is exactly what `reclaim(tables, extent)` then `acquire(tables, 1)` would leave."""
+        for t in tables:
+            if t.tail_avail < 1:
+                return False
+        for g, wm1, b in self._sliding:
+            t = tables[g]
+            floor = t.reclaim_floor
+            if (extent - wm1) // b > floor and len(t.pages) > floor:
+                return False
+        for t in tables:
+            t.tail_avail -= 1
         return True
 
     def free(self, tables: list[BlockTable]) -> None:
