@@ -1,0 +1,200 @@
+"""`ModelRunner`: applies one `StepOps` on the device in a single jitted, donated step.
+
+step(params, state, ops) = page-table update (every group) -> write locations from the updated
+mirrors -> paged forward (K/V + conv writes, attention through the page tables) -> sampling
+(+ prompt logprobs when the step asks for any).
+
+Shapes: rows are fixed at `max_batch_requests`; the token dimension is padded up to the smallest
+bucket (powers of two from `min_token_bucket` up to `max_scheduled_tokens`, which is always a
+bucket), so a decode step does not pay for a full prefill's worth of padding. One compile per
+bucket; `num_compiles` counts traces so tests and benchmarks can prove it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tokenspeed_jax.attention import get_paged_attention, resolve_backend
+from tokenspeed_jax.models.batch import make_paged_batch
+from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.models.decoder import CausalLM
+from tokenspeed_jax.page_table import clamped_rows, update_rows
+from tokenspeed_jax.sampling import prompt_logprobs, sample
+from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_FIELDS = ("token_ids", "positions", "token_rows", "prompt_targets")
+_ROW_FIELDS = (
+    "req_slots", "full_refresh", "query_start", "kv_lens", "sample_mask", "temperature",
+    "top_p", "top_k", "seeds", "sample_index",
+)  # fmt: skip
+_GROUP_FIELDS = ("begins", "sizes", "new_pages", "rows", "row_lens", "hole_slots")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """Host copies of one step's outputs (R = max_batch_requests, T = max_scheduled_tokens).
+
+    sampled i32[R]: token of each row whose `sample_mask` is set, -1 elsewhere.
+    logprobs f32[R]: log-probability of that token (unmodified log-softmax); NaN where no token.
+    prompt_logprobs f32[T]: logprob of `prompt_targets[t]` after token t; NaN where target -1.
+    """
+
+    sampled: np.ndarray
+    logprobs: np.ndarray
+    prompt_logprobs: np.ndarray
+
+
+def token_buckets(max_scheduled_tokens: int, min_bucket: int = 16) -> tuple[int, ...]:
+    """Powers of two from `min_bucket` below `max_scheduled_tokens`, then the max itself."""
+    out, b = [], max(1, min_bucket)
+    while b < max_scheduled_tokens:
+        out.append(b)
+        b *= 2
+    return (*out, max_scheduled_tokens)
+
+
+class ModelRunner:
+    """Owns the device state and the jitted step of one model.
+
+    Args:
+      model_config: the model's `ModelConfig`.
+      model: the `CausalLM` (split once into a static graphdef + a params pytree argument).
+      layouts: `GroupLayout` per cache group, in `config.groups` order (block_size, width).
+      layer_groups: group index of each layer; default: matched by group_id through
+        `scheduler.layer_group_indices` (full / sliding / conv naming).
+      num_pages: page ids per pool (null page included); None sizes from device memory.
+      max_live_requests: device mirror slots (StepOps.req_slots index them).
+      max_batch_requests, max_scheduled_tokens: R and T of the StepOps.
+      backend: "auto" | "pallas" | "reference" attention.
+      honor_full_refresh: False reproduces the tail-only mirror (aliasing bug) for experiments.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model: CausalLM,
+        layouts: Sequence,
+        *,
+        num_pages: int | None,
+        max_live_requests: int,
+        max_batch_requests: int,
+        max_scheduled_tokens: int,
+        layer_groups: Sequence[int] | None = None,
+        backend: str = "auto",
+        honor_full_refresh: bool = True,
+        min_token_bucket: int = 16,
+    ):
+        self.config = model_config
+        self.layouts = tuple(layouts)
+        if layer_groups is None:
+            from scheduler import layer_group_indices
+
+            layer_groups = layer_group_indices(model_config.layer_types, self.layouts)
+        self.layer_groups = tuple(int(g) for g in layer_groups)
+        self.block_sizes = tuple(int(lay.block_size) for lay in self.layouts)
+        self.widths = tuple(int(lay.width) for lay in self.layouts)
+        if num_pages is None:
+            num_pages = pages_from_memory(model_config, self.layer_groups, self.block_sizes)
+        self.num_pages = int(num_pages)
+        self.max_batch_requests = max_batch_requests
+        self.max_scheduled_tokens = max_scheduled_tokens
+        self.backend = resolve_backend(backend)
+        self.honor_full_refresh = honor_full_refresh
+        self.buckets = token_buckets(max_scheduled_tokens, min_token_bucket)
+        self.num_compiles = 0
+
+        self._graphdef, self.params = nnx.split(model)
+        self.state = init_state(
+            model_config, self.layer_groups, self.block_sizes, self.widths,
+            num_pages=self.num_pages, max_live_requests=max_live_requests,
+        )  # fmt: skip
+        self._attn = get_paged_attention(self.backend)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+
+    # ------------------------------------------------------------------ device side
+    def _step_impl(self, params, state: DeviceState, ops: dict):
+        self.num_compiles += 1  # Python body runs once per trace = once per compile
+        model = nnx.merge(self._graphdef, params)
+        mirrors = tuple(
+            update_rows(
+                mirror, ops["req_slots"], g["begins"], g["sizes"], g["new_pages"],
+                ops["full_refresh"], g["rows"], g["row_lens"],
+                honor_full_refresh=self.honor_full_refresh, hole_slots=g["hole_slots"],
+            )
+            for mirror, g in zip(state.mirrors, ops["groups"], strict=True)
+        )  # fmt: skip
+        batch = make_paged_batch(
+            mirrors, ops["req_slots"], ops["query_start"], ops["kv_lens"], ops["positions"],
+            ops["token_rows"], block_sizes=self.block_sizes, num_pages=self.num_pages,
+            layer_groups=self.layer_groups,
+        )  # fmt: skip
+        hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn)
+
+        t = hidden.shape[0]
+        last = jnp.clip(ops["query_start"][1:] - 1, 0, t - 1)  # each row's last token
+        tokens, logprobs = sample(
+            model.logits(hidden[last]), ops["temperature"], ops["top_k"], ops["top_p"],
+            ops["seeds"], ops["sample_index"],
+        )  # fmt: skip
+        mask = ops["sample_mask"]
+        tokens = jnp.where(mask, tokens, -1)
+        logprobs = jnp.where(mask, logprobs, jnp.nan)
+        targets = ops["prompt_targets"]
+        # Full [T, V] logits only on steps that want prompt logprobs (lax.cond skips them else).
+        plp = jax.lax.cond(
+            jnp.any(targets >= 0),
+            lambda h: prompt_logprobs(model.logits(h), targets),
+            lambda h: jnp.full((t,), jnp.nan, jnp.float32),
+            hidden,
+        )
+        return DeviceState(mirrors=mirrors, caches=caches), tokens, logprobs, plp
+
+    # ------------------------------------------------------------------ host side
+    def bucket_for(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if num_tokens <= b:
+                return b
+        raise ValueError(f"num_tokens {num_tokens} > max_scheduled_tokens {self.buckets[-1]}")
+
+    def _device_ops(self, ops, bucket: int) -> dict:
+        d = {k: np.asarray(getattr(ops, k))[:bucket] for k in _TOKEN_FIELDS}
+        d.update({k: np.asarray(getattr(ops, k)) for k in _ROW_FIELDS})
+        d["groups"] = [{k: np.asarray(getattr(g, k)) for k in _GROUP_FIELDS} for g in ops.groups]
+        return jax.device_put(d)
+
+    def _warn_clamped(self, ops) -> None:
+        for g, (lay, grp) in enumerate(zip(self.layouts, ops.groups, strict=True)):
+            rows = clamped_rows(
+                ops.req_slots, grp.begins, grp.sizes, ops.full_refresh, grp.row_lens,
+                self.widths[g], self.honor_full_refresh,
+            )  # fmt: skip
+            for i in rows:
+                rid = ops.request_ids[i] if i < len(ops.request_ids) else f"row {i}"
+                logger.warning(
+                    "page-table row of request %s in group %s exceeds width %d; clamped",
+                    rid, lay.group_id, self.widths[g],
+                )  # fmt: skip
+
+    def step(self, ops) -> StepResult:
+        """Applies one `StepOps`; returns the sampled tokens (numpy). Empty steps skip the device."""
+        r, t = self.max_batch_requests, self.max_scheduled_tokens
+        if ops.num_reqs == 0:
+            return StepResult(
+                np.full(r, -1, np.int32), np.full(r, np.nan, np.float32),
+                np.full(t, np.nan, np.float32),
+            )  # fmt: skip
+        self._warn_clamped(ops)
+        bucket = self.bucket_for(int(ops.num_tokens))
+        self.state, tokens, logprobs, plp = self._step(self.params, self.state, self._device_ops(ops, bucket))
+        plp_full = np.full(t, np.nan, np.float32)
+        plp_full[:bucket] = np.asarray(plp)
+        return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full)
