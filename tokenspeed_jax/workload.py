@@ -1,0 +1,121 @@
+"""A synthetic agentic workload: sessions sharing a long system prompt, with multi-turn follow-ups.
+
+Each session's turn k+1 is sent when turn k finishes, with the whole conversation so far as its
+prompt (system prompt + every earlier user message and reply + a new user message): the shape of
+agent loops and chat, and the best case for a prefix cache. Driven directly on an `Engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from tokenspeed_jax.engine import Engine
+from tokenspeed_jax.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadConfig:
+    sessions: int = 16
+    turns: int = 3
+    system_tokens: int = 384
+    user_tokens: int = 24
+    max_tokens: int = 24
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class WorkloadReport:
+    requests: int
+    prompt_tokens: int
+    computed_prompt_tokens: int  # prompt tokens actually run (prefix-cache hits excluded)
+    generated_tokens: int
+    wall_s: float
+    steps: int
+    ttft_s: list[float]
+    tpot_s: list[float]
+    prefix_hit_rate: float
+    retractions: int
+    peak_pages: int
+    total_pages: int
+    compiles: int
+
+    def summary(self) -> dict:
+        pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")  # noqa: E731
+        return {
+            "requests": self.requests, "steps": self.steps, "wall_s": round(self.wall_s, 2),
+            "prompt_tokens": self.prompt_tokens, "computed_prompt_tokens": self.computed_prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "output_tok_per_s": round(self.generated_tokens / self.wall_s, 1),
+            "computed_tok_per_s": round(
+                (self.computed_prompt_tokens + self.generated_tokens) / self.wall_s, 1),
+            "ttft_ms_p50": round(pct(self.ttft_s, 50), 1), "ttft_ms_p90": round(pct(self.ttft_s, 90), 1),
+            "ttft_ms_p99": round(pct(self.ttft_s, 99), 1),
+            "tpot_ms_p50": round(pct(self.tpot_s, 50), 1), "tpot_ms_p90": round(pct(self.tpot_s, 90), 1),
+            "tpot_ms_p99": round(pct(self.tpot_s, 99), 1),
+            "prefix_hit_rate": round(self.prefix_hit_rate, 3), "retractions": self.retractions,
+            "peak_pages": self.peak_pages, "total_pages": self.total_pages,
+            "compiles": self.compiles,
+        }
+
+
+def run_workload(engine: Engine, cfg: WorkloadConfig, *, vocab: int = 256,
+                 progress: bool = False) -> WorkloadReport:
+    """Serve the workload to completion on `engine`; returns latency/throughput/cache figures."""
+    rng = np.random.default_rng(cfg.seed)
+    system = rng.integers(0, vocab, cfg.system_tokens).tolist()
+    history: dict[str, list[int]] = {}
+    turn_of: dict[str, int] = {}
+    session_of: dict[str, int] = {}
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                            ignore_eos=True)
+    total = cfg.sessions * cfg.turns
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="requests", unit="req")
+
+    def send(session: int, turn: int, prompt: list[int]) -> None:
+        rid = engine.add_request(prompt, params, request_id=f"s{session:03d}-t{turn}")
+        history[rid] = prompt
+        turn_of[rid] = turn
+        session_of[rid] = session
+
+    for s in range(cfg.sessions):
+        send(s, 0, system + rng.integers(0, vocab, cfg.user_tokens).tolist())
+    ttft, tpot = [], []
+    prompt_tokens = generated = done = peak = 0
+    prefill0 = engine.num_prefill_tokens
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            done += 1
+            prompt_tokens += len(out.prompt_token_ids)
+            generated += len(out.token_ids)
+            if out.metrics.ttft is not None:
+                ttft.append(out.metrics.ttft)
+            if out.tpot is not None:
+                tpot.append(out.tpot)
+            if bar is not None:
+                bar.update(1)
+            nxt = turn_of[out.request_id] + 1
+            if nxt < cfg.turns:
+                follow = rng.integers(0, vocab, cfg.user_tokens).tolist()
+                send(session_of[out.request_id], nxt,
+                     history[out.request_id] + out.token_ids + follow)
+        peak = max(peak, engine.scheduler.pool.num_used)
+    wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    stats = engine.stats()
+    return WorkloadReport(
+        requests=done, prompt_tokens=prompt_tokens,
+        computed_prompt_tokens=engine.num_prefill_tokens - prefill0, generated_tokens=generated,
+        wall_s=wall,
+        steps=engine.num_steps, ttft_s=ttft, tpot_s=tpot,
+        prefix_hit_rate=stats["prefix_hit_rate"], retractions=stats["num_retractions"],
+        peak_pages=peak, total_pages=stats["total_pages"], compiles=stats.get("num_compiles", 0))
