@@ -1,0 +1,117 @@
+"""LLM end to end on CPU with the real scheduler and the built-in model.
+
+- greedy tokens of a batched, chunked, prefix-sharing run under a pool small enough to force
+  retraction == the same requests run alone with a large pool;
+- teacher-forcing consistency: the logprobs of generated tokens == the prompt logprobs of the
+  same tokens fed back as a prompt;
+- seeded sampling reproduces whatever else is in the batch;
+- bad input raises ValueError, changes nothing, and the engine keeps serving without leaks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tokenspeed_jax import LLM, SamplingParams
+
+SMALL = dict(page_size=4, max_batch_requests=6, max_scheduled_tokens=32, max_context_len=96)
+
+
+@pytest.fixture(scope="module")
+def big():
+    return LLM("tiny-random", num_pages=400, debug_checks=True, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def tight():
+    # 3 groups share 40 pages: 6 requests of ~60 tokens cannot all be resident
+    return LLM("tiny-random", num_pages=40, debug_checks=True, **SMALL)
+
+
+def _prompts(n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 256, 20).tolist()
+    return [system + rng.integers(0, 256, int(rng.integers(3, 14))).tolist() for _ in range(n)]
+
+
+def test_batched_tight_pool_matches_solo_runs(big, tight):
+    prompts = _prompts()
+    sp = SamplingParams(max_tokens=24, logprobs=True, ignore_eos=True)
+    solo = [big.generate([p], sp)[0] for p in prompts]
+    before = tight.stats()["num_retractions"]
+    batched = tight.generate(prompts, sp)
+    stats = tight.stats()
+    assert stats["num_retractions"] > before, "the pool was meant to force retraction"
+    assert stats["prefix_hit_tokens"] > 0
+    for s, b in zip(solo, batched):
+        assert b.token_ids == s.token_ids
+        np.testing.assert_allclose(b.logprobs, s.logprobs, atol=1e-4)
+    assert stats["free_pages"] == stats["total_pages"]  # nothing leaked
+
+
+def test_generated_logprobs_match_teacher_forced_prompt_logprobs(big):
+    prompt = _prompts(1, seed=3)[0]
+    out = big.generate([prompt], SamplingParams(max_tokens=12, logprobs=True, ignore_eos=True))[0]
+    full = prompt + out.token_ids
+    again = big.generate([full], SamplingParams(max_tokens=1, prompt_logprobs=True))[0]
+    assert again.prompt_logprobs[0] is None and len(again.prompt_logprobs) == len(full)
+    np.testing.assert_allclose(again.prompt_logprobs[len(prompt):], out.logprobs, atol=1e-4)
+
+
+def test_seed_reproduces_whatever_the_batch(big):
+    prompts = _prompts(4, seed=5)
+    sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234,
+                        ignore_eos=True)
+    alone = big.generate([prompts[0]], sp)[0].token_ids
+    crowd = big.generate(prompts, [sp] + [SamplingParams(max_tokens=10, temperature=0.7,
+                                                         ignore_eos=True)] * 3)
+    assert crowd[0].token_ids == alone
+    other = big.generate([prompts[0]], SamplingParams(max_tokens=10, temperature=1.0, top_k=50,
+                                                      top_p=0.9, seed=99, ignore_eos=True))[0]
+    assert other.token_ids != alone
+
+
+def test_string_prompts_and_stop_tokens(big):
+    out = big.generate("Hello, paged world!", SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out.prompt_token_ids[0] == big.tokenizer.bos_token_id and len(out.token_ids) == 8
+    assert isinstance(out.text, str)
+    stop = out.token_ids[3]
+    cut = big.generate("Hello, paged world!", SamplingParams(max_tokens=8, stop_token_ids=(stop,),
+                                                             ignore_eos=True))[0]
+    first = out.token_ids.index(stop)
+    assert cut.finish_reason == "stop" and cut.token_ids == out.token_ids[:first + 1]
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], SamplingParams(), "empty prompt"),
+    ([1, 2, 100000], SamplingParams(), "outside the vocabulary"),
+    ([1, -3], SamplingParams(), "outside the vocabulary"),
+    ([1] * 90, SamplingParams(max_tokens=10), "max_context_len"),
+])
+def test_bad_prompts_raise_and_engine_keeps_serving(big, prompt, params, match):
+    before = big.stats()
+    with pytest.raises(ValueError, match=match):
+        big.generate([[5, 6, 7], prompt], params)
+    after = big.stats()
+    assert after["num_waiting"] == 0 and after["num_running"] == 0
+    assert after["free_pages"] == before["free_pages"] == after["total_pages"]
+    assert len(big.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"), (dict(top_k=0), "top_k"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_llm_options():
+    with pytest.raises(ValueError, match="unknown model"):
+        LLM("no-such-model")
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM("tiny-random", attention_backend="magic")
+    with pytest.raises(ValueError, match="unknown LLM options"):
+        LLM("tiny-random", bogus=1)
