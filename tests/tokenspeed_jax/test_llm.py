@@ -115,3 +115,22 @@ def test_bad_llm_options():
         LLM("tiny-random", attention_backend="magic")
     with pytest.raises(ValueError, match="unknown LLM options"):
         LLM("tiny-random", bogus=1)
+
+
+@pytest.mark.parametrize("honor", [True, False])
+def test_seed_aliasing_bug_end_to_end(big, honor):
+    """Three identical prompts in one step: the later ones adopt the first one's pages (non-tail
+    repoints) and their freed private pages come back as new tails in the tight pool. With the
+    full-refresh bit honoured every output equals the solo run; a tail-only mirror aliases
+    logical pages onto recycled physical ones and greedy generation silently diverges."""
+    prompt = np.random.default_rng(0).integers(0, 256, 13).tolist()
+    sp = SamplingParams(max_tokens=30, logprobs=True, ignore_eos=True)
+    solo = big.generate([prompt], sp)[0]
+    llm = LLM("tiny-random", num_pages=40, honor_full_refresh=honor, **SMALL)
+    outs = llm.generate([prompt] * 3, sp)
+    assert llm.stats()["adopted_pages"] > 0
+    worst = max(float(np.max(np.abs(np.array(o.logprobs) - solo.logprobs))) for o in outs)
+    if honor:
+        assert all(o.token_ids == solo.token_ids for o in outs) and worst < 1e-4
+    else:
+        assert worst > 0.1  # corrupted KV: the logprobs (and here the tokens) go wrong
