@@ -12,7 +12,7 @@ One GPU run (< 8 minutes on an H200):
      - decode with a 4k sliding window over 32k context (JAX's kernel has no window: it must
        read all 32k; ours skips the pages before the window);
      - a mixed batch: 4 prefill chunks of 512 tokens (at 4k context) + 60 decodes at 8k;
-     - a few tuning variants of ours at 32k decode.
+     - a few tuning variants of ours at 32k decode (tile size, kv_splits, stages).
   "HBM %" = bytes of in-window K/V (each needed token's K and V once) / time / peak bandwidth.
 
     python benchmarks/kernels.py              # GPU
@@ -209,10 +209,12 @@ def main() -> int:
                 print(f"(JAX's kernel cannot skip: it reads {full_bytes / 1e9:.2f} GB "
                       f"for the windowed case too)")
                 if ps == pages[0] and not ns.smoke:
-                    for cfg in (PagedAttentionConfig(pages_per_block=8 * 16 // ps, block_q=4),
-                                PagedAttentionConfig(pages_per_block=4 * 16 // ps, block_q=4,
-                                                     num_warps=8),
-                                PagedAttentionConfig(pages_per_block=4 * 16 // ps, block_q=4,
+                    ppb = 64 // ps
+                    for cfg in (PagedAttentionConfig(pages_per_block=ppb, block_q=4),
+                                PagedAttentionConfig(pages_per_block=ppb, block_q=4, kv_splits=4),
+                                PagedAttentionConfig(pages_per_block=2 * ppb, block_q=4,
+                                                     kv_splits=2),
+                                PagedAttentionConfig(pages_per_block=ppb, block_q=4, kv_splits=2,
                                                      num_stages=3)):
                         tuned = jax.jit(functools.partial(paged_attention, config=cfg))
                         report(f"ours decode ctx={ctx} page={ps} {cfg}",

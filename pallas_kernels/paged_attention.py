@@ -49,15 +49,19 @@ class PagedAttentionConfig:
     block_q: query tokens per program (power of two). Rows per program = block_q * next_pow2(G)
       and must be >= 16 (Triton's minimum MMA M). Small for decode, larger for prefill.
     num_warps, num_stages: Triton launch / software-pipelining parameters.
+    kv_splits: split each block's key range over this many programs (flash-decoding); partial
+      (acc, max, denominator) go to float32 buffers and are merged with jnp. Helps when
+      requests x kv heads alone cannot fill the GPU (few long decodes).
     """
 
     pages_per_block: int = 4
     block_q: int = 4
     num_warps: int = 4
     num_stages: int = 2
+    kv_splits: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("pages_per_block", "block_q", "num_warps", "num_stages"):
+        for field in ("pages_per_block", "block_q", "num_warps", "num_stages", "kv_splits"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedAttentionConfig.{field}={value!r} must be an int >= 1")
@@ -67,17 +71,26 @@ class PagedAttentionConfig:
                                  "a power of two")
 
 
-def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int
-                   ) -> PagedAttentionConfig:
+def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int,
+                   num_kv_heads: int = 1, max_pages: int = 0) -> PagedAttentionConfig:
     """Static heuristic: decode-dominated shapes (<= 2 query tokens per request on average) use
     the minimum 16 rows per program (each K/V tile serves all G heads; more rows would only burn
     tensor-core time on padding); prefill-heavy shapes use 64 rows for arithmetic intensity.
-    K/V tiles of 64 tokens keep two pipeline stages of bf16 D=128 K+V within 64 KiB of smem."""
+    K/V tiles of 64 tokens keep two pipeline stages of bf16 D=128 K+V within 64 KiB of smem.
+    Decode shapes split the key range when requests x kv heads < ~1024 programs (an H100/H200
+    runs ~400 of these CTAs at once; more programs than that evens out the last wave), as long
+    as every split still gets >= 4 tiles at full context."""
     gp = backend.next_power_of_2(group)
-    rows = 16 if num_tokens <= 2 * num_seqs_max else 64
-    return PagedAttentionConfig(pages_per_block=max(1, 64 // page_size),
-                                block_q=max(1, rows // gp),
-                                num_warps=4 if rows <= 16 else 8)
+    decode = num_tokens <= 2 * num_seqs_max
+    rows = 16 if decode else 64
+    pages_per_block = max(1, 64 // page_size)
+    splits = 1
+    if decode:
+        while (splits < 8 and num_seqs_max * num_kv_heads * splits < 1024
+               and max_pages >= 2 * splits * 4 * pages_per_block):
+            splits *= 2
+    return PagedAttentionConfig(pages_per_block=pages_per_block, block_q=max(1, rows // gp),
+                                num_warps=4 if decode else 8, kv_splits=splits)
 
 
 def _check_kernel_shapes(page_size: int, head_dim: int) -> None:
@@ -156,10 +169,12 @@ def _block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
     return jnp.stack([seq, q0, q1, pos_off]).astype(jnp.int32), num_blocks
 
 
-def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, _out_init_ref, out_ref, *,
-            group: int, block_q: int, pages_per_block: int, page_size: int, head_dim: int,
-            num_tokens: int, pool_tokens: int, scale: float, window: int | None,
-            soft_cap: float | None, has_sinks: bool) -> None:
+def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int, block_q: int,
+            pages_per_block: int, page_size: int, head_dim: int, num_tokens: int,
+            pool_tokens: int, scale: float, window: int | None, soft_cap: float | None,
+            has_sinks: bool, kv_splits: int) -> None:
+    # refs: aliased initial buffers, then outputs: (out,) or (acc, max, denominator) partials.
+    out_refs = refs[len(refs) // 2 :]
     b, h = pl.program_id(0), pl.program_id(1)
     seq, q0, q1, pos_off = meta_ref[0, b], meta_ref[1, b], meta_ref[2, b], meta_ref[3, b]
     gp = backend.next_power_of_2(group)
@@ -212,16 +227,44 @@ def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, _out_init_ref, out
 
     n_rows = block_q * gp
     acc = jnp.zeros((n_rows, head_dim), jnp.float32)
-    if has_sinks:
+    if has_sinks and kv_splits == 1:  # with splits, the sink is merged once, outside
         sink = backend.load(sinks_ref, (jnp.where(g < group, head, 0),), mask=g < group,
                             other=0.0)
         m0, l0 = sink.astype(jnp.float32) * _LOG2E, jnp.ones((n_rows,), jnp.float32)
     else:
         m0, l0 = jnp.full((n_rows,), _MASK, jnp.float32), jnp.zeros((n_rows,), jnp.float32)
-    acc, _, denom = lax.fori_loop(0, n_iter, body, (acc, m0, l0))
-    out = acc / jnp.where(denom > 0.0, denom, 1.0)[:, None]
-    backend.store(out_ref, (tok_idx[:, None], head[:, None], d[None, :]),
-                  out.astype(out_ref.dtype), mask=row_ok[:, None])
+    if kv_splits == 1:
+        acc, _, denom = lax.fori_loop(0, n_iter, body, (acc, m0, l0))
+        out = acc / jnp.where(denom > 0.0, denom, 1.0)[:, None]
+        backend.store(out_refs[0], (tok_idx[:, None], head[:, None], d[None, :]),
+                      out.astype(out_refs[0].dtype), mask=row_ok[:, None])
+        return
+    split = pl.program_id(2)
+    chunk = (n_iter + kv_splits - 1) // kv_splits
+    start = split * chunk
+    acc, m, denom = lax.fori_loop(start, jnp.minimum(start + chunk, n_iter), body,
+                                  (acc, m0, l0))
+    acc_ref, m_ref, l_ref = out_refs
+    backend.store(acc_ref, (split, tok_idx[:, None], head[:, None], d[None, :]), acc,
+                  mask=row_ok[:, None])
+    backend.store(m_ref, (split, tok_idx, head), m, mask=row_ok)
+    backend.store(l_ref, (split, tok_idx, head), denom, mask=row_ok)
+
+
+def _merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Array | None,
+                  dtype: jnp.dtype) -> jax.Array:
+    """Combine per-split partials f32[K, T, Hq, (D)] (max in the log2 domain) into f[T, Hq, D].
+    Rows no program wrote keep acc=0, m=_MASK, denom=0 and come out as zeros."""
+    m_tot = jnp.max(m, axis=0)
+    if sinks is not None:
+        sink2 = sinks.astype(jnp.float32) * _LOG2E
+        m_tot = jnp.maximum(m_tot, sink2[None, :])
+    w = jnp.exp2(m - m_tot[None])
+    num = jnp.sum(w[..., None] * acc, axis=0)
+    den = jnp.sum(w * denom, axis=0)
+    if sinks is not None:
+        den = den + jnp.exp2(sink2[None, :] - m_tot)
+    return (num / jnp.where(den > 0.0, den, 1.0)[..., None]).astype(dtype)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -256,7 +299,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     num_pages, page_size, hkv, _ = k_pages.shape
     group = hq // hkv
     _check_kernel_shapes(page_size, d)
-    cfg = config or default_config(t, page_table.shape[0], page_size, group)
+    cfg = config or default_config(t, page_table.shape[0], page_size, group, hkv,
+                                   page_table.shape[1])
     _check_config(cfg, page_size, group)
     if t == 0:
         return jnp.zeros_like(q)
@@ -265,18 +309,32 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kernel = functools.partial(
         _kernel, group=group, block_q=cfg.block_q, pages_per_block=cfg.pages_per_block,
         page_size=page_size, head_dim=d, num_tokens=t, pool_tokens=num_pages * page_size,
-        scale=scale, window=sliding_window, soft_cap=soft_cap, has_sinks=sinks is not None)
+        scale=scale, window=sliding_window, soft_cap=soft_cap, has_sinks=sinks is not None,
+        kv_splits=cfg.kv_splits)
     sinks_arr = (sinks.astype(jnp.float32) if sinks is not None
                  else jnp.zeros((hq,), jnp.float32))
+    # Outputs start from aliased buffers: rows no program writes (padding) stay at these values.
+    if cfg.kv_splits == 1:
+        inits = [jnp.zeros_like(q)]
+        grid = (num_blocks, hkv)
+    else:
+        k = cfg.kv_splits
+        inits = [jnp.zeros((k, t, hq, d), jnp.float32), jnp.full((k, t, hq), _MASK, jnp.float32),
+                 jnp.zeros((k, t, hq), jnp.float32)]
+        grid = (num_blocks, hkv, k)
     call = backend.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(num_blocks, hkv),
+        kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inits], grid=grid,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
-        name=f"ragged_paged_attention_bq{cfg.block_q}_ppb{cfg.pages_per_block}",
-        input_output_aliases={6: 0})
+        name=f"ragged_paged_attention_bq{cfg.block_q}_ppb{cfg.pages_per_block}"
+             f"_split{cfg.kv_splits}",
+        input_output_aliases={6 + i: i for i in range(len(inits))})
     # Flattened pools: token-granular row index page * page_size + offset (free reshape).
     flat_shape = (num_pages * page_size, hkv, d)
-    return call(meta, page_table.astype(jnp.int32), q, k_pages.reshape(flat_shape),
-                v_pages.reshape(flat_shape), sinks_arr, jnp.zeros_like(q))
+    outs = call(meta, page_table.astype(jnp.int32), q, k_pages.reshape(flat_shape),
+                v_pages.reshape(flat_shape), sinks_arr, *inits)
+    if cfg.kv_splits == 1:
+        return outs[0]
+    return _merge_splits(*outs, sinks, q.dtype)
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
