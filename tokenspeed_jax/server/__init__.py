@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server over one `Engine` (needs the `serve` extra)."""
