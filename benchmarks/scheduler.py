@@ -13,9 +13,10 @@ Workloads (page 16, token budget 8192, max batch >= requests, same pool size for
   d  memory pressure: 128 x (256 prompt + 512 out), pool ~42% of peak (retraction)
   e  full + sliding(128) groups, 32 requests, prompt 128, 8192 out
   ctx per-step cost vs context: 16 requests decoding at 4k vs at 128k context (same config)
-Both schedulers run each workload in alternating passes (ours, theirs, ours, ...); a
-workload's numbers come from its best pass (lowest median), so noise from other processes on
-the machine costs both alike.
+Both schedulers run each workload in the same pass in lockstep (one step of ours, one step of
+theirs, ...), so load from other processes on the machine lands on both alike; a workload's
+numbers per scheduler come from its best pass (lowest median step time). `sum s` is the sum of
+the timed steps (the whole workload's host scheduling time).
 
     python benchmarks/scheduler.py                 # full run (several minutes)
     python benchmarks/scheduler.py --quick         # smoke run (scaled-down workloads)
@@ -65,7 +66,7 @@ class Workload:
     sliding_window: int | None = None  # adds a sliding group beside the full one
     snapshot_images: int = 0  # TokenSpeed retraction images (0 = no snapshot pool)
     max_context_len: int | None = None
-    measure_from_context: int = 0  # ctx: only steps whose rows all sit past this context count
+    decode_only: bool = False  # ctx: only pure decode steps count
 
     @property
     def context(self) -> int:
@@ -99,7 +100,7 @@ def workloads(quick: bool) -> list[Workload]:
         n = 4 if quick else 16
         ws.append(Workload(f"ctx{ctx // 1024}k", f"{n} decodes at {ctx // 1024}k context",
                            n, ctx - 16, ctx_out, _peak_pages(n, ctx + ctx_out) + n + 64,
-                           max_context_len=131072 + 1024, measure_from_context=ctx - 16))
+                           max_context_len=131072 + 1024, decode_only=True))
     return ws
 
 
@@ -116,7 +117,6 @@ class OursRunner:
         self.R = w.num_reqs
         self.last_rows = 0
         self.last_is_decode = False
-        self.min_context = 0
 
     def add_requests(self, reqs: list[tuple[str, list[int], int]]) -> None:
         for rid, prompt, max_new in reqs:
@@ -130,8 +130,11 @@ class OursRunner:
         self.sched.update(ops, sampled)
         self.last_rows = ops.num_reqs
         self.last_is_decode = ops.num_reqs > 0 and ops.num_tokens == ops.num_reqs
-        if ops.num_reqs:
-            self.min_context = int(ops.kv_lens[:ops.num_reqs].min())
+
+    def in_decode_phase(self) -> bool:
+        """Nothing waiting and every running request past its prefill (benchmark only)."""
+        sched = self.sched
+        return not sched._waiting and all(r.prefill_done for r in sched._running)
 
     def stats(self) -> dict:
         s = self.sched.stats()
@@ -144,11 +147,12 @@ class TheirsRunner(peer.TokenSpeedRunner):
         super().__init__(num_pages=w.num_pages, page_size=PAGE, max_batch=w.num_reqs,
                          max_tokens=BUDGET, sliding_window=w.sliding_window,
                          snapshot_images=w.snapshot_images, snapshot_pages=snap_pages)
-        self.min_context = 0
-        self._ctx_steps = 0
 
     def step(self, sampled: np.ndarray) -> None:
         super().step(sampled.tolist())
+
+    def in_decode_phase(self) -> bool:
+        return self.sched.waiting_size() == 0 and self.sched.prefilling_size() == 0
 
     def stats(self) -> dict:
         return {"retractions": self.num_snapshots, "aborted": self.num_aborted,
@@ -169,38 +173,56 @@ class PassResult:
         return float(np.median(self.step_us))
 
 
-def run_pass(kind: str, w: Workload, seed: int, max_steps: int) -> PassResult:
-    runner = OursRunner(w) if kind == "ours" else TheirsRunner(w)
-    prompts = w.prompts(seed)
-    runner.add_requests([(f"r{i:05d}", p, w.out) for i, p in enumerate(prompts)])
-    rng = np.random.default_rng(seed + 1)
-    times, decode, rows = [], [], []
-    measured = []
-    gc.collect()
+def run_lockstep(entries: list[tuple[str, Workload]], seed: int, max_steps: int,
+                 flip: bool) -> dict[tuple[str, str], PassResult]:
+    """Run every (scheduler kind, workload) entry at once, alternating single steps (ours,
+    theirs, ours, ...; `flip` reverses the order), so that load from other processes on the
+    machine lands on all of them alike. Each step is timed on its own."""
+    runners = {}
+    for kind, w in entries:
+        runner = OursRunner(w) if kind == "ours" else TheirsRunner(w)
+        runner.add_requests([(f"r{i:05d}", p, w.out) for i, p in enumerate(w.prompts(seed))])
+        runners[(w.key, kind)] = runner
+    keys = list(runners)[::-1] if flip else list(runners)
+    rngs = {key: np.random.default_rng(seed + 1) for key in keys}
+    log = {key: ([], [], []) for key in keys}
+    width = {(w.key, kind): w.num_reqs for kind, w in entries}
+    if all(w.decode_only for _, w in entries):
+        # context test: bring every runner to its pure-decode phase first (untimed), so the
+        # timed decode steps of all entries interleave with each other, not with prefill work
+        for key in keys:
+            runner = runners[key]
+            while not runner.in_decode_phase():
+                runner.step(rngs[key].integers(1, VOCAB, size=width[key], dtype=np.int32))
     perf = time.perf_counter
-    t_start = perf()
-    steps = 0
-    while runner.has_unfinished() and steps < max_steps:
-        sampled = rng.integers(1, VOCAB, size=w.num_reqs, dtype=np.int32)
-        t0 = perf()
-        runner.step(sampled)
-        times.append(perf() - t0)
-        decode.append(runner.last_is_decode)
-        rows.append(runner.last_rows)
-        steps += 1
-        if w.measure_from_context:
-            measured.append(kind != "ours" or runner.min_context > w.measure_from_context)
-    total = perf() - t_start
-    if runner.has_unfinished():
-        raise RuntimeError(f"{kind} did not finish workload {w.key} in {max_steps} steps")
-    us = np.asarray(times) * 1e6
-    dmask = np.asarray(decode, bool)
-    rows_a = np.asarray(rows)
-    if w.measure_from_context:
-        # context test: decode steps only (prefill steps are excluded by the decode mask)
-        keep = np.asarray(measured, bool) & dmask
-        us, dmask, rows_a = us[keep], dmask[keep], rows_a[keep]
-    return PassResult(us, dmask, rows_a, total, runner.stats())
+    gc.collect()
+    for _ in range(max_steps):
+        live = [key for key in keys if runners[key].has_unfinished()]
+        if not live:
+            break
+        for key in live:
+            runner = runners[key]
+            sampled = rngs[key].integers(1, VOCAB, size=width[key], dtype=np.int32)
+            t0 = perf()
+            runner.step(sampled)
+            dt = perf() - t0
+            times, decode, rows = log[key]
+            times.append(dt)
+            decode.append(runner.last_is_decode)
+            rows.append(runner.last_rows)
+    out = {}
+    decode_only = {(w.key, kind): w.decode_only for kind, w in entries}
+    for key, runner in runners.items():
+        if runner.has_unfinished():
+            raise RuntimeError(f"{key} did not finish in {max_steps} steps")
+        times, decode, rows = log[key]
+        us = np.asarray(times) * 1e6
+        dmask = np.asarray(decode, bool)
+        rows_a = np.asarray(rows)
+        if decode_only[key]:  # context test: pure decode steps only
+            us, rows_a, dmask = us[dmask], rows_a[dmask], dmask[dmask]
+        out[key] = PassResult(us, dmask, rows_a, float(np.sum(times)), runner.stats())
+    return out
 
 
 def fmt(x: float) -> str:
@@ -222,16 +244,30 @@ def main() -> None:
     with_peer = peer.available() and not args.no_peer
     kinds = ["ours", "theirs"] if with_peer else ["ours"]
 
-    results: dict[tuple[str, str], PassResult] = {}
+    # lockstep groups: ours + theirs per workload; the context test runs 4k and 128k of one
+    # scheduler together, so that its ratio is measured under the same machine load
+    batches: list[list[Workload]] = []
     for w in ws:
+        if w.decode_only and batches and batches[-1][0].decode_only:
+            batches[-1].append(w)
+        else:
+            batches.append([w])
+    groups: list[list[tuple[str, Workload]]] = []
+    for batch in batches:
+        if batch[0].decode_only:  # context test: each scheduler against itself (4k vs 128k)
+            groups += [[(kind, w) for w in batch] for kind in kinds]
+        else:  # ours vs theirs on one workload
+            groups.append([(kind, w) for w in batch for kind in kinds])
+    results: dict[tuple[str, str], PassResult] = {}
+    for entries in groups:
         for p in range(passes):
-            for kind in (kinds if p % 2 == 0 else kinds[::-1]):
-                r = run_pass(kind, w, seed=0, max_steps=200_000)
-                best = results.get((w.key, kind))
+            res = run_lockstep(entries, seed=0, max_steps=200_000, flip=p % 2 == 1)
+            for key, r in res.items():
+                best = results.get(key)
                 if best is None or r.median < best.median:
-                    results[(w.key, kind)] = r
-                print(f"  {w.key:8s} {kind:6s} pass {p}: {len(r.step_us)} steps, median "
-                      f"{r.median:.0f} us, total {r.total_s:.2f} s", file=sys.stderr, flush=True)
+                    results[key] = r
+                print(f"  {key[0]:8s} {key[1]:6s} pass {p}: {len(r.step_us)} steps, median "
+                      f"{r.median:.0f} us, sum {r.total_s:.2f} s", file=sys.stderr, flush=True)
 
     print(f"# scheduler host cost per step: ours vs TokenSpeed "
           f"{'tokenspeed-scheduler ' + peer.version() if with_peer else '(not installed)'}; "
@@ -240,7 +276,7 @@ def main() -> None:
     print()
     print("| workload | steps ours/theirs | median us ours | median us theirs | ratio | "
           "p90 ours | p90 theirs | decode median ours | decode median theirs | decode ratio | "
-          "total s ours/theirs | notes |")
+          "sum s ours/theirs | notes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w in ws:
         o = results[(w.key, "ours")]
