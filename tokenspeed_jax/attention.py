@@ -18,6 +18,7 @@ __all__ = [
     "BACKENDS",
     "dense_attention",
     "get_paged_attention",
+    "get_short_conv",
     "paged_attention_jnp",
     "resolve_backend",
 ]
@@ -156,6 +157,19 @@ def _pallas_kernel() -> Callable | None:
     except ImportError:
         return None
     return paged_attention
+
+
+def get_short_conv(backend: str) -> Callable | None:
+    """The paged short-conv function of `backend`; None = the model's built-in jnp taps."""
+    if resolve_backend(backend) == "reference":
+        return None
+    try:
+        from pallas_kernels import short_conv
+    except ImportError as e:
+        raise ValueError("attention_backend='pallas' but pallas_kernels.short_conv is missing") from e
+    if jax.default_backend() != "gpu":
+        return functools.partial(short_conv, interpret=True)
+    return short_conv
 
 
 def get_paged_attention(backend: str) -> Callable:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tokenspeed_jax.attention import get_paged_attention, resolve_backend
+from tokenspeed_jax.attention import get_paged_attention, get_short_conv, resolve_backend
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
@@ -118,6 +118,7 @@ class ModelRunner:
             num_pages=self.num_pages, max_live_requests=max_live_requests,
         )  # fmt: skip
         self._attn = get_paged_attention(self.backend)
+        self._conv = get_short_conv(self.backend)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
 
     # ------------------------------------------------------------------ device side
@@ -137,7 +138,7 @@ class ModelRunner:
             ops["token_rows"], block_sizes=self.block_sizes, num_pages=self.num_pages,
             layer_groups=self.layer_groups,
         )  # fmt: skip
-        hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn)
+        hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
 
         t = hidden.shape[0]
         last = jnp.clip(ops["query_start"][1:] - 1, 0, t - 1)  # each row's last token

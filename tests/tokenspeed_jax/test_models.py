@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenspeed_jax.attention import get_paged_attention
+from tokenspeed_jax.attention import get_paged_attention, get_short_conv
 from tokenspeed_jax.models import (
     build_model,
     cache_group_specs,
@@ -89,7 +89,9 @@ def test_tiny_random_is_deterministic_and_not_flat(setup):
     assert len(set(logits.argmax(-1).tolist())) > 3
 
 
-def test_paged_forward_matches_dense(setup):
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_paged_forward_matches_dense(setup, backend):
+    """pallas runs the kernels of pallas_kernels (interpret mode off GPU)."""
     cfg, model, specs, lg = setup
     kinds = []
     for s in specs:
@@ -115,14 +117,14 @@ def test_paged_forward_matches_dense(setup):
     # Garbage everywhere except the null page: nothing may read an unwritten page.
     caches = jax.tree.map(lambda a: a.at[1:].set(jnp.nan), state.caches)
     done = dict.fromkeys(seqs, 0)
-    attn = get_paged_attention("reference")
+    attn, conv = get_paged_attention(backend), get_short_conv(backend)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def fwd(token_ids, caches, mirrors, slots, qs, kv, pos, trows):
         batch = make_paged_batch(
             mirrors, slots, qs, kv, pos, trows, block_sizes=block_sizes, num_pages=NUM_PAGES, layer_groups=lg
         )
-        hidden, caches = model(token_ids, caches, batch, attn)
+        hidden, caches = model(token_ids, caches, batch, attn, conv)
         return model.logits(hidden), caches
 
     r = 3

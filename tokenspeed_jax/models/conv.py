@@ -54,14 +54,29 @@ class ShortConv(nnx.Module):
         ]
         return self._finish(taps, c)
 
-    def paged(self, x: jax.Array, cache: dict, batch: PagedBatch, group: int) -> tuple[jax.Array, dict]:
-        """Packed tokens x f[T, H]; cache {"conv": f[P, B_g, H]} -> (f[T, H], new cache)."""
+    def paged(
+        self, x: jax.Array, cache: dict, batch: PagedBatch, group: int, conv_fn=None
+    ) -> tuple[jax.Array, dict]:
+        """Packed tokens x f[T, H]; cache {"conv": f[P, B_g, H]} -> (f[T, H], new cache).
+
+        conv_fn: None = the jnp taps below; else a function with the signature of
+        `pallas_kernels.short_conv(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs,
+        weight, bias)` (weight f[K, C], tap j at position pos - (K-1) + j).
+        """
         u, c = self._gates(x)
         pool = cache["conv"]
         num_pages, bs, h = pool.shape
         flat = pool.reshape(num_pages * bs, h)
         flat = flat.at[batch.write_idx[group]].set(u.astype(flat.dtype), mode="drop")
+        new_cache = {"conv": flat.reshape(num_pages, bs, h)}
         table = batch.page_tables[group]
+        if conv_fn is not None:
+            bias = None if self.conv_bias is None else self.conv_bias[...]
+            y = conv_fn(
+                u, new_cache["conv"], table, batch.kv_lens, batch.cu_q_lens, batch.num_seqs,
+                self.conv_weight[...], bias,
+            )  # fmt: skip
+            return self.out_proj(c * y), new_cache
         wp = table.shape[1]
         t = jnp.arange(u.shape[0], dtype=jnp.int32)
         taps = [u]
@@ -74,4 +89,4 @@ class ShortConv(nnx.Module):
             from_pool = flat[page * bs + qc % bs].astype(u.dtype)
             tap = jnp.where(in_chunk[:, None], from_chunk, from_pool)
             taps.append(jnp.where((q >= 0)[:, None], tap, 0))
-        return self._finish(taps, c), {"conv": flat.reshape(num_pages, bs, h)}
+        return self._finish(taps, c), new_cache

@@ -123,10 +123,10 @@ class DecoderLayer(nnx.Module):
         h = x + mixer.dense(self.input_layernorm(x))
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def paged(self, x, cache, batch: PagedBatch, group: int, attn_fn: AttnFn):
+    def paged(self, x, cache, batch: PagedBatch, group: int, attn_fn: AttnFn, conv_fn=None):
         y = self.input_layernorm(x)
         if self.layer_type == "conv":
-            y, cache = self.conv.paged(y, cache, batch, group)
+            y, cache = self.conv.paged(y, cache, batch, group, conv_fn)
         else:
             y, cache = self.self_attn.paged(y, cache, batch, group, attn_fn)
         h = x + y
@@ -161,12 +161,17 @@ class CausalLM(nnx.Module):
         caches: tuple[dict, ...],
         batch: PagedBatch,
         attn_fn: AttnFn,
+        conv_fn: Callable | None = None,
     ) -> tuple[jax.Array, tuple[dict, ...]]:
-        """Paged forward of packed tokens i32[T] -> (final-normed hidden f[T, H], new caches)."""
+        """Paged forward of packed tokens i32[T] -> (final-normed hidden f[T, H], new caches).
+
+        attn_fn: SPEC.md `paged_attention` signature; conv_fn: `short_conv` signature or None
+        (jnp taps).
+        """
         x = self.embed_tokens[...][token_ids]
         new_caches = []
         for i, layer in enumerate(self.layers):
-            x, c = layer.paged(x, caches[i], batch, batch.layer_groups[i], attn_fn)
+            x, c = layer.paged(x, caches[i], batch, batch.layer_groups[i], attn_fn, conv_fn)
             new_caches.append(c)
         return self.norm(x), tuple(new_caches)
 
