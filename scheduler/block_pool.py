@@ -2,11 +2,14 @@
 
 Free pages sit in an LRU list (front = evicted next). A freed page keeps its prefix hash, so it is
 both a prefix-cache hit candidate and evictable; reallocating it evicts the hash. Every operation is
-O(1) per page: the free list is an insertion-ordered dict (pop front, append back, remove by key).
+O(1) per page: the free list is an `OrderedDict` (pop front, append back, remove by key). A plain
+dict is not enough: popping its front with `next(iter(d))` skips every deleted slot left at the
+front, so pops get O(num_pages) until the dict is rebuilt.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
 NULL_PAGE = 0
@@ -25,7 +28,7 @@ class BlockPool:
             raise ValueError(f"num_pages must be an int >= 2 (page 0 is the null page), got {num_pages!r}")
         self.num_pages = num_pages
         self._refcount = [0] * num_pages
-        self._free: dict[int, None] = dict.fromkeys(range(1, num_pages))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_pages))
         self._page_key: list[CacheKey | None] = [None] * num_pages
         # key -> pages carrying it, oldest registration first (duplicates allowed).
         self._key_pages: dict[CacheKey, dict[int, None]] = {}
@@ -73,12 +76,13 @@ class BlockPool:
         if n > len(self._free):
             raise RuntimeError(f"allocate({n}) with only {len(self._free)} free pages")
         out = []
-        free = self._free
+        pop = self._free.popitem
+        rc, keys = self._refcount, self._page_key
         for _ in range(n):
-            page = next(iter(free))
-            del free[page]
-            self._evict_key(page)
-            self._refcount[page] = 1
+            page = pop(last=False)[0]
+            if keys[page] is not None:
+                self._evict_key(page)
+            rc[page] = 1
             out.append(page)
         return out
 
