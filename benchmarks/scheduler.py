@@ -174,10 +174,12 @@ class PassResult:
 
 
 def run_lockstep(entries: list[tuple[str, Workload]], seed: int, max_steps: int,
-                 flip: bool) -> dict[tuple[str, str], PassResult]:
+                 flip: bool, clock: str = "wall") -> dict[tuple[str, str], PassResult]:
     """Run every (scheduler kind, workload) entry at once, alternating single steps (ours,
     theirs, ours, ...; `flip` reverses the order), so that load from other processes on the
-    machine lands on all of them alike. Each step is timed on its own."""
+    machine lands on all of them alike. Each step is timed on its own, by wall clock
+    (perf_counter) or by this process's CPU time (process_time: blind to preemption by other
+    processes, includes ~1.5 us of clock overhead per step)."""
     runners = {}
     for kind, w in entries:
         runner = OursRunner(w) if kind == "ours" else TheirsRunner(w)
@@ -194,7 +196,7 @@ def run_lockstep(entries: list[tuple[str, Workload]], seed: int, max_steps: int,
             runner = runners[key]
             while not runner.in_decode_phase():
                 runner.step(rngs[key].integers(1, VOCAB, size=width[key], dtype=np.int32))
-    perf = time.perf_counter
+    perf, cpu = time.perf_counter, time.process_time
     gc.collect()
     for _ in range(max_steps):
         live = [key for key in keys if runners[key].has_unfinished()]
@@ -203,11 +205,13 @@ def run_lockstep(entries: list[tuple[str, Workload]], seed: int, max_steps: int,
         for key in live:
             runner = runners[key]
             sampled = rngs[key].integers(1, VOCAB, size=width[key], dtype=np.int32)
+            c0 = cpu()
             t0 = perf()
             runner.step(sampled)
-            dt = perf() - t0
+            t1 = perf()
+            c1 = cpu()
             times, decode, rows = log[key]
-            times.append(dt)
+            times.append(t1 - t0 if clock == "wall" else c1 - c0)
             decode.append(runner.last_is_decode)
             rows.append(runner.last_rows)
     out = {}
@@ -235,6 +239,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=None, help="passes per scheduler (best is kept)")
     ap.add_argument("--only", default=None, help="comma-separated workload keys (a,b,c,d,e,ctx4k,ctx128k)")
     ap.add_argument("--no-peer", action="store_true", help="run ours only")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="per-step time: wall clock (default) or process CPU time")
     args = ap.parse_args()
     passes = args.passes or (1 if args.quick else 3)
     ws = workloads(args.quick)
@@ -261,7 +267,8 @@ def main() -> None:
     results: dict[tuple[str, str], PassResult] = {}
     for entries in groups:
         for p in range(passes):
-            res = run_lockstep(entries, seed=0, max_steps=200_000, flip=p % 2 == 1)
+            res = run_lockstep(entries, seed=0, max_steps=200_000, flip=p % 2 == 1,
+                               clock=args.clock)
             for key, r in res.items():
                 best = results.get(key)
                 if best is None or r.median < best.median:
@@ -271,7 +278,7 @@ def main() -> None:
 
     print(f"# scheduler host cost per step: ours vs TokenSpeed "
           f"{'tokenspeed-scheduler ' + peer.version() if with_peer else '(not installed)'}; "
-          f"best of {passes} pass(es){' (--quick)' if args.quick else ''}")
+          f"best of {passes} pass(es), {args.clock} clock{' (--quick)' if args.quick else ''}")
     print(f"# python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}")
     print()
     print("| workload | steps ours/theirs | median us ours | median us theirs | ratio | "
