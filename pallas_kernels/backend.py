@@ -6,7 +6,8 @@ because that API moved between jax releases:
 
 - jax <= 0.4.3x: `pl.load(ref, idx, mask=, other=)`, `pl.dot`, `plgpu.TritonCompilerParams`
   (or a `{"triton": {...}}` dict);
-- jax 0.6 - 0.12: `plgpu.load(ref.at[idx], mask=, other=)`, `plgpu.dot`, `plgpu.CompilerParams`.
+- jax 0.6 - 0.12: `plgpu.load(ref.at[idx], mask=, other=)`, `plgpu.CompilerParams`; `pl.dot` /
+  `plgpu.dot` come and go (we use `lax.dot_general`, which they wrap).
 
 Only the Triton lowering is implemented today (`BACKEND == "triton"`). A Mosaic GPU variant would
 add a second branch here (its kernels need warpgroup-level code, so it would also get its own
@@ -21,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 try:  # jax >= 0.4.31 ships the Triton-specific namespace.
@@ -64,12 +66,17 @@ def store(ref: Any, idx: Sequence[Any], val: jax.Array, *, mask: jax.Array | Non
 
 
 def dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
-    """2-D matmul with float32 accumulation (bf16 inputs hit tensor cores; f32 inputs use full
-    f32 precision, not TF32, so float32 results match the reference closely)."""
-    fn: Callable[..., jax.Array] = getattr(_plgpu, "dot", None) or pl.dot
-    if a.dtype == jnp.float32 or b.dtype == jnp.float32:
-        return fn(a, b, trans_b=trans_b, allow_tf32=False)
-    return fn(a, b, trans_b=trans_b)
+    """2-D matmul `a @ b` (or `a @ b.T`) with float32 accumulation.
+
+    Written as `lax.dot_general` (what `pl.dot` / `plgpu.dot` expand to) because the wrappers
+    moved or vanished across releases while dot_general lowers everywhere. bf16 inputs hit
+    tensor cores; float32 inputs ask for HIGHEST precision, which the Triton lowering maps to
+    IEEE (not TF32), so float32 results match the reference closely.
+    """
+    precision = (lax.Precision.HIGHEST if jnp.float32 in (a.dtype, b.dtype)
+                 else lax.Precision.DEFAULT)
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def compiler_params(*, num_warps: int, num_stages: int) -> Any:
