@@ -1,9 +1,8 @@
 """`ModelConfig`: one frozen config for the generic decoder (Llama, Qwen3, Mistral, LFM2, GPT-OSS).
 
 Field names follow Hugging Face `config.json` where one exists, so a loader can build a
-`ModelConfig` mostly by copying keys. Features not implemented yet (MoE, rope scaling variants)
-have fields here and raise `NotImplementedError` where the model would need them, so a later
-loader fails loudly instead of computing something else.
+`ModelConfig` mostly by copying keys (`tokenspeed_jax.hf.config` does, per architecture).
+RoPE variants are in models/rope.py, mixture-of-experts in models/moe.py.
 """
 
 from __future__ import annotations
@@ -43,8 +42,11 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     sm_scale: float | None = None  # None = head_dim ** -0.5
     mlp_bias: bool = False
-    num_local_experts: int = 0  # MoE (GPT-OSS) -- extension point, not implemented yet
+    num_local_experts: int = 0  # MoE (GPT-OSS, models/moe.py); 0 = dense SwiGLU MLP
     num_experts_per_tok: int = 0
+    swiglu_alpha: float = 1.702  # MoE experts: gate * sigmoid(alpha * gate)
+    swiglu_limit: float | None = None  # MoE experts: clamp of gate (above) and up (both sides)
+    max_position_embeddings: int | None = None  # context the checkpoint was trained for (HF)
     tie_word_embeddings: bool = False
     dtype: str = "float32"  # activations and parameters
     init_scale: float = 1.0  # weight init std multiplier (random models only)

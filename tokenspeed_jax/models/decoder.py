@@ -22,7 +22,14 @@ from tokenspeed_jax.attention import dense_attention
 from tokenspeed_jax.models.batch import PagedBatch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.conv import ShortConv
-from tokenspeed_jax.models.layers import Linear, RMSNorm, apply_rope, make_mlp, rope_inv_freq
+from tokenspeed_jax.models.layers import (
+    Linear,
+    RMSNorm,
+    apply_rope,
+    make_mlp,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 
 AttnFn = Callable[..., jax.Array]  # SPEC.md paged_attention signature
 
@@ -51,7 +58,8 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
         self.sliding_window = cfg.window_of(layer)
         self.soft_cap = cfg.attn_logit_softcapping
-        self.sm_scale = cfg.scale
+        # YaRN scales cos/sin, i.e. both q and k, by f: the same as scaling the logits by f^2.
+        self.sm_scale = cfg.scale * rope_attention_factor(cfg) ** 2
         self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # not a Param: never trained/loaded
 
     def _qkv(self, x: jax.Array, positions: jax.Array):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.models.rope import rope_parameters
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> nnx.Param:
@@ -42,11 +43,14 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """f32[head_dim // 2] inverse frequencies. Extension point for rope_scaling variants."""
-    if cfg.rope_scaling not in (None, {}) and cfg.rope_scaling.get("rope_type", "default") != ("default"):
-        raise NotImplementedError(f"rope_scaling {cfg.rope_scaling!r} is not implemented yet")
-    d = cfg.head_dim
-    return 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    """f32[head_dim // 2] inverse frequencies, `cfg.rope_scaling` applied (models/rope.py)."""
+    inv_freq, _ = rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+    return jnp.asarray(inv_freq)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """Factor the RoPE variant multiplies cos/sin by (YaRN mscale; 1.0 for most variants)."""
+    return rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)[1]
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -74,7 +78,9 @@ class MLP(nnx.Module):
 
 
 def make_mlp(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
-    """Feed-forward block factory: the extension point for MoE (GPT-OSS)."""
+    """Feed-forward block factory: dense SwiGLU, or top-k routed experts (GPT-OSS, models/moe.py)."""
     if cfg.num_local_experts > 0:
-        raise NotImplementedError("MoE feed-forward is not implemented yet")
+        from tokenspeed_jax.models.moe import MoE  # lazy: moe.py imports Linear from here
+
+        return MoE(cfg, rngs=rngs)
     return MLP(cfg, rngs=rngs)

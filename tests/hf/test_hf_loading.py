@@ -1,0 +1,174 @@
+"""HF loader: config mapping, cache groups, weights (single / sharded / tied / bf16), errors,
+tokenizer + chat template vs transformers, RoPE tables and MXFP4 vs transformers, and the dense
+forward of every family vs transformers' log-softmax."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tests.hf.conftest import FAMILIES  # noqa: E402
+from tokenspeed_jax.hf import SUPPORTED_ARCHITECTURES, load_checkpoint, load_config  # noqa: E402
+from tokenspeed_jax.hf.mxfp4 import dequantize_mxfp4  # noqa: E402
+from tokenspeed_jax.models import cache_group_specs, layer_groups  # noqa: E402
+from tokenspeed_jax.models.rope import rope_parameters  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+
+def _hf_logprobs(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ids)])).logits[0].float()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_forward_matches_transformers(hf_checkpoints, family):
+    path, ref = hf_checkpoints[family]
+    cfg, model, _ = load_checkpoint(path)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 48)  # longer than every window
+    want = _hf_logprobs(ref, ids)
+    got = np.asarray(jax.nn.log_softmax(jax.jit(model.dense)(jnp.asarray(ids, jnp.int32)), -1))
+    assert np.abs(got - want).max() < 1e-4
+    assert np.exp(want).max(-1).mean() > 0.1, "logits too flat to make the parity meaningful"
+
+
+def test_config_mapping_and_cache_groups(hf_checkpoints):
+    cfgs = {f: load_config(hf_checkpoints[f][0]) for f in FAMILIES}
+    expect = {
+        "llama": (("full_attention",) * 3, None),
+        "qwen3": (("full_attention", "sliding_attention", "sliding_attention", "full_attention"), 12),
+        "mistral": (("sliding_attention",) * 2, 10),
+        "lfm2": (("conv", "conv", "full_attention", "conv"), None),
+        "gpt_oss": (("sliding_attention", "full_attention", "sliding_attention"), 12),
+    }
+    for family, (types, window) in expect.items():
+        cfg = cfgs[family]
+        assert (cfg.layer_types, cfg.sliding_window) == (types, window), family
+        assert cfg.eos_token_id == (2, 4)  # generation_config.json wins over config.json's 2
+        assert cfg.max_position_embeddings == 512
+        specs = cache_group_specs(cfg, page_size=4)
+        for layer, g in enumerate(layer_groups(cfg, specs)):
+            spec, kind = specs[g], cfg.layer_types[layer]
+            if kind == "full_attention":
+                assert spec.retention == "full_history"
+            elif kind == "sliding_attention":
+                assert (spec.sliding_window_tokens, spec.live_tail_alloc) == (window, False)
+            else:  # conv: live-tail group, window = conv kernel
+                assert (spec.sliding_window_tokens, spec.live_tail_alloc) == (cfg.conv_L_cache, True)
+    llama, qwen, lfm, oss = cfgs["llama"], cfgs["qwen3"], cfgs["lfm2"], cfgs["gpt_oss"]
+    assert llama.tie_word_embeddings and llama.attention_bias and llama.o_proj_bias and llama.mlp_bias
+    assert llama.rope_scaling["rope_type"] == "llama3"
+    assert qwen.qk_norm and not qwen.tie_word_embeddings
+    assert lfm.qk_norm and lfm.conv_bias and lfm.conv_L_cache == 3 and lfm.tie_word_embeddings
+    assert oss.attention_sinks and oss.attention_bias and oss.o_proj_bias
+    assert (oss.num_local_experts, oss.num_experts_per_tok, oss.swiglu_limit) == (4, 2, 1.5)
+    assert oss.rope_scaling["rope_type"] == "yarn"
+
+
+def test_sharded_tied_and_bf16_loading(hf_checkpoints, tmp_path):
+    qwen_dir = hf_checkpoints["qwen3"][0]
+    assert os.path.isfile(os.path.join(qwen_dir, "model.safetensors.index.json"))
+    ref = hf_checkpoints["qwen3"][1]
+    _, model, _ = load_checkpoint(qwen_dir)
+    # Spot checks of the mapping itself: transposed projection, q/k norms, untied head.
+    layer = model.layers[1].self_attn
+    np.testing.assert_array_equal(
+        np.asarray(layer.k_proj.kernel[...]), ref.model.layers[1].self_attn.k_proj.weight.detach().numpy().T
+    )
+    np.testing.assert_array_equal(
+        np.asarray(layer.k_norm.weight[...]), ref.model.layers[1].self_attn.k_norm.weight.detach().numpy()
+    )
+    np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), ref.lm_head.weight.detach().numpy().T)
+    _, llama, _ = load_checkpoint(hf_checkpoints["llama"][0])
+    assert llama.lm_head is None  # tied: logits use the embedding table
+    cfg16, m16, _ = load_checkpoint(hf_checkpoints["lfm2"][0], dtype="bfloat16")
+    assert cfg16.dtype == "bfloat16" and m16.embed_tokens[...].dtype == jnp.bfloat16
+    assert m16.layers[0].conv.conv_weight[...].shape == (3, 64)
+    # A shard listed in the index but absent is a clear error.
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen_dir, broken)
+    first = sorted(p for p in os.listdir(broken) if p.endswith(".safetensors"))[0]
+    os.remove(broken / first)
+    with pytest.raises(ValueError, match="missing"):
+        load_checkpoint(str(broken))
+
+
+def test_errors_name_what_is_supported_or_missing(hf_checkpoints, tmp_path):
+    src = hf_checkpoints["mistral"][0]
+    with pytest.raises(ValueError, match="config.json"):
+        load_checkpoint(str(tmp_path))
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture.*" + ".*".join(SUPPORTED_ARCHITECTURES)):
+        load_checkpoint(str(bad))
+    (bad / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "longrope"}}))
+    with pytest.raises(ValueError, match="longrope"):
+        load_checkpoint(str(bad))
+    (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 80}))
+    with pytest.raises(ValueError, match="shape"):
+        load_checkpoint(str(bad))
+    (bad / "config.json").write_text(json.dumps(cfg))
+    os.remove(bad / "model.safetensors")
+    with pytest.raises(ValueError, match="safetensors"):
+        load_checkpoint(str(bad))
+
+
+def test_tokenizer_and_chat_template_match_transformers(hf_checkpoints):
+    path = hf_checkpoints["llama"][0]
+    _, _, tok = load_checkpoint(path)
+    ref = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    text = "You are a helpful assistant. Über-paged attention! 123"
+    ids = tok.encode(text)
+    assert ids == ref(text)["input_ids"] and ids[0] == tok.bos_token_id == 1
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert tok.eos_token_id == 2
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(messages) == want
+    assert want.startswith("<s><|im_start|>system\nBe brief.<|im_end|>\n")
+
+
+def test_rope_tables_match_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cases = [
+        ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32}),
+        ("yarn", {"factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                  "original_max_position_embeddings": 64}),
+        ("yarn", {"factor": 4.0, "original_max_position_embeddings": 128}),
+        ("linear", {"factor": 2.0}),
+    ]  # fmt: skip
+    for kind, params in cases:
+        rope = {"rope_type": kind, "rope_theta": 10000.0, **params}
+        cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                       max_position_embeddings=512, rope_parameters=rope)  # fmt: skip
+        want, want_factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+        got, factor = rope_parameters(16, 10000.0, rope, 512)
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+        assert factor == pytest.approx(want_factor)
+        assert np.abs(got - rope_parameters(16, 10000.0, None)[0]).max() > 1e-3  # really scaled
+
+
+def test_mxfp4_dequantization_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (2, 6, 2, 16), dtype=np.uint8)  # [E, rows, groups, 16 bytes]
+    scales = rng.integers(120, 134, (2, 6, 2), dtype=np.uint8)
+    want = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales), dtype=torch.float32)
+    got = dequantize_mxfp4(jnp.asarray(blocks), jnp.asarray(scales))
+    assert got.shape == (2, 64, 6)
+    np.testing.assert_array_equal(np.asarray(got), want.numpy())
