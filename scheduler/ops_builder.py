@@ -20,7 +20,7 @@ class ScheduledRow:
     num_tokens: int
     full_refresh: bool
     samples: bool
-    begins: list[int]  # per group: first new slot (tail delta)
+    begins: list[int] | None  # per group: first new slot (tail delta); None = row length now
     sizes: list[int]  # per group: new slots appended this step
     holes: list[list[int]]  # per group: slots reclaimed into holes this step
     # True only when the row has no full refresh, no new page and no hole in any group (a plain
@@ -37,6 +37,13 @@ class OpsBuilder:
                         config.group_delta_width(spec))
             for spec in config.groups)
         self._row_index = np.arange(self.R, dtype=np.int32)
+        # padding-valued templates: copying one is cheaper than np.full / np.ones each step
+        R, T, i32 = self.R, self.T, np.int32
+        self._minus1_R = np.full(R, -1, i32)
+        self._ones_R = np.ones(R, np.float32)
+        self._R_T = np.full(T, R, i32)
+        self._minus1_T = np.full(T, -1, i32)
+        self._hole_pad = [np.full((R, lay.delta_width), lay.width, i32) for lay in self.layouts]
 
     def build(self, rows: list[ScheduledRow]) -> StepOps:
         """Column-wise: one list per field, one numpy assignment per field (O(batch + new
@@ -47,21 +54,21 @@ class OpsBuilder:
         reqs = [r.req for r in rows]
         lens = [r.num_tokens for r in rows]
         starts = [r.start for r in rows]
-        req_slots = np.full(R, -1, i32)
+        req_slots = self._minus1_R.copy()
         full_refresh = np.zeros(R, bool)
         kv_lens = np.zeros(R, i32)
         sample_mask = np.zeros(R, bool)
         temperature = np.zeros(R, np.float32)
-        top_p = np.ones(R, np.float32)
-        top_k = np.full(R, -1, i32)
+        top_p = self._ones_R.copy()
+        top_k = self._minus1_R.copy()
         seeds = np.zeros(R, np.uint32)
         sample_index = np.zeros(R, i32)
         token_ids = np.zeros(T, i32)
         positions = np.zeros(T, i32)
-        token_rows = np.full(T, R, i32)
-        prompt_targets = np.full(T, -1, i32)
+        token_rows = self._R_T.copy()
+        prompt_targets = self._minus1_T.copy()
         query_start = np.zeros(R + 1, i32)
-        groups = [self._empty_group(lay) for lay in self.layouts]
+        groups = [self._empty_group(g, lay) for g, lay in enumerate(self.layouts)]
         q = sum(lens)
         if n:
             req_slots[:n] = [r.slot for r in reqs]
@@ -101,7 +108,8 @@ class OpsBuilder:
         for g, arrays in enumerate(groups):
             begins, sizes, new_pages, full_rows, row_lens, hole_slots = arrays
             if n:
-                begins[:n] = [r.begins[g] for r in rows]
+                begins[:n] = [len(r.req.tables[g].pages) if r.begins is None else r.begins[g]
+                              for r in rows]
             for i in busy:
                 row = rows[i]
                 pages = row.req.tables[g].pages
@@ -130,8 +138,8 @@ class OpsBuilder:
             seeds=seeds, sample_index=sample_index,
             groups=tuple(GroupStepOps(*arrays) for arrays in groups))
 
-    def _empty_group(self, lay: GroupLayout) -> list[np.ndarray]:
+    def _empty_group(self, g: int, lay: GroupLayout) -> list[np.ndarray]:
         R = self.R
         return [np.zeros(R, np.int32), np.zeros(R, np.int32),
                 np.zeros((R, lay.delta_width), np.int32), np.zeros((R, lay.width), np.int32),
-                np.zeros(R, np.int32), np.full((R, lay.delta_width), lay.width, np.int32)]
+                np.zeros(R, np.int32), self._hole_pad[g].copy()]

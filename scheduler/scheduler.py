@@ -140,9 +140,8 @@ class Scheduler:
                     and pool.num_free >= self._reserved_total
                     and coord.grow_in_tail(req.tables, req.num_computed)):
                 req.num_decode_rows += 1
-                rows.append(ScheduledRow(req, req.num_computed, 1, False, True,
-                                         [len(t.pages) for t in req.tables], no_sizes, no_holes,
-                                         True))
+                rows.append(ScheduledRow(req, req.num_computed, 1, False, True, None, no_sizes,
+                                         no_holes, True))
                 budget -= 1
                 i += 1
                 continue
@@ -248,8 +247,14 @@ class Scheduler:
         """Pages running decoders will need next step if they sit at a page boundary: admission
         keeps them free so a new request does not force a retraction one step later."""
         coord = self.coord
-        return sum(coord.blocks_needed_for(r.tables, 1) for r in self._running
-                   if r.prefill_done and r.reserved == 0)
+        total = 0
+        for r in self._running:
+            if r.prefill_done and r.reserved == 0:
+                for t in r.tables:
+                    if t.tail_avail < 1:  # only then can one more token need a page
+                        total += coord.blocks_needed_for(r.tables, 1)
+                        break
+        return total
 
     # ------------------------------------------------------------------ retraction / release
     def _retract(self, req: Request) -> None:
