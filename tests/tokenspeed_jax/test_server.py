@@ -76,10 +76,16 @@ def test_stop_string_truncates(client):
     base = client.post("/v1/completions", json={"prompt": [72, 105], "max_tokens": 8,
                                                 "temperature": 0, "ignore_eos": True}).json()
     text = base["choices"][0]["text"]
-    stop = text[2:4]
-    if not stop.strip():
+    clean = [i for i in range(1, len(text) - 1) if text[i:i + 2].isprintable()
+             and "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i]
+    if not clean:
         pytest.skip("generated text has no usable stop string")
+    stop = text[clean[0]:clean[0] + 2]
     r = client.post("/v1/completions", json={"prompt": [72, 105], "max_tokens": 8,
                                              "temperature": 0, "ignore_eos": True, "stop": stop})
     choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "stop" and choice["text"] == text[:text.find(stop)]
+    # random bytes are not valid UTF-8, so offsets of replacement characters can shift between a
+    # partial and a full decode: check the contract, not exact offsets
+    assert choice["finish_reason"] == "stop" and stop not in choice["text"]
+    assert len(choice["token_ids"]) < 8 and choice["token_ids"] == base["choices"][0]["token_ids"][
+        :len(choice["token_ids"])]

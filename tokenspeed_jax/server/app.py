@@ -101,11 +101,19 @@ def build_app(llm, model_name: str = "tiny-random") -> FastAPI:
                     if hit >= 0:
                         engine.abort(rid)
                         new_text, reason = new_text[:hit], "stop"
-                    delta, text = new_text[len(text) :], new_text
-                    yield delta, None, None
+                    else:
+                        # hold back a trailing partial UTF-8 character until it completes
+                        new_text = new_text.rstrip("\ufffd")
+                    delta = new_text[len(text):] if new_text.startswith(text) else ""
+                    text = text + delta
+                    if delta:
+                        yield delta, None, None
                 else:
                     reason = item.finish_reason
                     logprobs = item.logprobs
+                    final = tokenizer.decode(tokens)
+                    if final.startswith(text) and len(final) > len(text):
+                        yield final[len(text):], None, None
             yield "", reason, (tokens, logprobs)
 
         if body.stream:
