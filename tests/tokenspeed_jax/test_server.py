@@ -17,10 +17,14 @@ from tokenspeed_jax.server.app import build_app  # noqa: E402
 
 @pytest.fixture(scope="module")
 def client():
+    from tokenspeed_jax import SamplingParams
+
     llm = LLM("tiny-random", num_pages=200, page_size=8, max_batch_requests=4,
               max_scheduled_tokens=32, max_context_len=128)
+    # offline reference first: once served, the engine belongs to the server's thread
+    offline = llm.generate("The cache", SamplingParams(max_tokens=6, ignore_eos=True))[0]
     with TestClient(build_app(llm)) as c:
-        c.llm = llm
+        c.offline = offline
         yield c
 
 
@@ -30,15 +34,12 @@ def test_models_and_health(client):
 
 
 def test_completion_matches_offline_generate(client):
-    from tokenspeed_jax import SamplingParams
-
     body = {"prompt": "The cache", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
             "logprobs": True}
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    offline = client.llm.generate("The cache", SamplingParams(max_tokens=6, ignore_eos=True))[0]
-    assert choice["token_ids"] == offline.token_ids
+    assert choice["token_ids"] == client.offline.token_ids
     assert choice["finish_reason"] == "length" and len(choice["logprobs"]["token_logprobs"]) == 6
     assert r.json()["usage"]["completion_tokens"] == 6
 
