@@ -8,6 +8,7 @@ finished scheduler outputs into `CompletionOutput`s. One engine = one model + on
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -50,6 +51,10 @@ class Engine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
+        # The engine is single-threaded by design; a second concurrent stepper (e.g. calling
+        # LLM.generate while a server thread drives the same engine) would reuse donated device
+        # buffers, so it is refused loudly instead.
+        self._stepping = threading.Lock()
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -105,6 +110,14 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[CompletionOutput]:
         """One scheduler step on the device. Returns the requests that finished in it."""
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("Engine.step called concurrently from two threads")
+        try:
+            return self._step()
+        finally:
+            self._stepping.release()
+
+    def _step(self) -> list[CompletionOutput]:
         ops = self.scheduler.schedule()
         if ops.num_reqs == 0:
             return []
