@@ -23,12 +23,19 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from scheduler import BlockPool, CacheCoordinator, PagedCacheGroupSpec
-from scheduler.hashing import PrefixHasher
+# Run as a script, this folder is sys.path[0] and benchmarks/scheduler.py would shadow the
+# `scheduler` package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+from scheduler import BlockPool, CacheCoordinator, PagedCacheGroupSpec  # noqa: E402
+from scheduler.hashing import PrefixHasher  # noqa: E402
 
 CONTEXTS = (4096, 32768, 131072)
 
