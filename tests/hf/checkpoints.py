@@ -74,8 +74,8 @@ def write_tokenizer(path: str) -> None:
     assert [tok.token_to_id(s) for s in specials] == [0, 1, 2, 3, 4]
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
-                   "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE,
+        eos = {"__type": "AddedToken", "content": "</s>", "special": True}  # legacy dict form
+        json.dump({"bos_token": "<s>", "eos_token": eos, "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE,
                    "tokenizer_class": "PreTrainedTokenizerFast"}, f)  # fmt: skip
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": [2, 4], "pad_token_id": 0}, f)

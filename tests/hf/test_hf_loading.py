@@ -88,7 +88,8 @@ def test_sharded_tied_and_bf16_loading(hf_checkpoints, tmp_path):
     np.testing.assert_array_equal(
         np.asarray(layer.k_norm.weight[...]), ref.model.layers[1].self_attn.k_norm.weight.detach().numpy()
     )
-    np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), ref.lm_head.weight.detach().numpy().T)
+    head = ref.lm_head.weight.detach().numpy().T
+    np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), head)
     _, llama, _ = load_checkpoint(hf_checkpoints["llama"][0])
     assert llama.lm_head is None  # tied: logits use the embedding table
     cfg16, m16, _ = load_checkpoint(hf_checkpoints["lfm2"][0], dtype="bfloat16")
@@ -172,3 +173,38 @@ def test_mxfp4_dequantization_matches_transformers():
     got = dequantize_mxfp4(jnp.asarray(blocks), jnp.asarray(scales))
     assert got.shape == (2, 64, 6)
     np.testing.assert_array_equal(np.asarray(got), want.numpy())
+
+
+def test_mxfp4_packed_experts_load_dequantized(hf_checkpoints, tmp_path):
+    """A GPT-OSS checkpoint with experts stored as published (MXFP4 *_blocks / *_scales)."""
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    dst = tmp_path / "mxfp4"
+    shutil.copytree(hf_checkpoints["gpt_oss"][0], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    e, h, i = 4, 64, 96
+    packed = {}
+    for layer in range(3):
+        for name, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            key = f"model.layers.{layer}.mlp.experts.{name}"
+            del tensors[key]
+            blocks = rng.integers(0, 256, (e, rows, cols // 32, 16), dtype=np.uint8)
+            scales = rng.integers(122, 130, (e, rows, cols // 32), dtype=np.uint8)
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+            packed[(layer, name)] = (blocks, scales)
+    save_file(tensors, str(dst / "model.safetensors"))
+    _, model, _ = load_checkpoint(str(dst))
+
+    def dequant(layer, name):
+        blocks, scales = packed[(layer, name)]
+        blocks, scales = torch.tensor(blocks), torch.tensor(scales)
+        return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).numpy()
+
+    for layer in range(3):
+        experts = model.layers[layer].mlp.experts
+        gate_up = dequant(layer, "gate_up_proj")  # [E, H, 2I], gate/up interleaved
+        np.testing.assert_array_equal(np.asarray(experts.gate_proj[...]), gate_up[..., 0::2])
+        np.testing.assert_array_equal(np.asarray(experts.up_proj[...]), gate_up[..., 1::2])
+        np.testing.assert_array_equal(np.asarray(experts.down_proj[...]), dequant(layer, "down_proj"))
