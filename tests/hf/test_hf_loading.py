@@ -208,3 +208,48 @@ def test_mxfp4_packed_experts_load_dequantized(hf_checkpoints, tmp_path):
         np.testing.assert_array_equal(np.asarray(experts.gate_proj[...]), gate_up[..., 0::2])
         np.testing.assert_array_equal(np.asarray(experts.up_proj[...]), gate_up[..., 1::2])
         np.testing.assert_array_equal(np.asarray(experts.down_proj[...]), dequant(layer, "down_proj"))
+
+
+def test_published_style_config_json_mapping():
+    """config.json as the Hub ships them (transformers 4.x keys), no weights needed."""
+    from tokenspeed_jax.hf.config import model_config_from_hf
+
+    lfm2 = model_config_from_hf({
+        "architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": True, "block_ff_dim": 12288,
+        "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256, "conv_L_cache": 3, "conv_bias": False,
+        "eos_token_id": 7, "full_attn_idxs": [2, 5], "hidden_size": 2048, "max_position_embeddings": 128000,
+        "norm_eps": 1e-05, "num_attention_heads": 32, "num_heads": 32, "num_hidden_layers": 6,
+        "num_key_value_heads": 8, "rope_theta": 1000000.0, "tie_embedding": True, "vocab_size": 65536,
+        "torch_dtype": "bfloat16"}, dtype="auto")  # fmt: skip
+    assert lfm2.layer_types == ("conv", "conv", "full_attention", "conv", "conv", "full_attention")
+    assert (lfm2.intermediate_size, lfm2.head_dim, lfm2.dtype) == (8192, 64, "bfloat16")
+    assert lfm2.tie_word_embeddings and lfm2.rope_theta == 1e6 and lfm2.eos_token_id == 7
+    llama = model_config_from_hf({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "intermediate_size": 8192,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 2, "vocab_size": 1000,
+        "rope_theta": 500000.0, "eos_token_id": [128001, 128008, 128009], "max_position_embeddings": 131072,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}})  # fmt: skip
+    assert llama.rope_theta == 500000.0 and llama.rope_scaling["rope_type"] == "llama3"
+    assert llama.eos_token_id == (128001, 128008, 128009) and llama.head_dim == 64
+    oss = model_config_from_hf({
+        "architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880,
+        "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 4,
+        "num_local_experts": 32, "experts_per_token": 4, "num_experts_per_tok": 4, "vocab_size": 201088,
+        "sliding_window": 128, "rope_theta": 150000, "max_position_embeddings": 131072,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+        "swiglu_limit": 7.0, "quantization_config": {"quant_method": "mxfp4"}})  # fmt: skip
+    assert oss.layer_types == ("sliding_attention", "full_attention") * 2 and oss.sliding_window == 128
+    assert oss.rope_scaling["truncate"] is False and oss.num_local_experts == 32
+    qwen = model_config_from_hf({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072,
+        "head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 8, "num_hidden_layers": 3,
+        "vocab_size": 151936, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28,
+        "rope_theta": 1000000, "tie_word_embeddings": True})  # fmt: skip
+    assert qwen.layer_types == ("full_attention",) * 3 and qwen.sliding_window is None
+    mistral = model_config_from_hf({
+        "architectures": ["MistralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 2, "vocab_size": 32768,
+        "sliding_window": None, "rope_theta": 1000000.0})  # fmt: skip
+    assert mistral.layer_types == ("full_attention",) * 2 and mistral.head_dim == 128

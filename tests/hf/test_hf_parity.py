@@ -6,7 +6,8 @@ page size 4, chunked prefill (16-token steps), prefix cache, a pool tight enough
   for token (a first divergence is accepted only at a tie closer than 1e-3 in transformers'
   logits), and the logprobs of the generated tokens match;
 - the same batch again hits the prefix cache and returns the same tokens;
-- string prompts go through tokenizer.json like transformers' tokenizer, and text comes back.
+- string prompts go through tokenizer.json like transformers' tokenizer, and text comes back;
+  seeded sampling reproduces whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -105,11 +106,17 @@ def test_greedy_shared_prefix_batch_matches_generate(served):
     assert stats["free_pages"] == stats["total_pages"]  # nothing leaked
 
 
-def test_string_prompt_uses_the_checkpoint_tokenizer(served, hf_checkpoints):
+def test_strings_and_seeded_sampling(served, hf_checkpoints):
     family, llm, ref = served
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(hf_checkpoints[family][0])
     text = "You are a helpful assistant. The quick brown fox"
     out = llm.generate(text, SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert out.prompt_token_ids == tok(text)["input_ids"]
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    # Seeded sampling on a real checkpoint reproduces whatever else shares the batch.
+    sp = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    alone = llm.generate(text, sp)[0].token_ids
+    other = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    crowd = llm.generate([text, "Mixture of experts", text + " jumps"], [sp, other, other])
+    assert crowd[0].token_ids == alone
     print(f"\n{family}: max |dlogprob| vs transformers = {MAX_DELTA.get(family, float('nan')):.2e}")
