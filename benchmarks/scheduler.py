@@ -67,6 +67,7 @@ class Workload:
     snapshot_images: int = 0  # TokenSpeed retraction images (0 = no snapshot pool)
     max_context_len: int | None = None
     decode_only: bool = False  # ctx: only pure decode steps count
+    measure_steps: int = 0  # ctx: timed steps after every request reached decode (then stop)
 
     @property
     def context(self) -> int:
@@ -95,12 +96,15 @@ def workloads(quick: bool) -> list[Workload]:
         Workload("e", "32 x full+swa(128), prompt 128, 8192 out", 32 // q, 128, 8192 // q,
                  18368 // q, sliding_window=128),
     ]
-    ctx_out = 64 if quick else 256
+    # Context test: n requests prefill a (ctx - 16)-token prompt, then `measure` decode steps
+    # with all n rows decoding are timed. `out` leaves room for the tokens the first requests
+    # decode while the later ones still prefill (128k: 16 chunks per request).
+    n, measure, out = (4, 64, 256) if quick else (16, 256, 1024)
     for ctx in (4096, 131072):
-        n = 4 if quick else 16
         ws.append(Workload(f"ctx{ctx // 1024}k", f"{n} decodes at {ctx // 1024}k context",
-                           n, ctx - 16, ctx_out, _peak_pages(n, ctx + ctx_out) + n + 64,
-                           max_context_len=131072 + 1024, decode_only=True))
+                           n, ctx - 16, out, _peak_pages(n, ctx + out) + n + 64,
+                           max_context_len=131072 + 1024, decode_only=True,
+                           measure_steps=measure))
     return ws
 
 
@@ -196,6 +200,7 @@ def run_lockstep(entries: list[tuple[str, Workload]], seed: int, max_steps: int,
             runner = runners[key]
             while not runner.in_decode_phase():
                 runner.step(rngs[key].integers(1, VOCAB, size=width[key], dtype=np.int32))
+        max_steps = min(w.measure_steps for _, w in entries)
     perf, cpu = time.perf_counter, time.process_time
     gc.collect()
     for _ in range(max_steps):
@@ -217,7 +222,7 @@ def run_lockstep(entries: list[tuple[str, Workload]], seed: int, max_steps: int,
     out = {}
     decode_only = {(w.key, kind): w.decode_only for kind, w in entries}
     for key, runner in runners.items():
-        if runner.has_unfinished():
+        if runner.has_unfinished() and not decode_only[key]:
             raise RuntimeError(f"{key} did not finish in {max_steps} steps")
         times, decode, rows = log[key]
         us = np.asarray(times) * 1e6
