@@ -123,6 +123,9 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         token_prompts = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
+            if isinstance(p, str) and self.tokenizer is None:
+                raise ValueError(f"prompt {i} is a string but the model has no tokenizer "
+                                 f"(no tokenizer.json): pass token ids")
             ids = self.tokenizer.encode(p) if isinstance(p, str) else p
             try:
                 token_prompts.append(self.engine.validate(ids, sp))
