@@ -64,6 +64,8 @@ def build_app(llm, model_name: str = "tiny-random") -> FastAPI:
         }
 
     def _encode(prompt) -> list[int]:
+        if tokenizer is None and not (prompt and all(isinstance(p, int) for p in prompt)):
+            raise ValueError("this model has no tokenizer (no tokenizer.json): send token ids")
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)
         if prompt and all(isinstance(p, int) for p in prompt):
@@ -96,7 +98,7 @@ def build_app(llm, model_name: str = "tiny-random") -> FastAPI:
                     raise RuntimeError(item)
                 if kind_ == "delta":
                     tokens += item
-                    new_text = tokenizer.decode(tokens)
+                    new_text = tokenizer.decode(tokens) if tokenizer is not None else ""
                     hit = min((new_text.find(s) for s in stops if s in new_text), default=-1)
                     if hit >= 0:
                         engine.abort(rid)
@@ -111,7 +113,7 @@ def build_app(llm, model_name: str = "tiny-random") -> FastAPI:
                 else:
                     reason = item.finish_reason
                     logprobs = item.logprobs
-                    final = tokenizer.decode(tokens)
+                    final = tokenizer.decode(tokens) if tokenizer is not None else ""
                     if final.startswith(text) and len(final) > len(text):
                         yield final[len(text):], None, None
             yield "", reason, (tokens, logprobs)
@@ -164,7 +166,8 @@ def build_app(llm, model_name: str = "tiny-random") -> FastAPI:
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
         else:
-            echo = tokenizer.decode(prompt_ids) if getattr(body, "echo", False) else ""
+            echo = (tokenizer.decode(prompt_ids)
+                    if getattr(body, "echo", False) and tokenizer is not None else "")
             choice = {"index": 0, "text": echo + text, "finish_reason": reason, "token_ids": tokens}
             if logprobs is not None:
                 choice["logprobs"] = {"token_logprobs": logprobs}
@@ -189,6 +192,8 @@ def build_app(llm, model_name: str = "tiny-random") -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         if not body.messages:
             return _error(400, "messages is empty")
+        if tokenizer is None:
+            return _error(400, "this model has no tokenizer (no tokenizer.json): chat needs one")
         return await _run(http, body, tokenizer.encode(_chat_prompt(tokenizer, body.messages)), chat=True)
 
     return app
