@@ -87,14 +87,17 @@ def _peak_pages(n: int, tokens: int) -> int:
 def workloads(quick: bool) -> list[Workload]:
     q = 4 if quick else 1  # --quick: fewer requests / shorter outputs
     ws = [
-        Workload("a", "256 decodes, prompt 512, 256 out", 256 // q, 512, 256 // q, 12864 // q),
-        Workload("b", "1024 decodes, prompt 512, 256 out", 1024 // q, 512, 256 // q, 51264 // q),
-        Workload("c", "256 x (2048 shared + 64), 128 out", 256 // q, 64, 128 // q, 3776,
-                 shared_prefix=2048),
-        Workload("d", "128 x (256 + 512), pool ~42% of peak", 128 // q, 256, 512 // q,
-                 int(0.42 * _peak_pages(128 // q, 256 + 512 // q)) + 1, snapshot_images=64 // q),
-        Workload("e", "32 x full+swa(128), prompt 128, 8192 out", 32 // q, 128, 8192 // q,
-                 18368 // q, sliding_window=128),
+        Workload("a", f"{256 // q} decodes, prompt 512, {256 // q} out", 256 // q, 512, 256 // q,
+                 12864 // q),
+        Workload("b", f"{1024 // q} decodes, prompt 512, {256 // q} out", 1024 // q, 512,
+                 256 // q, 51264 // q),
+        Workload("c", f"{256 // q} x (2048 shared + 64), {128 // q} out", 256 // q, 64, 128 // q,
+                 3776, shared_prefix=2048),
+        Workload("d", f"{128 // q} x (256 + {512 // q}), pool ~42% of peak", 128 // q, 256,
+                 512 // q, int(0.42 * _peak_pages(128 // q, 256 + 512 // q)) + 1,
+                 snapshot_images=64 // q),
+        Workload("e", f"{32 // q} x full+swa(128), prompt 128, {8192 // q} out", 32 // q, 128,
+                 8192 // q, 18368 // q, sliding_window=128),
     ]
     # Context test: n requests prefill a (ctx - 16)-token prompt, then `measure` decode steps
     # with all n rows decoding are timed. `out` leaves room for the tokens the first requests
