@@ -84,6 +84,19 @@ class CacheCoordinator:
             t.tail_avail -= 1
         return True
 
+    def solo_peak_pages(self, total_tokens: int, max_chunk_tokens: int) -> int:
+        """Upper bound on the pages one request of `total_tokens` pins at once when it runs
+        alone with chunks of at most `max_chunk_tokens` (sliding groups: window + chunk)."""
+        need = 0
+        for m, spec in zip(self.managers, self.specs):
+            b = spec.page_tokens
+            full = -(-total_tokens // b)
+            if spec.retention == "full_history":
+                need += full
+            else:
+                need += min(full, m.resume_pages + -(-min(max_chunk_tokens, total_tokens) // b) + 2)
+        return need
+
     def free(self, tables: list[BlockTable]) -> None:
         for m, t in zip(self.managers, tables):
             m.free(self.pool, t)

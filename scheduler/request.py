@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import zlib
 
 from scheduler.block_table import BlockTable
 from scheduler.hashing import PrefixHasher
@@ -71,6 +72,38 @@ class Request:
         self.finish_reason: str | None = None
         self.published_base_pages = 0
         self.admitted_once = False
+
+    @classmethod
+    def from_options(cls, request_id: str, prompt: list[int], max_new_tokens: int, options: dict,
+                     *, arrival: int, hash_base: int) -> Request:
+        """Validate the per-request options (ValueError naming the option) and build the request.
+
+        Options: stop_token_ids, temperature (0 = greedy), top_p, top_k, seed (None = derived
+        from the request id, so reruns reproduce), prompt_logprobs, cache_salt (str | bytes)."""
+        unknown = set(options) - {"stop_token_ids", "temperature", "top_p", "top_k", "seed",
+                                  "prompt_logprobs", "cache_salt"}
+        if unknown:
+            raise ValueError(f"request {request_id!r}: unknown options {sorted(unknown)}")
+        temperature = float(options.get("temperature", 0.0))
+        top_p = float(options.get("top_p", 1.0))
+        top_k = int(options.get("top_k", -1))
+        if not temperature >= 0.0:
+            raise ValueError(f"request {request_id!r}: temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"request {request_id!r}: top_p must be in (0, 1], got {top_p}")
+        if top_k == 0 or top_k < -1:
+            raise ValueError(f"request {request_id!r}: top_k must be -1 or >= 1, got {top_k}")
+        seed = options.get("seed")
+        if seed is None:
+            seed = zlib.crc32(request_id.encode())
+        salt = options.get("cache_salt") or b""
+        if isinstance(salt, str):
+            salt = salt.encode()
+        return cls(request_id, prompt, max_new_tokens,
+                   stop_token_ids=frozenset(int(t) for t in options.get("stop_token_ids", ())),
+                   temperature=temperature, top_p=top_p, top_k=top_k, seed=int(seed) & 0xFFFFFFFF,
+                   prompt_logprobs=bool(options.get("prompt_logprobs", False)), arrival=arrival,
+                   hash_base=hash_base, cache_salt=salt)
 
     @property
     def num_generated(self) -> int:

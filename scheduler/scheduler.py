@@ -10,13 +10,13 @@ running request (LIFO), so the oldest requests always make progress.
 from __future__ import annotations
 
 import itertools
-import zlib
 
 import numpy as np
 
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.coordinator import CacheCoordinator
+from scheduler.invariants import check_scheduler_invariants
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.step_ops import StepOps
@@ -43,7 +43,6 @@ class Scheduler:
         self._stats = {"num_retractions": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0,
                        "adopted_pages": 0, "num_steps": 0, "num_aborted": 0,
                        "num_full_refresh_rows": 0}
-        self._solo_limit = self._solo_peak_limit()
         self.mirror_checker = MirrorChecker(self) if config.debug_checks else None
 
     # ------------------------------------------------------------------ requests
@@ -70,35 +69,12 @@ class Scheduler:
             raise ValueError(f"request {request_id!r}: prompt ({len(prompt)}) + max_new_tokens "
                              f"({max_new_tokens}) = {total} exceeds max_context_len "
                              f"{cfg.max_context_len}")
-        need = self._solo_peak(total)
-        if need > self._solo_limit:
+        need = self.coord.solo_peak_pages(total, cfg.max_scheduled_tokens)
+        if need > self.pool.num_pages - 1:
             raise ValueError(f"request {request_id!r}: needs {need} cache pages even alone, the "
-                             f"pool has {self._solo_limit}")
-        unknown = set(options) - {"stop_token_ids", "temperature", "top_p", "top_k", "seed",
-                                  "prompt_logprobs", "cache_salt"}
-        if unknown:
-            raise ValueError(f"request {request_id!r}: unknown options {sorted(unknown)}")
-        temperature = float(options.get("temperature", 0.0))
-        top_p = float(options.get("top_p", 1.0))
-        top_k = int(options.get("top_k", -1))
-        if not temperature >= 0.0:
-            raise ValueError(f"request {request_id!r}: temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"request {request_id!r}: top_p must be in (0, 1], got {top_p}")
-        if top_k == 0 or top_k < -1:
-            raise ValueError(f"request {request_id!r}: top_k must be -1 or >= 1, got {top_k}")
-        seed = options.get("seed")
-        if seed is None:
-            seed = zlib.crc32(request_id.encode())
-        salt = options.get("cache_salt") or b""
-        if isinstance(salt, str):
-            salt = salt.encode()
-        req = Request(request_id, prompt, max_new_tokens,
-                      stop_token_ids=frozenset(int(t) for t in options.get("stop_token_ids", ())),
-                      temperature=temperature, top_p=top_p, top_k=top_k,
-                      seed=int(seed) & 0xFFFFFFFF,
-                      prompt_logprobs=bool(options.get("prompt_logprobs", False)),
-                      arrival=next(self._arrival), hash_base=self.coord.base, cache_salt=salt)
+                             f"pool has {self.pool.num_pages - 1}")
+        req = Request.from_options(request_id, prompt, max_new_tokens, options,
+                                   arrival=next(self._arrival), hash_base=self.coord.base)
         self._requests[request_id] = req
         self._waiting.append(req)
 
@@ -360,39 +336,6 @@ class Scheduler:
         return {r.slot: [t.page_ids() for t in r.tables] for r in self._running}
 
     def check_invariants(self) -> None:
-        """Pool/table consistency; raises AssertionError."""
-        refs: dict[int, int] = {}
-        slots = set()
-        reserved = 0
-        for req in self._running:
-            assert req.status is Status.RUNNING and req.tables is not None
-            assert req.slot not in slots, f"slot {req.slot} used twice"
-            slots.add(req.slot)
-            reserved += req.reserved
-            for t in req.tables:
-                for p in t.pages:
-                    if p:
-                        refs[p] = refs.get(p, 0) + 1
-        for req in self._waiting:
-            assert req.tables is None and req.slot == -1 and req.reserved == 0
-        assert reserved == self._reserved_total, "reservation bookkeeping drifted"
-        assert not slots & set(self._free_slots), "a live slot is also free"
-        assert len(slots) + len(self._free_slots) == self.config.num_live_slots
-        self.pool.check_invariants(refs)
-
-    # ------------------------------------------------------------------ sizing
-    def _solo_peak(self, total_tokens: int) -> int:
-        """Upper bound on pages one request of `total_tokens` pins at once (running alone)."""
-        s = self.config.max_scheduled_tokens
-        need = 0
-        for m, spec in zip(self.coord.managers, self.config.groups):
-            b = spec.page_tokens
-            full = -(-total_tokens // b)
-            if spec.retention == "full_history":
-                need += full
-            else:
-                need += min(full, m.resume_pages + -(-min(s, total_tokens) // b) + 2)
-        return need
-
-    def _solo_peak_limit(self) -> int:
-        return self.pool.num_pages - 1
+        """Pool/table/slot/reservation consistency; raises AssertionError (debug mode runs it
+        after every schedule and update)."""
+        check_scheduler_invariants(self)
