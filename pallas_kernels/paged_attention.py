@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
-from pallas_kernels.ragged import sanitize, token_layout
+from pallas_kernels.ragged import check_ragged_metadata, sanitize, token_layout
 
 __all__ = ["PagedAttentionConfig", "default_config", "paged_attention", "paged_attention_reference"]
 
@@ -126,14 +126,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
     if q.dtype not in floats or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError(f"{q.dtype=}, {k_pages.dtype=}, {v_pages.dtype=} must all be "
                          "float32 or all bfloat16")
-    if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
-        raise ValueError(f"{page_table.shape=} ({page_table.dtype}) must be int [S, max_pages]")
-    s = page_table.shape[0]
-    for name, arr, shape in (("kv_lens", kv_lens, (s,)), ("cu_q_lens", cu_q_lens, (s + 1,)),
-                             ("num_seqs", num_seqs, (1,))):
-        if arr.shape != shape or not jnp.issubdtype(arr.dtype, jnp.integer):
-            raise ValueError(f"{name}.shape={arr.shape} ({arr.dtype}) must be int {shape} "
-                             f"for {page_table.shape=}")
+    check_ragged_metadata(page_table, kv_lens, cu_q_lens, num_seqs)
     if sinks is not None and (sinks.shape != (hq,) or not jnp.issubdtype(sinks.dtype,
                                                                           jnp.floating)):
         raise ValueError(f"{sinks.shape=} must be float ({hq},) for {q.shape=}")

@@ -15,6 +15,19 @@ import jax
 import jax.numpy as jnp
 
 
+def check_ragged_metadata(page_table, kv_lens, cu_q_lens, num_seqs) -> None:
+    """ValueError unless page_table is int [S, max_pages], kv_lens int [S], cu_q_lens int [S+1]
+    and num_seqs int [1] (the ragged-batch contract both kernels share)."""
+    if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"{page_table.shape=} ({page_table.dtype}) must be int [S, max_pages]")
+    s = page_table.shape[0]
+    for name, arr, shape in (("kv_lens", kv_lens, (s,)), ("cu_q_lens", cu_q_lens, (s + 1,)),
+                             ("num_seqs", num_seqs, (1,))):
+        if arr.shape != shape or not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name}.shape={arr.shape} ({arr.dtype}) must be int {shape} "
+                             f"for {page_table.shape=}")
+
+
 class TokenLayout(NamedTuple):
     """Per packed token: request row, absolute position, and whether it is a real token.
 

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
-from pallas_kernels.ragged import token_layout
+from pallas_kernels.ragged import check_ragged_metadata, token_layout
 
 __all__ = ["ShortConvConfig", "conv_write_indices", "short_conv", "short_conv_reference"]
 
@@ -64,14 +64,7 @@ def _check_inputs(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs, weigh
         raise ValueError(f"{weight.shape=} must be [K >= 1, C] with C={c}")
     if bias is not None and bias.shape != (c,):
         raise ValueError(f"{bias.shape=} must be ({c},)")
-    if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
-        raise ValueError(f"{page_table.shape=} ({page_table.dtype}) must be int [S, max_pages]")
-    s = page_table.shape[0]
-    for name, arr, shape in (("kv_lens", kv_lens, (s,)), ("cu_q_lens", cu_q_lens, (s + 1,)),
-                             ("num_seqs", num_seqs, (1,))):
-        if arr.shape != shape or not jnp.issubdtype(arr.dtype, jnp.integer):
-            raise ValueError(f"{name}.shape={arr.shape} ({arr.dtype}) must be int {shape} "
-                             f"for {page_table.shape=}")
+    check_ragged_metadata(page_table, kv_lens, cu_q_lens, num_seqs)
 
 
 def _kernel(meta_ref, pt_ref, x_ref, pool_ref, w_ref, b_ref, y_ref, *, taps: int, block_t: int,
