@@ -21,6 +21,8 @@ class SchedulerConfig:
         None = max_batch_requests.
     decode_reserve_tokens: decode tokens promised (and reserved) when a first chunk is admitted.
     enable_adoption: repoint a just-computed page to an existing canonical copy and free it.
+    max_prefill_chunk_tokens: cap on one request's prefill chunk per step (None = the whole
+        token budget), so one long prompt cannot take a step's budget from everyone else.
     debug_checks: after every schedule/update run `check_invariants()` and the tail-only mirror
         comparison (slow; for tests and debugging).
     """
@@ -35,6 +37,7 @@ class SchedulerConfig:
     max_live_requests: int | None = None
     decode_reserve_tokens: int = 1
     enable_adoption: bool = True
+    max_prefill_chunk_tokens: int | None = None
     debug_checks: bool = False
 
     def __post_init__(self) -> None:
@@ -49,6 +52,9 @@ class SchedulerConfig:
         if self.max_live_requests is not None and self.max_live_requests <= 0:
             raise ValueError(f"SchedulerConfig.max_live_requests must be positive, got "
                              f"{self.max_live_requests}")
+        if self.max_prefill_chunk_tokens is not None and self.max_prefill_chunk_tokens <= 0:
+            raise ValueError(f"SchedulerConfig.max_prefill_chunk_tokens must be positive, got "
+                             f"{self.max_prefill_chunk_tokens}")
         if self.decode_reserve_tokens < 0:
             raise ValueError(f"SchedulerConfig.decode_reserve_tokens must be >= 0, got "
                              f"{self.decode_reserve_tokens}")

@@ -36,6 +36,7 @@ class Scheduler:
         self._free_slots = list(range(config.num_live_slots - 1, -1, -1))
         self._arrival = itertools.count()
         self._reserved_total = 0
+        self._chunk_cap = config.max_prefill_chunk_tokens or config.max_scheduled_tokens
         self._num_groups = len(config.groups)
         # shared (never mutated) per-group values of a fast-path decode row
         self._no_sizes = [0] * self._num_groups
@@ -145,7 +146,7 @@ class Scheduler:
 
     def _schedule_running(self, req: Request, budget: int) -> ScheduledRow | None:
         coord = self.coord
-        n = min(req.remaining, budget)
+        n = min(req.remaining, budget, self._chunk_cap)
         tables = req.tables
         holes = coord.reclaim(tables, req.num_computed)
         need = coord.blocks_needed_for(tables, n)
@@ -188,7 +189,7 @@ class Scheduler:
         if hit:
             for t, row in zip(tables, hit_rows):
                 t.pages = list(row)  # shape only: demand math needs the table length
-        n = min(len(req.tokens) - hit, budget)
+        n = min(len(req.tokens) - hit, budget, self._chunk_cap)
         extra = cfg.decode_reserve_tokens if n == len(req.tokens) - hit else 0
         chunk_need = coord.blocks_needed_for(tables, n)
         reserve = coord.blocks_needed_for_sequential(tables, n, extra) - chunk_need

@@ -119,3 +119,14 @@ def test_stop_token_ends_generation_and_is_last():
         ops = s.schedule()
         outs += s.update(ops, np.array([next(tokens), 0, 0, 0], np.int32))
     assert outs[0].token_ids == [5, 6, 42] and outs[0].finish_reason == "stop"
+
+
+def test_prefill_chunk_cap_leaves_budget_for_others():
+    s = _sched(max_scheduled_tokens=16, max_prefill_chunk_tokens=5)
+    s.add_request("long", list(range(1, 20)), 2)
+    s.add_request("short", [7, 8, 9], 2)
+    ops = s.schedule()
+    assert ops.request_ids == ("long", "short")
+    assert [ops.num_query_tokens(i) for i in range(2)] == [5, 3]
+    with pytest.raises(ValueError, match="max_prefill_chunk_tokens"):
+        SchedulerConfig(num_pages=8, max_prefill_chunk_tokens=0)

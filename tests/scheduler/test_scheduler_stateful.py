@@ -113,10 +113,12 @@ TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 
 
-def test_pressure_workload_retracts_and_completes():
+@pytest.mark.parametrize("chunk_cap", [None, 5])
+def test_pressure_workload_retracts_and_completes(chunk_cap):
     """A deterministic heavy run: the pool is far too small for everyone at once."""
     cfg = SchedulerConfig(num_pages=30, page_size=4, max_batch_requests=8, max_scheduled_tokens=16,
-                          max_context_len=48, groups=SPECS, debug_checks=True)
+                          max_context_len=48, groups=SPECS, debug_checks=True,
+                          max_prefill_chunk_tokens=chunk_cap)
     sched = Scheduler(cfg)
     rng = np.random.default_rng(1)
     for i in range(12):
