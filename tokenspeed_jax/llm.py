@@ -6,6 +6,7 @@ import itertools
 import math
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from scheduler import SchedulerConfig
 from tokenspeed_jax.engine import Engine
@@ -42,6 +43,14 @@ class LLM:
     num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory).
     More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments).
+
+    tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
+    intermediate, conv channels, vocab; `tokenspeed_jax.sharding`). data_parallel_size = D: D
+    independent replicas (own Scheduler, ModelRunner and `num_pages` page pool each) on devices
+    [r*T, (r+1)*T). `generate` sends each request to the replica with the fewest outstanding
+    tokens (prompt + max_tokens of this LLM's unfinished requests; ties -> lowest index) and steps
+    every busy replica once per round, in threads (device work of different replicas overlaps).
+    `engines` lists the replicas; `engine` is replica 0 (what the CLI workload and the server drive).
     """
 
     def __init__(self, model: str = "tiny-random", *, page_size: int = 16,
@@ -50,16 +59,11 @@ class LLM:
                  enable_prefix_cache: bool = True, dtype: str = "float32",
                  attention_backend: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, **more_options) -> None:
-        import jax
+        from tokenspeed_jax import sharding
 
-        if tensor_parallel_size < 1 or data_parallel_size < 1:
-            raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
-        if tensor_parallel_size * data_parallel_size > len(jax.devices()):
-            raise ValueError(f"tensor_parallel_size * data_parallel_size = "
-                             f"{tensor_parallel_size * data_parallel_size} exceeds the "
-                             f"{len(jax.devices())} available device(s)")
-        if tensor_parallel_size != 1 or data_parallel_size != 1:
-            raise NotImplementedError("multi-device serving is not implemented yet")
+        tp, dp = tensor_parallel_size, data_parallel_size
+        # one mesh per replica; None keeps the single-device path exactly as it was
+        meshes = [None] if tp == dp == 1 else sharding.replica_meshes(tp, dp)
         known = {"conv_page_size", "enable_adoption", "max_live_requests", "debug_checks",
                  "honor_full_refresh", "decode_reserve_tokens"}
         unknown = set(more_options) - known
@@ -72,6 +76,7 @@ class LLM:
         from tokenspeed_jax.runner import ModelRunner
 
         self.model_config, net, self.tokenizer = _load(model, dtype, seed)
+        sharding.validate(self.model_config, tp)
         if max_context_len is None:
             limit = getattr(self.model_config, "max_position_embeddings", None)
             default = DEFAULT_TINY_CONTEXT if model == "tiny-random" else DEFAULT_HF_CONTEXT
@@ -83,7 +88,9 @@ class LLM:
         if num_pages is None:
             from tokenspeed_jax.state import pages_from_memory
 
-            num_pages = pages_from_memory(self.model_config, groups, block_sizes)
+            device = None if meshes[0] is None else meshes[0].devices.flat[0]
+            num_pages = pages_from_memory(self.model_config, groups, block_sizes, device=device,
+                                          shards=tp)
         sched_cfg = SchedulerConfig(
             num_pages=num_pages, page_size=page_size, max_batch_requests=max_batch_requests,
             max_scheduled_tokens=max_scheduled_tokens, max_context_len=max_context_len,
@@ -92,16 +99,22 @@ class LLM:
             enable_adoption=more_options.get("enable_adoption", True),
             decode_reserve_tokens=more_options.get("decode_reserve_tokens", 1),
             debug_checks=more_options.get("debug_checks", False))
-        runner = ModelRunner(self.model_config, net, sched_cfg.group_layouts(),
-                             num_pages=num_pages, max_live_requests=sched_cfg.num_live_slots,
-                             max_batch_requests=max_batch_requests,
-                             max_scheduled_tokens=max_scheduled_tokens, layer_groups=groups,
-                             backend=attention_backend,
-                             honor_full_refresh=more_options.get("honor_full_refresh", True))
         eos = self.model_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        self.engine = Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
-                             eos_token_ids=eos_ids, tokenizer=self.tokenizer)
+        self.engines: list[Engine] = []
+        for mesh in meshes:
+            runner = ModelRunner(self.model_config, net, sched_cfg.group_layouts(),
+                                 num_pages=num_pages, max_live_requests=sched_cfg.num_live_slots,
+                                 max_batch_requests=max_batch_requests,
+                                 max_scheduled_tokens=max_scheduled_tokens, layer_groups=groups,
+                                 backend=attention_backend,
+                                 honor_full_refresh=more_options.get("honor_full_refresh", True),
+                                 mesh=mesh)
+            self.engines.append(Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
+                                       eos_token_ids=eos_ids, tokenizer=self.tokenizer))
+        self.engine = self.engines[0]
+        self._load = [0] * len(self.engines)  # outstanding tokens per replica (see docstring)
+        self._pool: ThreadPoolExecutor | None = None
         self._gen_ids = itertools.count()
 
     # ------------------------------------------------------------------ API
@@ -131,18 +144,35 @@ class LLM:
                 token_prompts.append(self.engine.validate(ids, sp))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        rids = []
+        owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, outstanding tokens)
         try:
             for ids, sp in zip(token_prompts, params):
-                rids.append(self.engine.add_request(ids, sp, f"gen-{next(self._gen_ids)}"))
-            results = self._run(set(rids), use_tqdm)
+                cost = len(ids) + sp.max_tokens
+                r = min(range(len(self.engines)), key=lambda i: self._load[i])
+                rid = self.engines[r].add_request(ids, sp, f"gen-{next(self._gen_ids)}")
+                owner[rid] = (r, cost)
+                self._load[r] += cost
+            results = self._run(owner, use_tqdm)
         except BaseException:
-            for rid in rids:  # nothing of this call survives an interruption
-                self.engine.abort(rid)
+            for rid, (r, _) in owner.items():  # nothing of this call survives an interruption
+                self.engines[r].abort(rid)
             raise
-        return [results[r] for r in rids]
+        finally:
+            for r, cost in owner.values():
+                self._load[r] -= cost
+        return [results[r] for r in owner]
 
-    def _run(self, pending: set[str], use_tqdm: bool) -> dict[str, CompletionOutput]:
+    def _step_replicas(self, busy: list[Engine]) -> list[CompletionOutput]:
+        """One step of every busy replica; concurrent when there are several (JAX releases the
+        GIL while a replica's step runs on its devices)."""
+        if len(busy) == 1:
+            return busy[0].step()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(len(self.engines), thread_name_prefix="dp-replica")
+        return [out for outs in self._pool.map(Engine.step, busy) for out in outs]
+
+    def _run(self, owner: dict[str, tuple[int, int]], use_tqdm: bool) -> dict[str, CompletionOutput]:
+        pending = set(owner)
         results: dict[str, CompletionOutput] = {}
         bar = None
         if use_tqdm:
@@ -150,7 +180,8 @@ class LLM:
 
             bar = tqdm(total=len(pending), desc="generate", unit="req")
         while pending:
-            for out in self.engine.step():
+            busy = {self.engines[owner[rid][0]] for rid in pending}
+            for out in self._step_replicas([e for e in self.engines if e in busy]):
                 if out.request_id in pending:
                     pending.discard(out.request_id)
                     results[out.request_id] = out
@@ -161,8 +192,29 @@ class LLM:
         return results
 
     def stats(self) -> dict:
-        """Scheduler + engine counters: free/total pages, prefix_hit_rate, retractions, ..."""
-        out = self.engine.stats()
+        """Scheduler + engine counters: free/total pages, prefix_hit_rate, retractions, ...
+
+        With data parallelism: every counter summed over the replicas (all are additive: pages,
+        tokens, steps, compiles), prefix_hit_rate recomputed from the summed hit / query tokens,
+        and the per-replica dicts under "replicas"."""
+        out = (self.engine.stats() if len(self.engines) == 1
+               else _aggregate_stats([e.stats() for e in self.engines]))
         if not math.isfinite(out.get("prefix_hit_rate", 0.0)):
             out["prefix_hit_rate"] = 0.0
         return out
+
+
+def _aggregate_stats(per: list[dict]) -> dict:
+    """Sum of the replicas' numeric counters (and per-group page dicts); see `LLM.stats`."""
+    out = dict(per[0])
+    for key, val in per[0].items():
+        if isinstance(val, bool):
+            continue
+        if isinstance(val, (int, float)):
+            out[key] = sum(s[key] for s in per)
+        elif isinstance(val, dict) and all(isinstance(v, (int, float)) for v in val.values()):
+            out[key] = {k: sum(s[key][k] for s in per) for k in val}
+    q = out.get("prefix_query_tokens", 0)
+    out["prefix_hit_rate"] = out.get("prefix_hit_tokens", 0) / q if q else 0.0
+    out["replicas"] = per
+    return out

@@ -13,6 +13,7 @@ bucket; `num_compiles` counts traces so tests and benchmarks can prove it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -27,6 +28,7 @@ from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.page_table import clamped_rows, update_rows
 from tokenspeed_jax.sampling import prompt_logprobs, sample
+from tokenspeed_jax.sharding import TensorParallel, prepare_model
 from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ class ModelRunner:
       max_batch_requests, max_scheduled_tokens: R and T of the StepOps.
       backend: "auto" | "pallas" | "reference" attention.
       honor_full_refresh: False reproduces the tail-only mirror (aliasing bug) for experiments.
+      mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.sharding`);
+        None = the default device, unsharded (the single-device path, unchanged).
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class ModelRunner:
         backend: str = "auto",
         honor_full_refresh: bool = True,
         min_token_bucket: int = 16,
+        mesh=None,
     ):
         self.config = model_config
         self.layouts = tuple(layouts)
@@ -113,14 +118,32 @@ class ModelRunner:
         self.num_compiles = 0
         self._zero_rows: list[jax.Array] | None = None
 
+        self._tp = None if mesh is None else TensorParallel(mesh, model_config)
+        if self._tp is not None:
+            prepare_model(model, self._tp.tp)  # conv in_proj re-layout (before the split)
         self._graphdef, self.params = nnx.split(model)
-        self.state = init_state(
-            model_config, self.layer_groups, self.block_sizes, self.widths,
+        make_state = functools.partial(
+            init_state, model_config, self.layer_groups, self.block_sizes, self.widths,
             num_pages=self.num_pages, max_live_requests=max_live_requests,
         )  # fmt: skip
         self._attn = get_paged_attention(self.backend)
         self._conv = get_short_conv(self.backend)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        if self._tp is None:
+            self.state = make_state()
+            self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        else:
+            tp = self._tp
+            param_sh = tp.param_shardings(self.params)
+            self.params = jax.device_put(self.params, param_sh)
+            state_sh = tp.state_shardings(jax.eval_shape(make_state))
+            # built sharded in place: the full pools never sit on one device
+            self.state = jax.jit(make_state, out_shardings=state_sh)()
+            self._attn, self._conv = tp.wrap_attention(self._attn), tp.wrap_conv(self._conv)
+            rep = tp.replicated
+            self._step = jax.jit(
+                self._step_impl, donate_argnums=(1,), in_shardings=(param_sh, state_sh, rep),
+                out_shardings=(state_sh, rep, rep, rep),
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ device side
     def _step_impl(self, params, state: DeviceState, ops: dict):
@@ -143,8 +166,11 @@ class ModelRunner:
 
         t = hidden.shape[0]
         last = jnp.clip(ops["query_start"][1:] - 1, 0, t - 1)  # each row's last token
+        logits = model.logits(hidden[last])
+        if self._tp is not None:  # vocab-sharded under TP: the sort / argmax want whole rows
+            logits = self._tp.gather_logits(logits)
         tokens, logprobs = sample(
-            model.logits(hidden[last]), ops["temperature"], ops["top_k"], ops["top_p"],
+            logits, ops["temperature"], ops["top_k"], ops["top_p"],
             ops["seeds"], ops["sample_index"],
         )  # fmt: skip
         mask = ops["sample_mask"]
@@ -176,10 +202,13 @@ class ModelRunner:
         # resident device copy stands in: no host->device transfer, same shapes, same compile.
         fields = _GROUP_FIELDS if refresh else tuple(k for k in _GROUP_FIELDS if k != "rows")
         d["groups"] = [{k: np.asarray(getattr(g, k)) for k in fields} for g in ops.groups]
-        d = jax.device_put(d)
+        target = None if self._tp is None else self._tp.replicated
+        d = jax.device_put(d, target)
         if not refresh:
             if self._zero_rows is None:
-                self._zero_rows = [jnp.zeros(np.shape(g.rows), jnp.int32) for g in ops.groups]
+                self._zero_rows = [
+                    jax.device_put(jnp.zeros(np.shape(g.rows), jnp.int32), target) for g in ops.groups
+                ]  # fmt: skip
             for g, zeros in zip(d["groups"], self._zero_rows, strict=True):
                 g["rows"] = zeros
         return d

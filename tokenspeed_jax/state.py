@@ -78,16 +78,21 @@ def pages_from_memory(
     device=None,
     memory_fraction: float = GPU_MEMORY_FRACTION,
     max_pages: int = 1 << 20,
+    shards: int = 1,
 ) -> int:
     """Number of page ids (null page included) that fit the device memory.
 
     Accelerators: `memory_fraction` of `bytes_limit - bytes_in_use` from `device.memory_stats()`
     (so call it after the weights are on the device). CPU (no memory stats): a fixed budget of
     `CPU_POOL_BUDGET_BYTES`, capped at a quarter of the free host RAM. At least 2 (null + one).
+    shards: tensor-parallel degree; on accelerators each device holds 1/shards of every page
+    (pools are sharded on kv heads / channels). CPU devices share one host RAM, so no scaling.
     """
     device = device or jax.devices()[0]
     per_page = bytes_per_page(config, layer_groups, block_sizes)
     free = _free_device_bytes(device)
+    if free is not None:
+        per_page = -(-per_page // max(1, shards))
     budget = (
         int(free * memory_fraction)
         if free is not None

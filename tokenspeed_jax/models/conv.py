@@ -30,9 +30,16 @@ class ShortConv(nnx.Module):
         self.conv_bias = nnx.Param(jnp.zeros((h,), cfg.dtype)) if cfg.conv_bias else None
         self.out_proj = Linear(h, h, bias=cfg.conv_bias, cfg=cfg, rngs=rngs)
         self.kernel_size = k
+        # Column layout of in_proj: 1 = [B | C | x]; n = tensor-parallel re-layout by
+        # `tokenspeed_jax.sharding.prepare_model`, [B_0 C_0 x_0 | ... | B_n-1 C_n-1 x_n-1] with
+        # shard s's channels side by side, so each shard's gates are local (no resharding).
+        self.gate_shards = 1
 
     def _gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        b, c, xx = jnp.split(self.in_proj(x), 3, axis=-1)
+        y = self.in_proj(x)
+        lead, n = y.shape[:-1], self.gate_shards
+        y = y.reshape(*lead, n, 3, y.shape[-1] // (3 * n))
+        b, c, xx = (y[..., j, :].reshape(*lead, -1) for j in range(3))
         return b * xx, c
 
     def _finish(self, taps: list[jax.Array], c: jax.Array) -> jax.Array:

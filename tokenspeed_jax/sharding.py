@@ -1,0 +1,238 @@
+"""Tensor-parallel and data-parallel placement: meshes, parameter partition rules, state sharding.
+
+Layout (Megatron-style, expressed as GSPMD `NamedSharding`s on a 1-D mesh with axis "tp"; XLA
+inserts the collectives, one all-reduce after each row-parallel projection):
+
+* attention: q/k/v projections column-sharded by head (kernel `[H, heads*D]` split on its output
+  axis, so every shard holds whole heads: q heads `[s*Hq/tp, (s+1)*Hq/tp)` and their GQA kv heads
+  `[s*Hkv/tp, ...)`), o_proj row-sharded; attention sinks sharded with the q heads; q/k norms
+  (over head_dim) replicated. K/V pools `[P, B, Hkv, D]` sharded on the kv-head axis.
+* dense MLP: gate/up column-sharded, down row-sharded (on the intermediate axis).
+* MoE: sharded on the **intermediate** axis of every expert (gate/up `[E, H, I]` on I, down
+  `[E, I, H]` on I), router replicated. Every device sees every token and every expert, so the
+  routing and the ragged grouping stay local and the only collective is the same all-reduce as a
+  dense MLP; expert sharding would need an all-to-all of tokens instead.
+* LFM2 conv: channel-sharded. in_proj's `[H, 3H]` output is (B, C, x) gates; its columns are
+  permuted to `[B_0 C_0 x_0 | B_1 C_1 x_1 | ...]` (shard s's channels of the three gates side by
+  side) and the module's `gate_shards` tells `ShortConv._gates` the layout, so the gates, the
+  depthwise conv, the conv pool `[P, B, hidden]` (channel axis) and the conv weights are all
+  local; out_proj is row-sharded.
+* embeddings / lm_head: sharded on the vocabulary when `vocab % tp == 0` (else replicated). The
+  logits of the sampled rows are gathered (replicated) before sampling; prompt logprobs reduce
+  the vocab-sharded logits in place.
+* everything else (norms, RoPE tables, page-table mirrors, every StepOps array): replicated.
+
+Pallas kernels (and the jnp reference attention) run under `shard_map` over the head / channel
+axis: each shard runs the unmodified kernel on its local heads or channels (attention and the
+depthwise conv never mix heads or channels).
+
+Data parallel: `replica_meshes(tp, dp)` gives replica r the devices `[r*tp, (r+1)*tp)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tokenspeed_jax.models.config import ModelConfig
+
+AXIS = "tp"
+
+# (regex over the "/"-joined parameter path, spec); first match wins, no match = replicated.
+_RULES: tuple[tuple[str, P], ...] = (
+    (r"self_attn/[qkv]_proj/kernel$", P(None, AXIS)),
+    (r"self_attn/[qkv]_proj/bias$", P(AXIS)),
+    (r"self_attn/o_proj/kernel$", P(AXIS, None)),
+    (r"self_attn/sinks$", P(AXIS)),
+    (r"mlp/(gate|up)_proj/kernel$", P(None, AXIS)),
+    (r"mlp/(gate|up)_proj/bias$", P(AXIS)),
+    (r"mlp/down_proj/kernel$", P(AXIS, None)),
+    (r"mlp/experts/(gate|up)_proj$", P(None, None, AXIS)),
+    (r"mlp/experts/(gate|up)_bias$", P(None, AXIS)),
+    (r"mlp/experts/down_proj$", P(None, AXIS, None)),
+    (r"conv/in_proj/kernel$", P(None, AXIS)),
+    (r"conv/in_proj/bias$", P(AXIS)),
+    (r"conv/conv_weight$", P(None, AXIS)),
+    (r"conv/conv_bias$", P(AXIS)),
+    (r"conv/out_proj/kernel$", P(AXIS, None)),
+)
+_VOCAB_RULES: tuple[tuple[str, P], ...] = (
+    (r"^embed_tokens$", P(AXIS, None)),
+    (r"^lm_head/kernel$", P(None, AXIS)),
+)
+
+
+def validate(config: ModelConfig, tp: int) -> None:
+    """ValueError naming the size that `tp` does not divide (heads, kv heads, intermediate,
+    conv channels)."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    checks = [
+        ("num_key_value_heads", config.num_key_value_heads),
+        ("num_attention_heads", config.num_attention_heads),
+        ("intermediate_size", config.intermediate_size),
+    ]
+    if "conv" in config.layer_types:
+        checks.append(("hidden_size (conv channels)", config.hidden_size))
+    for name, size in checks:
+        if size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={size}")
+
+
+def replica_meshes(tp: int, dp: int, devices: Sequence | None = None) -> list[Mesh]:
+    """One 1-D "tp" mesh per data-parallel replica; replica r owns devices [r*tp, (r+1)*tp)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if tp < 1 or dp < 1:
+        raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+    if tp * dp > len(devices):
+        raise ValueError(f"tensor_parallel_size * data_parallel_size = {tp} * {dp} = {tp * dp} "
+                         f"exceeds the {len(devices)} available device(s)")
+    return [Mesh(np.array(devices[r * tp:(r + 1) * tp]), (AXIS,)) for r in range(dp)]
+
+
+def _path_str(path) -> str:
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        if name == "value":  # nnx.Variable's leaf
+            continue
+        parts.append(str(name))
+    return "/".join(parts)
+
+
+def _gate_perm(h: int, n: int) -> np.ndarray:
+    """Column order of in_proj with shard-interleaved gates: for shard s, (B, C, x) channels
+    [s*h/n, (s+1)*h/n) side by side. n = 1 is the identity."""
+    c = h // n
+    return np.concatenate([g * h + s * c + np.arange(c) for s in range(n) for g in range(3)])
+
+
+def prepare_model(model, tp: int) -> None:
+    """Re-lays in_proj of every conv block for `tp` channel shards (in place, idempotent).
+
+    The forward is unchanged mathematically: `ShortConv._gates` reads the layout back through the
+    module's `gate_shards`."""
+    for layer in model.layers:
+        conv = getattr(layer, "conv", None)
+        if conv is None:
+            continue
+        old = getattr(conv, "gate_shards", 1)
+        if old == tp:
+            continue
+        h = conv.conv_weight[...].shape[-1]
+        # old layout -> canonical [B | C | x] -> new layout
+        order = np.argsort(_gate_perm(h, old))[_gate_perm(h, tp)]
+        conv.in_proj.kernel[...] = conv.in_proj.kernel[...][:, order]
+        if conv.in_proj.bias is not None:
+            conv.in_proj.bias[...] = conv.in_proj.bias[...][order]
+        conv.gate_shards = tp
+
+
+class TensorParallel:
+    """Shardings of one replica: params by path, device state, and the kernel wrappers."""
+
+    def __init__(self, mesh: Mesh, config: ModelConfig):
+        self.mesh = mesh
+        self.tp = int(mesh.shape[AXIS])
+        validate(config, self.tp)
+        self.shard_vocab = config.vocab_size % self.tp == 0
+        self.replicated = NamedSharding(mesh, P())
+
+    # ------------------------------------------------------------------ params / state
+    def spec_for(self, path: str, ndim: int) -> P:
+        rules = _RULES + (_VOCAB_RULES if self.shard_vocab else ())
+        for pattern, spec in rules:
+            if re.search(pattern, path):
+                if len(spec) != ndim:
+                    raise ValueError(f"parameter {path}: rank {ndim} does not match spec {spec}")
+                return spec
+        return P()
+
+    def param_shardings(self, params):
+        """A pytree like `params` (an nnx.State) of NamedShardings."""
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: NamedSharding(self.mesh, self.spec_for(_path_str(p), np.ndim(x))), params)
+
+    def state_shardings(self, state):
+        """DeviceState shardings: mirrors replicated, K/V pools on kv heads, conv pools on
+        channels."""
+        def one(path, x):
+            name = _path_str(path).rsplit("/", 1)[-1]
+            if name in ("k", "v") and np.ndim(x) == 4:
+                return NamedSharding(self.mesh, P(None, None, AXIS, None))
+            if name == "conv" and np.ndim(x) == 3:
+                return NamedSharding(self.mesh, P(None, None, AXIS))
+            return self.replicated
+
+        return jax.tree_util.tree_map_with_path(one, state)
+
+    def gather_logits(self, logits: jax.Array) -> jax.Array:
+        """Inside the jitted step: vocab-sharded logits f[R, V] -> replicated. Pinning the
+        vocab-sharded layout first makes XLA gather the [R, V] logits, not the [H, V] lm_head
+        (which it picks when only the replicated result is constrained)."""
+        wsc = jax.lax.with_sharding_constraint
+        if self.shard_vocab:
+            logits = wsc(logits, NamedSharding(self.mesh, P(None, AXIS)))
+        return wsc(logits, self.replicated)
+
+    # ------------------------------------------------------------------ kernels
+    def wrap_attention(self, fn: Callable) -> Callable:
+        """`fn` (SPEC paged_attention signature) run per shard on its local q / kv heads."""
+        heads, pool, rep = P(None, AXIS, None), P(None, None, AXIS, None), P()
+        mesh = self.mesh
+
+        @functools.wraps(fn)
+        def wrapped(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs, *,
+                    sinks=None, **kw):
+            args = [q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs]
+            specs = [heads, pool, pool, rep, rep, rep, rep]
+            if sinks is not None:
+                args.append(sinks)
+                specs.append(P(AXIS))
+
+            def local(*a):
+                return fn(*a[:7], sinks=a[7] if len(a) > 7 else None, **kw)
+
+            # check_vma off: pallas_call has no varying-manual-axes rule
+            return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=heads,
+                                 check_vma=False)(*args)
+
+        return wrapped
+
+    def wrap_conv(self, fn: Callable | None) -> Callable | None:
+        """`fn` (pallas short_conv signature) run per shard on its local channels; None stays
+        None (the model's jnp taps run under GSPMD: gathers over the sharded channel axis are
+        local)."""
+        if fn is None:
+            return None
+        chan, pool, rep = P(None, AXIS), P(None, None, AXIS), P()
+        mesh = self.mesh
+
+        @functools.wraps(fn)
+        def wrapped(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs, weight, bias=None):
+            args = [x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs, weight]
+            specs = [chan, pool, rep, rep, rep, rep, chan]
+            if bias is not None:
+                args.append(bias)
+                specs.append(P(AXIS))
+
+            def local(*a):
+                return fn(*a[:7], a[7] if len(a) > 7 else None)
+
+            return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=chan,
+                                 check_vma=False)(*args)
+
+        return wrapped
+
+    def put(self, tree, shardings):
+        return jax.device_put(tree, shardings)
+
+    def zeros_like_sharded(self, shape, dtype) -> jax.Array:
+        return jax.device_put(jnp.zeros(shape, dtype), self.replicated)
