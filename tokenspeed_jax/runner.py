@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from tokenspeed_jax.attention import get_paged_attention, get_short_conv, resolve_backend
 from tokenspeed_jax.models.batch import make_paged_batch
@@ -96,7 +97,7 @@ class ModelRunner:
         backend: str = "auto",
         honor_full_refresh: bool = True,
         min_token_bucket: int = 16,
-        mesh=None,
+        mesh: Mesh | None = None,
     ):
         self.config = model_config
         self.layouts = tuple(layouts)

@@ -36,7 +36,6 @@ import re
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -230,9 +229,3 @@ class TensorParallel:
                                  check_vma=False)(*args)
 
         return wrapped
-
-    def put(self, tree, shardings):
-        return jax.device_put(tree, shardings)
-
-    def zeros_like_sharded(self, shape, dtype) -> jax.Array:
-        return jax.device_put(jnp.zeros(shape, dtype), self.replicated)

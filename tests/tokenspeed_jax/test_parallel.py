@@ -9,6 +9,7 @@ record; the assertions run here on it:
   with the reference backend, and tp=2 with the Pallas kernels (interpret mode) under shard_map;
 - params and pools really are sharded (specs and per-device shard shapes);
 - dp: both replicas served requests, `stats()` sums them, `engine` is `engines[0]`;
+- one compile per token bucket per replica (the sharded state keeps its sharding across steps);
 - an MoE + sinks + biases config: sharded forward == unsharded (ragged_dot over sharded experts);
 - bad sizes raise ValueError (tp=3 with 2 kv heads, tp*dp > devices, tp=0).
 """
@@ -52,6 +53,7 @@ def _worker() -> dict:
             "logprobs": [o.logprobs for o in outs],
             "prompt_logprobs": [o.prompt_logprobs for o in outs],
             "seconds": time.perf_counter() - t0,
+            "compiles": [e.runner.num_compiles for e in llm.engines],
         }
         return llm
 
@@ -157,6 +159,14 @@ def test_parallel_matches_single_device(result, name, base):
     assert b["tokens"] == a["tokens"]
     assert _max_diff(b["logprobs"], a["logprobs"]) < 1e-4
     assert _max_diff(b["prompt_logprobs"], a["prompt_logprobs"]) < 1e-4
+
+
+def test_one_compile_per_bucket_per_replica(result):
+    """Sharded state comes back with the sharding it went in with: no recompiles."""
+    runs = result["runs"]
+    single = runs["tp1"]["compiles"]
+    assert runs["tp2"]["compiles"] == single
+    assert runs["tp2dp2"]["compiles"] == runs["dp2"]["compiles"] == single * 2
 
 
 def test_pallas_tp_matches_reference(result):
