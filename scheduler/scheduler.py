@@ -93,6 +93,10 @@ class Scheduler:
         req.finish_reason = "abort"
         self._stats["num_aborted"] += 1
 
+    def padding_ops(self) -> StepOps:
+        """An all-padding StepOps of this config's shapes (device warm-up; changes nothing)."""
+        return self._builder.build([])
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 

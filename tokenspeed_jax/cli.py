@@ -49,6 +49,10 @@ def cmd_run(args) -> int:
     print(f"tokenspeed-jax run: model={args.model} sessions={wl.sessions} turns={wl.turns} "
           f"system_prompt={wl.system_tokens} tokens, pages={llm.stats()['total_pages']} "
           f"(loaded in {load_s:.1f}s)", flush=True)
+    t1 = time.perf_counter()
+    compiled = llm.warmup()
+    print(f"compiled {compiled} step shape buckets in {time.perf_counter() - t1:.1f}s "
+          f"(before serving, so latencies below exclude XLA compilation)", flush=True)
     vocab = min(256, llm.model_config.vocab_size)
     report = run_workload(llm.engine, wl, vocab=vocab, progress=not args.no_progress)
     summary = report.summary()

@@ -167,6 +167,10 @@ class Engine:
             logprobs=track.logprobs[:len(token_ids)] if track.params.logprobs else None,
             prompt_logprobs=track.prompt_logprobs, metrics=track.metrics)
 
+    def warmup(self) -> int:
+        """Compile every token bucket of the runner now; returns how many were compiled."""
+        return self.runner.warmup(self.scheduler.padding_ops())
+
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         out = self.scheduler.stats()

@@ -65,7 +65,7 @@ class LLM:
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 else sharding.replica_meshes(tp, dp)
         known = {"conv_page_size", "enable_adoption", "max_live_requests", "debug_checks",
-                 "honor_full_refresh", "decode_reserve_tokens"}
+                 "honor_full_refresh", "decode_reserve_tokens", "max_prefill_chunk_tokens"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
@@ -98,6 +98,7 @@ class LLM:
             max_live_requests=more_options.get("max_live_requests"),
             enable_adoption=more_options.get("enable_adoption", True),
             decode_reserve_tokens=more_options.get("decode_reserve_tokens", 1),
+            max_prefill_chunk_tokens=more_options.get("max_prefill_chunk_tokens"),
             debug_checks=more_options.get("debug_checks", False))
         eos = self.model_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -190,6 +191,11 @@ class LLM:
         if bar is not None:
             bar.close()
         return results
+
+    def warmup(self) -> int:
+        """Compile every token bucket of every replica now, so serving never stalls on XLA.
+        Returns the number of compilations it ran (0 when already warm)."""
+        return sum(e.warmup() for e in self.engines)
 
     def stats(self) -> dict:
         """Scheduler + engine counters: free/total pages, prefix_hit_rate, retractions, ...

@@ -227,6 +227,19 @@ class ModelRunner:
                     rid, lay.group_id, self.widths[g],
                 )  # fmt: skip
 
+    def warmup(self, padding_ops) -> int:
+        """Compile every token bucket now (serving then never stalls on XLA) by running an
+        all-padding StepOps through each: padding rows (slot -1) and padding tokens drop every
+        write, so the device state is unchanged. Returns the number of buckets compiled."""
+        if padding_ops.num_reqs:
+            raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
+        before = self.num_compiles
+        for bucket in self.buckets:
+            self.state, tokens, _, _ = self._step(self.params, self.state,
+                                                  self._device_ops(padding_ops, bucket))
+        jax.block_until_ready(self.state)
+        return self.num_compiles - before
+
     def step(self, ops) -> StepResult:
         """Applies one `StepOps`; returns the sampled tokens (numpy). Empty steps skip the device."""
         r, t = self.max_batch_requests, self.max_scheduled_tokens
