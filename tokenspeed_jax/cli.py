@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run = sub.add_parser("run", help="serve a synthetic agentic workload on the default model")
     _add_engine_args(run, num_pages=1024)
-    run.add_argument("--sessions", type=int, default=24)
-    run.add_argument("--turns", type=int, default=3)
+    run.add_argument("--sessions", type=int, default=64)
+    run.add_argument("--turns", type=int, default=4)
     run.add_argument("--system-tokens", type=int, default=384)
     run.add_argument("--user-tokens", type=int, default=24)
     run.add_argument("--max-tokens", type=int, default=24)
