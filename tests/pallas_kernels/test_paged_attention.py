@@ -22,6 +22,9 @@ IMPLS = {
     "reference": paged_attention_reference,
     "pallas": functools.partial(paged_attention, interpret=True),
 }
+if jax.default_backend() == "gpu":
+    # GPU runs are extra: the same bodies check the compiled (Triton) kernel, not the interpreter
+    IMPLS["pallas_gpu"] = paged_attention
 
 
 @dataclasses.dataclass(frozen=True)
