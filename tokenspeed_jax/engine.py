@@ -120,6 +120,11 @@ class Engine:
     def _step(self) -> list[CompletionOutput]:
         ops = self.scheduler.schedule()
         if ops.num_reqs == 0:
+            if self.scheduler.has_unfinished():
+                # nothing runs and the queue head cannot be admitted: no later step can differ,
+                # so fail loudly instead of spinning (add_request's fit check should prevent it)
+                raise RuntimeError(f"scheduler made no progress with waiting requests: "
+                                   f"{self.scheduler.stats()}")
             return []
         result = self.runner.step(ops)  # the runner logs clamped rows by request id
         now = time.perf_counter()
