@@ -32,10 +32,7 @@ class OpsBuilder:
     def __init__(self, config: SchedulerConfig) -> None:
         self.R = config.max_batch_requests
         self.T = config.max_scheduled_tokens
-        self.layouts = tuple(
-            GroupLayout(spec.group_id, spec.page_tokens, config.group_width(spec),
-                        config.group_delta_width(spec))
-            for spec in config.groups)
+        self.layouts = config.group_layouts()
         self._row_index = np.arange(self.R, dtype=np.int32)
         # padding-valued templates: copying one is cheaper than np.full / np.ones each step
         R, T, i32 = self.R, self.T, np.int32
