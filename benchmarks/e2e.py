@@ -73,7 +73,7 @@ def resolve_model(name: str, tmp: str, vocab: int) -> tuple[str, dict]:
 
             path, gguf = registry.gguf_location(name)  # issue 10's GGUF support
         except (ImportError, AttributeError, ValueError) as e:
-            raise SystemExit(f"--model {name}: this build has no GGUF support for it yet ({e})")
+            raise SystemExit(f"--model {name}: this build has no GGUF support for it yet ({e})") from e
         return name, dict(pretrained_model_name_or_path=path, gguf_file=gguf)
     if os.path.isdir(name):
         return name, dict(pretrained_model_name_or_path=name)
