@@ -36,6 +36,7 @@ import time
 # benchmark) would shadow the `scheduler` package.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))  # this checkout's packages, not another install's
 
 import numpy as np  # noqa: E402
 

@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from scheduler.step_ops import StepOps, device_schema
 from tokenspeed_jax.attention import get_paged_attention, get_short_conv, resolve_backend
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
@@ -45,6 +46,8 @@ from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, 
 
 logger = logging.getLogger(__name__)
 
+# per-row StepOps fields (schema axis "row"): what the LM head / sampler slice to the used rows
+_ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
 DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fewer compiles)
 
 
@@ -181,17 +184,22 @@ class ModelRunner:
         hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
 
         t = hidden.shape[0]
-        last = jnp.clip(ops["query_start"][1:] - 1, 0, t - 1)  # each row's last token
+        # A step has at most one row per token, so rows >= min(R, T) are padding: the LM head and
+        # the sampler only run on the first n rows (a 16-token decode bucket pays for 16, not R).
+        n = min(self.max_batch_requests, t)
+        rows = {k: ops[k][:n] for k in _ROW_FIELDS}
+        last = jnp.clip(ops["query_start"][1 : n + 1] - 1, 0, t - 1)  # each row's last token
         logits = model.logits(hidden[last])
         if self._tp is not None:  # vocab-sharded under TP: the sort / argmax want whole rows
             logits = self._tp.gather_logits(logits)
         tokens, logprobs = sample(
-            logits, ops["temperature"], ops["top_k"], ops["top_p"],
-            ops["seeds"], ops["sample_index"],
+            logits, rows["temperature"], rows["top_k"], rows["top_p"],
+            rows["seeds"], rows["sample_index"],
         )  # fmt: skip
-        mask = ops["sample_mask"]
-        tokens = jnp.where(mask, tokens, -1)
-        logprobs = jnp.where(mask, logprobs, jnp.nan)
+        pad = self.max_batch_requests - n
+        mask = rows["sample_mask"]
+        tokens = jnp.pad(jnp.where(mask, tokens, -1), (0, pad), constant_values=-1)
+        logprobs = jnp.pad(jnp.where(mask, logprobs, jnp.nan), (0, pad), constant_values=jnp.nan)
         targets = ops["prompt_targets"]
         # Full [T, V] logits only on steps that want prompt logprobs (lax.cond skips them else).
         plp = jax.lax.cond(
@@ -280,5 +288,6 @@ class ModelRunner:
         _, cols = self.kv_bucket_for(ops)
         tokens, logprobs, plp = self._run(ops, bucket, cols)
         plp_full = np.full(t, np.nan, np.float32)
-        plp_full[:bucket] = np.asarray(plp)
+        if ops.prompt_targets[: ops.num_tokens].max(initial=-1) >= 0:  # else all NaN: no copy
+            plp_full[:bucket] = np.asarray(plp)
         return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full)
