@@ -192,10 +192,11 @@ class LLM:
             bar.close()
         return results
 
-    def warmup(self) -> int:
-        """Compile every token bucket of every replica now, so serving never stalls on XLA.
-        Returns the number of compilations it ran (0 when already warm)."""
-        return sum(e.warmup() for e in self.engines)
+    def warmup(self, max_kv_len: int | None = None) -> int:
+        """Compile every shape key (token bucket x kv bucket) of every replica now, so serving
+        never stalls on XLA; `max_kv_len` limits it to the kv buckets up to that many tokens
+        (longer steps compile on first use, once). Returns the compilations it ran (0 when warm)."""
+        return sum(e.warmup(max_kv_len) for e in self.engines)
 
     def stats(self) -> dict:
         """Scheduler + engine counters: free/total pages, prefix_hit_rate, retractions, ...

@@ -261,16 +261,27 @@ class ModelRunner:
                     rid, lay.group_id, self.widths[g],
                 )  # fmt: skip
 
-    def warmup(self, padding_ops) -> int:
-        """Compile every shape key (token bucket x kv bucket, `shape_keys`) now, so serving then
-        never stalls on XLA, by running an all-padding StepOps through each: padding rows (slot
-        -1) and padding tokens drop every write, so the device state is unchanged. Returns the
-        number of compilations it ran (0 when already warm)."""
+    def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
+        """Compile the shape keys (token bucket x kv bucket, `shape_keys`) now, so serving does
+        not stall on XLA, by running an all-padding StepOps through each: padding rows (slot -1)
+        and padding tokens drop every write, so the device state is unchanged.
+
+        Compile policy: None (default) compiles every pair, after which serving never compiles.
+        `max_kv_len` = L compiles every token bucket with the kv buckets up to the one covering L
+        tokens; a step whose longest row is longer compiles its key on first use (once; counted
+        in `num_compiles`, at most `len(shape_keys)` in all). Returns the compilations it ran.
+        """
         if padding_ops.num_reqs:
             raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
+        levels = self.kv_levels
+        if max_kv_len is not None:
+            if max_kv_len < 1:
+                raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
+            cover = next((i for i, (t, _) in enumerate(levels) if t >= max_kv_len), len(levels) - 1)
+            levels = levels[: cover + 1]
         before = self.num_compiles
         for bucket in self.buckets:
-            for _, cols in self.kv_levels:
+            for _, cols in levels:
                 self._run(padding_ops, bucket, cols)
         jax.block_until_ready(self.state)
         return self.num_compiles - before
