@@ -71,26 +71,34 @@ class PagedAttentionConfig:
                                  "a power of two")
 
 
+# Occupancy the decode default reaches on an H100/H200 (132 SMs): 3 programs per SM at ~148
+# registers and 72 KiB shared memory (benchmarks/kernel_compile.py prints the measured values).
+_SMS, _DECODE_PROGRAMS_PER_SM, _MIN_WAVES = 132, 3, 4
+
+
 def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int,
                    num_kv_heads: int = 1, max_pages: int = 0) -> PagedAttentionConfig:
     """Static heuristic: decode-dominated shapes (<= 2 query tokens per request on average) use
     the minimum 16 rows per program (each K/V tile serves all G heads; more rows would only burn
     tensor-core time on padding); prefill-heavy shapes use 64 rows for arithmetic intensity.
-    K/V tiles of 64 tokens keep two pipeline stages of bf16 D=128 K+V within 64 KiB of smem.
-    Decode shapes split the key range when requests x kv heads < ~1024 programs (an H100/H200
-    runs ~400 of these CTAs at once; more programs than that evens out the last wave), as long
-    as every split still gets >= 4 tiles at full context."""
+    K/V tiles are 64 tokens. Decode runs 3 pipeline stages (two bf16 D=128 K+V tiles in flight
+    while one is consumed: 72 KiB of shared memory, cp.async.wait_group 2 in the PTX) and splits
+    the key range (flash-decoding) until requests x kv heads x splits fills >= 4 waves of
+    3 programs on each of 132 SMs, so the last, partial wave costs little, as long as every
+    split still gets >= 4 tiles at full context (at most 32 splits)."""
     gp = backend.next_power_of_2(group)
     decode = num_tokens <= 2 * num_seqs_max
     rows = 16 if decode else 64
     pages_per_block = max(1, 64 // page_size)
     splits = 1
     if decode:
-        while (splits < 8 and num_seqs_max * num_kv_heads * splits < 1024
+        target = _MIN_WAVES * _SMS * _DECODE_PROGRAMS_PER_SM
+        while (splits < 32 and num_seqs_max * num_kv_heads * splits < target
                and max_pages >= 2 * splits * 4 * pages_per_block):
             splits *= 2
     return PagedAttentionConfig(pages_per_block=pages_per_block, block_q=max(1, rows // gp),
-                                num_warps=4 if decode else 8, kv_splits=splits)
+                                num_warps=4 if decode else 8, num_stages=3 if decode else 2,
+                                kv_splits=splits)
 
 
 def _check_kernel_shapes(page_size: int, head_dim: int) -> None:
