@@ -193,7 +193,7 @@ def test_default_config_splits_long_decode_only() -> None:
     assert default_config(64, 64, 16, 4, 8, 2048).kv_splits == 4
     assert default_config(64, 64, 16, 4, 8, 2048).num_stages == 3  # decode: 2 tiles in flight
     assert default_config(8, 8, 16, 4, 8, 2048).kv_splits == 32
-    assert default_config(8, 8, 16, 4, 8, 128).kv_splits == 4  # each split keeps >= 4 tiles
+    assert default_config(8, 8, 16, 4, 8, 128).kv_splits == 8  # 32 tiles: >= 4 per split
     assert default_config(8, 8, 16, 4, 8, 8).kv_splits == 1  # short context: nothing to split
     assert default_config(2048, 64, 16, 4, 8, 2048).kv_splits == 1  # prefill-shaped
 
