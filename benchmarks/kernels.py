@@ -330,7 +330,7 @@ def main() -> int:
 
     def report(name, secs, roof, nbytes, base=None):
         vs = "" if base is None else f"{base / secs:.2f}x"
-        rows.append(f"| {name} | {secs * 1e3:.3f} | {roof * 1e3:.3f} | {100 * roof / secs:.0f}% | "
+        rows.append(f"| {name} | {secs * 1e3:.4g} | {roof * 1e3:.4g} | {100 * roof / secs:.1f}% | "
                     f"{nbytes / secs / 1e12:.2f} | {vs} |")
         print(rows[-1], flush=True)
 

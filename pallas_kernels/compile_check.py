@@ -132,6 +132,8 @@ def variants(full: bool = True) -> list[Variant]:
                                   seqs=b, ctx=ctx, page_size=ps, decode=True,
                                   real_programs=b * 8))
     out += [
+        _attention("decode B=64 ctx=8k page=64 (1 page per tile)", q_lens=b, seqs=b, ctx=8192,
+                   page_size=64, decode=True, real_programs=b * 8),
         _attention("decode ctx=32k window=4096", q_lens=b, seqs=b, ctx=32768, page_size=16,
                    window=4096, decode=True, real_programs=b * 8),
         _attention("decode ctx=8k soft cap + sinks", q_lens=b, seqs=b, ctx=8192, page_size=16,
