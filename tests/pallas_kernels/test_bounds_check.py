@@ -50,6 +50,33 @@ def test_checker_reports_program_id_and_index() -> None:
     np.testing.assert_array_equal(np.asarray(got)[:10], [0, 1, 2, 3, 4, 5, 6, 7, 9, 8])
 
 
+def _shift_kernel(x_ref, o_ref):
+    i = pl.program_id(0) * 8 + jax.lax.iota(jnp.int32, 8)
+    backend.store(o_ref, (i + 1,), backend.load(x_ref, (i,)), mask=i < 15)
+
+
+def test_checker_reports_stores() -> None:
+    """A store under a true mask past the end (lane 15 -> index 16 is masked: fine; make the mask
+    one lane too wide and it is reported)."""
+    x = jnp.arange(16, dtype=jnp.float32)
+
+    def run(kernel):
+        return backend.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), x.dtype),
+                                   grid=(2,), num_warps=1, num_stages=1, interpret=True,
+                                   name="shift")(x)
+
+    with check_bounds():
+        np.testing.assert_array_equal(np.asarray(run(_shift_kernel))[1:], np.arange(15))
+
+    def too_wide(x_ref, o_ref):
+        i = pl.program_id(0) * 8 + jax.lax.iota(jnp.int32, 8)
+        backend.store(o_ref, (i + 1,), backend.load(x_ref, (i,)), mask=i < 16)
+
+    with pytest.raises(BoundsViolation, match=r"store of ref\[16\] at program_id=\[1\]: "
+                                              r"index \[16\]"), check_bounds():
+        run(too_wide)
+
+
 def _full_decode_batch(batch: int, ctx: int, page_size: int, hkv: int = 2, group: int = 4,
                        d: int = 64):
     """Every row real (no padding row) and every row's kv_len == the table width in tokens: the
