@@ -72,26 +72,34 @@ class PagedAttentionConfig:
                                  "a power of two")
 
 
+# Occupancy the decode default reaches on an H100/H200 (132 SMs): 3 programs per SM at ~148
+# registers and 72 KiB shared memory (benchmarks/kernel_compile.py prints the measured values).
+_SMS, _DECODE_PROGRAMS_PER_SM, _MIN_WAVES = 132, 3, 4
+
+
 def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int,
                    num_kv_heads: int = 1, max_pages: int = 0) -> PagedAttentionConfig:
     """Static heuristic: decode-dominated shapes (<= 2 query tokens per request on average) use
     the minimum 16 rows per program (each K/V tile serves all G heads; more rows would only burn
     tensor-core time on padding); prefill-heavy shapes use 64 rows for arithmetic intensity.
-    K/V tiles of 64 tokens keep two pipeline stages of bf16 D=128 K+V within 64 KiB of smem.
-    Decode shapes split the key range when requests x kv heads < ~1024 programs (an H100/H200
-    runs ~400 of these CTAs at once; more programs than that evens out the last wave), as long
-    as every split still gets >= 4 tiles at full context."""
+    K/V tiles are 64 tokens. Decode runs 3 pipeline stages (two bf16 D=128 K+V tiles in flight
+    while one is consumed: 72 KiB of shared memory, cp.async.wait_group 2 in the PTX) and splits
+    the key range (flash-decoding) until requests x kv heads x splits fills >= 4 waves of
+    3 programs on each of 132 SMs, so the last, partial wave costs little, as long as every
+    split still gets >= 4 tiles at full context (at most 32 splits)."""
     gp = backend.next_power_of_2(group)
     decode = num_tokens <= 2 * num_seqs_max
     rows = 16 if decode else 64
     pages_per_block = max(1, 64 // page_size)
     splits = 1
     if decode:
-        while (splits < 8 and num_seqs_max * num_kv_heads * splits < 1024
+        target = _MIN_WAVES * _SMS * _DECODE_PROGRAMS_PER_SM
+        while (splits < 32 and num_seqs_max * num_kv_heads * splits < target
                and max_pages >= 2 * splits * 4 * pages_per_block):
             splits *= 2
     return PagedAttentionConfig(pages_per_block=pages_per_block, block_q=max(1, rows // gp),
-                                num_warps=4 if decode else 8, kv_splits=splits)
+                                num_warps=4 if decode else 8, num_stages=3 if decode else 2,
+                                kv_splits=splits)
 
 
 def _check_kernel_shapes(page_size: int, head_dim: int) -> None:
@@ -146,8 +154,9 @@ def _block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
                     block_q: int) -> tuple[jax.Array, int]:
     """i32[4, NB]: per grid block (request, first token, end token, position offset).
 
-    NB = cdiv(T, block_q) + S bounds sum_s cdiv(q_len_s, block_q); unused blocks get an empty
-    token range and do no work.
+    NB = cdiv(T, block_q) + S bounds sum_s cdiv(q_len_s, block_q). Surplus blocks (past the last
+    real one) get the empty token range [T, T) of request 0 with offset 0: the kernel derives an
+    empty key range from it and does no work (no page-table or K/V access at all).
     """
     t, s = q.shape[0], page_table.shape[0]
     cu, kv, q_len = sanitize(cu_q_lens, kv_lens, num_seqs, t, page_table.shape[1] * page_size)
@@ -155,12 +164,18 @@ def _block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
     ends = jnp.cumsum(nb_per_seq)
     num_blocks = pl.cdiv(t, block_q) + s
     b = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), s - 1).astype(jnp.int32)
+    # compare_all: S is small (<= a few hundred), and a [NB, S] compare + sum is one fused op on
+    # GPU where the default binary search is a sequential loop of gathers.
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right", method="compare_all"),
+                      s - 1).astype(jnp.int32)
+    real = b < ends[-1]
     within = b - (ends[seq] - nb_per_seq[seq])
     q0 = cu[seq] + within * block_q
-    q1 = jnp.where(b < ends[-1], jnp.minimum(q0 + block_q, cu[seq + 1]), q0)
+    q1 = jnp.minimum(q0 + block_q, cu[seq + 1])
     pos_off = kv[seq] - cu[seq + 1]  # absolute position = packed token index + pos_off
-    return jnp.stack([seq, q0, q1, pos_off]).astype(jnp.int32), num_blocks
+    meta = [jnp.where(real, seq, 0), jnp.where(real, q0, t), jnp.where(real, q1, t),
+            jnp.where(real, pos_off, 0)]
+    return jnp.stack(meta).astype(jnp.int32), num_blocks
 
 
 def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int, block_q: int,
@@ -185,23 +200,38 @@ def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int,
     q = backend.load(q_ref, (tok_idx[:, None], head[:, None], d[None, :]),
                      mask=row_ok[:, None], other=0.0)
 
-    # Key range of the whole block: union over its rows of [qpos - W + 1, qpos].
+    # Key range of the whole block: union over its rows of [qpos - W + 1, qpos]; empty for a
+    # surplus block (q0 == q1), which therefore never touches the page table or the pools.
     lo = jnp.maximum(q0 + pos_off - window + 1, 0) if window is not None else jnp.int32(0)
-    hi = q1 + pos_off  # exclusive; <= kv_len
+    hi = jnp.where(q1 > q0, q1 + pos_off, lo)  # exclusive; <= kv_len <= max_pages * page_size
     page_lo = lo // page_size
-    page_hi = (jnp.maximum(hi, 0) + page_size - 1) // page_size
-    n_iter = jnp.where(hi > lo, (page_hi - page_lo + pages_per_block - 1) // pages_per_block, 0)
+    page_hi = jnp.where(hi > lo, (hi + page_size - 1) // page_size, page_lo)
+    n_iter = (page_hi - page_lo + pages_per_block - 1) // pages_per_block
 
     block_k = pages_per_block * page_size
     kk = lax.iota(jnp.int32, block_k)
+    in_page = kk % page_size
     qk_scale = scale if soft_cap is None else scale / soft_cap
 
+    def page_ids(j):
+        """The tile's page ids: one load per PAGE (not per token), masked past the key range."""
+        slot = page_lo + j * pages_per_block + lax.iota(jnp.int32, pages_per_block)
+        ok = slot < page_hi
+        return backend.load(pt_ref, (seq, slot), mask=ok, other=0)
+
     def body(j, carry):
-        acc, m, denom = carry
+        # The tile's page ids come in through the carry, loaded one iteration earlier, so the K/V
+        # loads of tile j+1 depend on nothing computed in iteration j+1: Triton's software
+        # pipeliner can then issue them `num_stages - 1` tiles ahead (cp.async multi-buffering).
+        acc, m, denom, pages = carry
+        next_pages = page_ids(j + 1)
         kpos = (page_lo + j * pages_per_block) * page_size + kk
         k_ok = (kpos >= lo) & (kpos < hi)
-        page = backend.load(pt_ref, (seq, kpos // page_size), mask=k_ok, other=0)
-        flat = jnp.where(k_ok, page * page_size + kpos % page_size, pool_tokens)
+        if pages_per_block == 1:
+            page = jnp.broadcast_to(pages, (block_k,))
+        else:  # expand [ppb] page ids to [ppb * page_size] tokens
+            page = jnp.broadcast_to(pages[:, None], (pages_per_block, page_size)).reshape(block_k)
+        flat = jnp.where(k_ok, page * page_size + in_page, pool_tokens)
         kv_idx = (flat[:, None], h, d[None, :])
         k = backend.load(k_ref, kv_idx, mask=k_ok[:, None], other=0.0)
         logits = backend.dot(q, k, trans_b=True) * qk_scale
@@ -217,7 +247,7 @@ def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int,
         p = jnp.where(mask, jnp.exp2(logits - m_new[:, None]), 0.0)
         v = backend.load(v_ref, kv_idx, mask=k_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + backend.dot(p.astype(v.dtype), v)
-        return acc, m_new, denom * alpha + jnp.sum(p, axis=1)
+        return acc, m_new, denom * alpha + jnp.sum(p, axis=1), next_pages
 
     n_rows = block_q * gp
     acc = jnp.zeros((n_rows, head_dim), jnp.float32)
@@ -228,7 +258,7 @@ def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int,
     else:
         m0, l0 = jnp.full((n_rows,), _MASK, jnp.float32), jnp.zeros((n_rows,), jnp.float32)
     if kv_splits == 1:
-        acc, _, denom = lax.fori_loop(0, n_iter, body, (acc, m0, l0))
+        acc, _, denom, _ = lax.fori_loop(0, n_iter, body, (acc, m0, l0, page_ids(0)))
         out = acc / jnp.where(denom > 0.0, denom, 1.0)[:, None]
         backend.store(out_refs[0], (tok_idx[:, None], head[:, None], d[None, :]),
                       out.astype(out_refs[0].dtype), mask=row_ok[:, None])
@@ -236,8 +266,8 @@ def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int,
     split = pl.program_id(2)
     chunk = (n_iter + kv_splits - 1) // kv_splits
     start = split * chunk
-    acc, m, denom = lax.fori_loop(start, jnp.minimum(start + chunk, n_iter), body,
-                                  (acc, m0, l0))
+    acc, m, denom, _ = lax.fori_loop(start, jnp.minimum(start + chunk, n_iter), body,
+                                     (acc, m0, l0, page_ids(start)))
     acc_ref, m_ref, l_ref = out_refs
     backend.store(acc_ref, (split, tok_idx[:, None], head[:, None], d[None, :]), acc,
                   mask=row_ok[:, None])

@@ -207,8 +207,11 @@ def test_kv_splits_match_oracle(name: str, splits: int) -> None:
 def test_default_config_splits_long_decode_only() -> None:
     from pallas_kernels import default_config
 
-    assert default_config(64, 64, 16, 4, 8, 2048).kv_splits == 2
-    assert default_config(8, 8, 16, 4, 8, 2048).kv_splits == 8
+    # 64 requests x 8 kv heads = 512 programs: 4 splits = 2048 >= 4 waves x 3/SM x 132 SMs
+    assert default_config(64, 64, 16, 4, 8, 2048).kv_splits == 4
+    assert default_config(64, 64, 16, 4, 8, 2048).num_stages == 3  # decode: 2 tiles in flight
+    assert default_config(8, 8, 16, 4, 8, 2048).kv_splits == 32
+    assert default_config(8, 8, 16, 4, 8, 128).kv_splits == 8  # 32 tiles: >= 4 per split
     assert default_config(8, 8, 16, 4, 8, 8).kv_splits == 1  # short context: nothing to split
     assert default_config(2048, 64, 16, 4, 8, 2048).kv_splits == 1  # prefill-shaped
 
