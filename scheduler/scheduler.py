@@ -194,7 +194,11 @@ class Scheduler:
             for t, row in zip(tables, hit_rows):
                 t.pages = list(row)  # shape only: demand math needs the table length
         n = min(len(req.tokens) - hit, budget, self._chunk_cap)
-        extra = cfg.decode_reserve_tokens if n == len(req.tokens) - hit else 0
+        # Reserve decode room only for tokens the request can still generate: the fit check in
+        # add_request sizes a request by prompt + max_new_tokens, so reserving more than that
+        # could make a request that fits alone unadmittable forever (a liveness bug).
+        left = req.max_new_tokens - req.num_generated
+        extra = min(cfg.decode_reserve_tokens, left) if n == len(req.tokens) - hit else 0
         chunk_need = coord.blocks_needed_for(tables, n)
         reserve = coord.blocks_needed_for_sequential(tables, n, extra) - chunk_need
         pulled = coord.prefix_pages_in_free_list(hit_rows) if hit else 0
