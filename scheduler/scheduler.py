@@ -50,7 +50,8 @@ class Scheduler:
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_new_tokens: int,
                     **options) -> None:
         """Queue a request. Options: stop_token_ids, temperature (0 = greedy), top_p, top_k,
-        seed, prompt_logprobs (bool), cache_salt (str | bytes). Raises ValueError on bad input
+        seed, prompt_logprobs (bool), cache_salt (str | bytes), presence_penalty,
+        frequency_penalty, repetition_penalty, logit_bias, top_logprobs. Raises ValueError on bad input
         (nothing changes then)."""
         cfg = self.config
         if not isinstance(request_id, str) or not request_id:
@@ -76,6 +77,9 @@ class Scheduler:
                              f"pool has {self.pool.num_pages - 1}")
         req = Request.from_options(request_id, prompt, max_new_tokens, options,
                                    arrival=next(self._arrival), hash_base=self.coord.base)
+        if len(req.logit_bias) > cfg.max_logit_bias:
+            raise ValueError(f"request {request_id!r}: {len(req.logit_bias)} logit_bias entries, "
+                             f"at most {cfg.max_logit_bias} (SchedulerConfig.max_logit_bias)")
         self._requests[request_id] = req
         self._waiting.append(req)
 
@@ -187,7 +191,7 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, headroom: int) -> ScheduledRow | None:
         cfg, coord = self.config, self.coord
         hit, hit_rows = 0, None
-        if cfg.enable_prefix_cache and not req.prompt_logprobs:
+        if cfg.enable_prefix_cache and not req.prompt_logprobs and not req.has_penalties:
             hit, hit_rows = coord.match_prefix(req.hasher.hashes, len(req.tokens) - 1)
         tables = coord.new_tables()
         if hit:

@@ -7,6 +7,7 @@ jitted device step compiles once per shape bucket. Notation used in the field co
   T   = config.max_scheduled_tokens query tokens of a step, packed row after row
   W_g = GroupLayout.width           max logical pages of one request in group g
   N_g = GroupLayout.delta_width     max tail-delta pages of one row in one step, group g
+  B   = config.max_logit_bias       logit_bias entries of one row
 
 Device slots (`req_slots`) index the rows of the device page-table mirrors
 (`i32[max_live_requests, W_g]` per group); batch row i of a step lives in slot `req_slots[i]`.
@@ -66,6 +67,13 @@ class StepOps:
     top_k: np.ndarray  # i32[R] keep the k most likely tokens, -1 = all; -1 padding
     seeds: np.ndarray  # u32[R] per-request sampling seed; 0 padding
     sample_index: np.ndarray  # i32[R] tokens generated so far (PRNG fold-in); 0 padding
+    prompt_lens: np.ndarray  # i32[R] prompt length (inputs at positions >= it count as output); 0 padding
+    presence_penalty: np.ndarray  # f32[R] subtracted once from every generated token's logit; 0 padding
+    frequency_penalty: np.ndarray  # f32[R] subtracted per occurrence in the output; 0 padding
+    repetition_penalty: np.ndarray  # f32[R] divides (>0) / multiplies (<0) logits of seen tokens; 1 padding
+    logit_bias_ids: np.ndarray  # i32[R, B] token ids whose logits get a bias; -1 padding
+    logit_bias_values: np.ndarray  # f32[R, B] bias added to those logits; 0 padding
+    top_logprobs: np.ndarray  # i32[R] most likely tokens to report with logprobs (<= 20); 0 padding
     groups: tuple[GroupStepOps, ...]  # one per cache group, in config.groups order
 
     def row_of(self, request_id: str) -> int:
@@ -77,3 +85,20 @@ class StepOps:
 
     def num_query_tokens(self, row: int) -> int:
         return int(self.query_start[row + 1] - self.query_start[row])
+
+
+SAMPLING_PADDING = {  # field -> (dtype, padding value, extra trailing dims: "B" = max_logit_bias)
+    "prompt_lens": (np.int32, 0, ()), "presence_penalty": (np.float32, 0.0, ()),
+    "frequency_penalty": (np.float32, 0.0, ()), "repetition_penalty": (np.float32, 1.0, ()),
+    "logit_bias_ids": (np.int32, -1, ("B",)), "logit_bias_values": (np.float32, 0.0, ("B",)),
+    "top_logprobs": (np.int32, 0, ()),
+}
+
+
+def sampling_padding(num_rows: int, max_logit_bias: int) -> dict[str, np.ndarray]:
+    """All-padding arrays of the per-request penalty / logprob fields (R rows, B bias slots)."""
+    out = {}
+    for name, (dtype, value, dims) in SAMPLING_PADDING.items():
+        shape = (num_rows, *(max_logit_bias for _ in dims))
+        out[name] = np.full(shape, value, dtype)
+    return out

@@ -28,7 +28,15 @@ from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.page_table import clamped_rows, update_rows
-from tokenspeed_jax.sampling import prompt_logprobs, sample
+from tokenspeed_jax.sampling import (
+    MAX_TOP_LOGPROBS,
+    apply_penalties,
+    init_penalty_state,
+    prompt_logprobs,
+    sample,
+    top_logprobs,
+    update_penalty_state,
+)
 from tokenspeed_jax.sharding import TensorParallel, prepare_model
 from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
 
@@ -37,7 +45,8 @@ logger = logging.getLogger(__name__)
 _TOKEN_FIELDS = ("token_ids", "positions", "token_rows", "prompt_targets")
 _ROW_FIELDS = (
     "req_slots", "full_refresh", "query_start", "kv_lens", "sample_mask", "temperature",
-    "top_p", "top_k", "seeds", "sample_index",
+    "top_p", "top_k", "seeds", "sample_index", "prompt_lens", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias_ids", "logit_bias_values", "top_logprobs",
 )  # fmt: skip
 _GROUP_FIELDS = ("begins", "sizes", "new_pages", "rows", "row_lens", "hole_slots")
 
@@ -49,11 +58,16 @@ class StepResult:
     sampled i32[R]: token of each row whose `sample_mask` is set, -1 elsewhere.
     logprobs f32[R]: log-probability of that token (unmodified log-softmax); NaN where no token.
     prompt_logprobs f32[T]: logprob of `prompt_targets[t]` after token t; NaN where target -1.
+    top_ids i32[R, K], top_logprobs f32[R, K] (K = sampling.MAX_TOP_LOGPROBS): each sampling
+    row's K most likely tokens under the unmodified log-softmax, descending; None on steps where
+    no row asked for them (`StepOps.top_logprobs`), -1 / NaN on rows that sample nothing.
     """
 
     sampled: np.ndarray
     logprobs: np.ndarray
     prompt_logprobs: np.ndarray
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 def token_buckets(max_scheduled_tokens: int, min_bucket: int = 16) -> tuple[int, ...]:
@@ -129,9 +143,13 @@ class ModelRunner:
         )  # fmt: skip
         self._attn = get_paged_attention(self.backend)
         self._conv = get_short_conv(self.backend)
+        # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
+        make_penalties = functools.partial(init_penalty_state, max_live_requests,
+                                           model_config.vocab_size)
         if self._tp is None:
             self.state = make_state()
-            self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+            self.penalties = make_penalties()
+            self._step = jax.jit(self._step_impl, donate_argnums=(1, 2))
         else:
             tp = self._tp
             param_sh = tp.param_shardings(self.params)
@@ -141,13 +159,14 @@ class ModelRunner:
             self.state = jax.jit(make_state, out_shardings=state_sh)()
             self._attn, self._conv = tp.wrap_attention(self._attn), tp.wrap_conv(self._conv)
             rep = tp.replicated
+            self.penalties = jax.jit(make_penalties, out_shardings=rep)()
             self._step = jax.jit(
-                self._step_impl, donate_argnums=(1,), in_shardings=(param_sh, state_sh, rep),
-                out_shardings=(state_sh, rep, rep, rep),
+                self._step_impl, donate_argnums=(1, 2), in_shardings=(param_sh, state_sh, rep, rep),
+                out_shardings=(state_sh, rep, rep, rep, rep, rep),
             )  # fmt: skip
 
     # ------------------------------------------------------------------ device side
-    def _step_impl(self, params, state: DeviceState, ops: dict):
+    def _step_impl(self, params, state: DeviceState, penalties, ops: dict):
         self.num_compiles += 1  # Python body runs once per trace = once per compile
         model = nnx.merge(self._graphdef, params)
         mirrors = tuple(
@@ -170,13 +189,22 @@ class ModelRunner:
         logits = model.logits(hidden[last])
         if self._tp is not None:  # vocab-sharded under TP: the sort / argmax want whole rows
             logits = self._tp.gather_logits(logits)
+        penalties, processed = self._penalize(penalties, logits, ops)
         tokens, logprobs = sample(
-            logits, ops["temperature"], ops["top_k"], ops["top_p"],
-            ops["seeds"], ops["sample_index"],
+            processed, ops["temperature"], ops["top_k"], ops["top_p"],
+            ops["seeds"], ops["sample_index"], raw_logits=logits,
         )  # fmt: skip
         mask = ops["sample_mask"]
         tokens = jnp.where(mask, tokens, -1)
         logprobs = jnp.where(mask, logprobs, jnp.nan)
+        r, k = logits.shape[0], min(MAX_TOP_LOGPROBS, logits.shape[-1])
+        top_ids, top_lp = jax.lax.cond(  # the [R, V] top-k only on steps that report it
+            jnp.any(ops["top_logprobs"] > 0), top_logprobs,
+            lambda _: (jnp.full((r, k), -1, jnp.int32), jnp.full((r, k), jnp.nan, jnp.float32)),
+            logits,
+        )  # fmt: skip
+        top_ids = jnp.where(mask[:, None], top_ids, -1)
+        top_lp = jnp.where(mask[:, None], top_lp, jnp.nan)
         targets = ops["prompt_targets"]
         # Full [T, V] logits only on steps that want prompt logprobs (lax.cond skips them else).
         plp = jax.lax.cond(
@@ -185,7 +213,36 @@ class ModelRunner:
             lambda h: jnp.full((t,), jnp.nan, jnp.float32),
             hidden,
         )
-        return DeviceState(mirrors=mirrors, caches=caches), tokens, logprobs, plp
+        return (DeviceState(mirrors=mirrors, caches=caches), penalties, tokens, logprobs, plp,
+                (top_ids, top_lp))
+
+    @staticmethod
+    def _penalize(penalties, logits, ops):
+        """(penalty state after this step's inputs, logits after bias + penalties). Both parts
+        run under lax.cond, so steps without penalties / logit_bias pay nothing for them."""
+        use = ((ops["presence_penalty"] != 0) | (ops["frequency_penalty"] != 0)
+               | (ops["repetition_penalty"] != 1))
+        penalties = jax.lax.cond(
+            jnp.any(use),
+            lambda p: update_penalty_state(
+                p, ops["req_slots"], ops["kv_lens"], ops["query_start"], ops["prompt_lens"],
+                ops["token_ids"], ops["positions"], ops["token_rows"]),
+            lambda p: p, penalties,
+        )  # fmt: skip
+        if penalties.counts.shape[-1] != logits.shape[-1]:
+            raise ValueError(f"penalty state vocab {penalties.counts.shape[-1]} != logits "
+                             f"{logits.shape[-1]}")
+
+        def modify(x):
+            slots = jnp.maximum(ops["req_slots"], 0)
+            counts = jnp.where(use[:, None], penalties.counts[slots], 0)
+            seen = use[:, None] & penalties.seen[slots]
+            return apply_penalties(
+                x, counts, seen, ops["presence_penalty"], ops["frequency_penalty"],
+                ops["repetition_penalty"], ops["logit_bias_ids"], ops["logit_bias_values"])
+
+        active = jnp.any(use) | jnp.any(ops["logit_bias_ids"] >= 0)
+        return penalties, jax.lax.cond(active, modify, lambda x: x.astype(jnp.float32), logits)
 
     # ------------------------------------------------------------------ host side
     def bucket_for(self, num_tokens: int) -> int:
@@ -235,8 +292,8 @@ class ModelRunner:
             raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
         before = self.num_compiles
         for bucket in self.buckets:
-            self.state, tokens, _, _ = self._step(self.params, self.state,
-                                                  self._device_ops(padding_ops, bucket))
+            self.state, self.penalties, *_ = self._step(
+                self.params, self.state, self.penalties, self._device_ops(padding_ops, bucket))
         jax.block_until_ready(self.state)
         return self.num_compiles - before
 
@@ -250,7 +307,11 @@ class ModelRunner:
             )  # fmt: skip
         self._warn_clamped(ops)
         bucket = self.bucket_for(int(ops.num_tokens))
-        self.state, tokens, logprobs, plp = self._step(self.params, self.state, self._device_ops(ops, bucket))
+        self.state, self.penalties, tokens, logprobs, plp, top = self._step(
+            self.params, self.state, self.penalties, self._device_ops(ops, bucket))
         plp_full = np.full(t, np.nan, np.float32)
         plp_full[:bucket] = np.asarray(plp)
-        return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full)
+        top_ids = top_lp = None
+        if np.asarray(ops.top_logprobs).any():  # copy the [R, K] top-k back only when asked for
+            top_ids, top_lp = np.asarray(top[0]), np.asarray(top[1])
+        return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full, top_ids, top_lp)

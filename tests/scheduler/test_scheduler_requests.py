@@ -141,12 +141,10 @@ def test_decode_reserve_never_blocks_a_request_that_fits_alone(max_new):
                                   max_scheduled_tokens=64, max_context_len=64,
                                   decode_reserve_tokens=8, debug_checks=True))
     s.add_request("a", list(range(36 - max_new + 1)), max_new)
-    generated = 0
     for _ in range(max_new + 1):
         ops = s.schedule()
         assert ops.num_reqs == 1
         out = s.update(ops, np.full(2, 7, np.int32))
-        generated += 1
         if out:
             break
     assert out and out[0].finish_reason == "length" and len(out[0].token_ids) == max_new
