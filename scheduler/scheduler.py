@@ -16,6 +16,7 @@ import numpy as np
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.coordinator import CacheCoordinator
+from scheduler.hashing import PrefixHasher
 from scheduler.invariants import check_scheduler_invariants
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
@@ -106,6 +107,21 @@ class Scheduler:
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Running + waiting requests (a replica's load, for routing)."""
+        return len(self._running) + len(self._waiting)
+
+    def prefix_match_tokens(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> int:
+        """Prompt tokens a new request would take from the prefix cache right now (read-only;
+        data-parallel routing sends a request to the replica with the longest match)."""
+        if not self.config.enable_prefix_cache or len(prompt_token_ids) < 2:
+            return 0
+        hasher = PrefixHasher(self.coord.base, cache_salt)
+        hasher.extend(list(prompt_token_ids))
+        hit, _ = self.coord.match_prefix(hasher.hashes, len(prompt_token_ids) - 1)
+        return hit
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> StepOps:

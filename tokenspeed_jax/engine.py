@@ -111,6 +111,12 @@ class Engine:
         track.metrics.finish_time = time.perf_counter()
         return self._output(request_id, track, generated, "abort")
 
+    def logprobs_so_far(self, request_id: str) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """(token logprobs, top-k lists) of a live request's generated tokens so far (empty
+        lists when it did not ask for them or is unknown); the server streams them."""
+        track = self._tracks.get(request_id)
+        return ([], []) if track is None else (track.logprobs, track.top)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -76,6 +76,7 @@ class LLM:
         from tokenspeed_jax.runner import ModelRunner
 
         self.model_config, net, self.tokenizer = _load(model, dtype, seed)
+        self.dtype = dtype
         sharding.validate(self.model_config, tp)
         if max_context_len is None:
             limit = getattr(self.model_config, "max_position_embeddings", None)

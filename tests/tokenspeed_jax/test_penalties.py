@@ -10,7 +10,10 @@ import pytest
 
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.sampling import (
-    apply_penalties, init_penalty_state, top_logprobs, update_penalty_state,
+    apply_penalties,
+    init_penalty_state,
+    top_logprobs,
+    update_penalty_state,
 )
 
 
