@@ -19,7 +19,7 @@ from tokenspeed_jax.sampling import (
 
 def test_apply_penalties_matches_the_formula():
     rng = np.random.default_rng(0)
-    r, v, b = 3, 40, 4
+    r, v = 3, 40
     logits = rng.normal(size=(r, v)).astype(np.float32) * 3
     counts = rng.integers(0, 3, size=(r, v)).astype(np.int32)
     seen = rng.random((r, v)) < 0.3

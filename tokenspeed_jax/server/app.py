@@ -116,20 +116,26 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True) -> F
             return tokenizer.encode(prompt[0])
         raise ValueError("prompt must be a string, a list of token ids, or a list of one string")
 
-    async def _next(queue: asyncio.Queue, http: Request):
-        """The next engine event; raises _Disconnected as soon as the client is gone."""
+    async def _next(queue: asyncio.Queue, http: Request, clock: list[float]):
+        """The next engine event; raises _Disconnected within ~0.2 s of the client leaving
+        (checked on that period whether or not events keep arriving)."""
         while True:
+            now = time.monotonic()
+            if now - clock[0] >= 0.2:
+                clock[0] = now
+                if await http.is_disconnected():
+                    raise _Disconnected()
             try:
                 return await asyncio.wait_for(queue.get(), timeout=0.2)
             except TimeoutError:
-                if await http.is_disconnected():
-                    raise _Disconnected() from None
+                continue
 
     async def _events(queue, choices: list[ChoiceState], rids: list[str], http: Request):
         """(choice, Delta, finish_reason or None) as tokens arrive, until every choice ends."""
         done: set[int] = set()
+        clock = [time.monotonic()]
         while len(done) < len(choices):
-            j, event = await _next(queue, http)
+            j, event = await _next(queue, http, clock)
             if j in done:
                 continue
             ch = choices[j]

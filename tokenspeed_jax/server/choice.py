@@ -102,10 +102,17 @@ class ChoiceState:
         return {
             "tokens": [self.token_str(t) for t in ids],
             "token_logprobs": lps,
-            "top_logprobs": ([{self.token_str(i): v for i, v in top} for top in tops]
-                             if want_top else None),
+            "top_logprobs": [self._top_dict(top) for top in tops] if want_top else None,
             "text_offset": offsets,
         }
+
+    def _top_dict(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """{token text: logprob}; tokens that decode alike (e.g. partial UTF-8 bytes) keep the
+        most likely one's value, as the completions format is keyed by text."""
+        out: dict[str, float] = {}
+        for i, v in top:
+            out.setdefault(self.token_str(i), v)
+        return out
 
     def chat_logprobs(self, ids: list[int], lps: list[float], tops: list) -> dict:
         """OpenAI chat `logprobs` object ({"content": [...]}) for `ids`."""
