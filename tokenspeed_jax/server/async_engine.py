@@ -16,6 +16,7 @@ its prompt pages through the prefix cache instead of each computing the prompt.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 from tokenspeed_jax.engine import Engine
 from tokenspeed_jax.outputs import CompletionOutput
+from tokenspeed_jax.routing import pick_replica
 from tokenspeed_jax.sampling_params import SamplingParams
 
 log = logging.getLogger("tokenspeed_jax.server")
@@ -59,9 +61,6 @@ class _Replica:
         self.warmup_s = 0.0
         self.compiled = 0
 
-    def load(self) -> int:
-        return self.engine.scheduler.num_unfinished + sum(map(len, self.deferred.values()))
-
 
 class AsyncEngine:
     """Queue items are (sample index, event) with event ("delta", ids, logprobs, top),
@@ -94,13 +93,13 @@ class AsyncEngine:
     def _route(self, prompt: list[int]) -> _Replica:
         if len(self.replicas) == 1:
             return self.replicas[0]
-        best, best_key = None, None
-        for r in self.replicas:
-            with r.lock:
-                key = (-r.engine.scheduler.prefix_match_tokens(prompt), r.load(), r.index)
-            if best_key is None or key < best_key:
-                best, best_key = r, key
-        return best
+        locks = [r.lock for r in self.replicas]
+        with contextlib.ExitStack() as stack:  # a consistent view of every replica
+            for lock in locks:
+                stack.enter_context(lock)
+            i = pick_replica([r.engine for r in self.replicas], prompt,
+                             lambda k: sum(map(len, self.replicas[k].deferred.values())))
+        return self.replicas[i]
 
     def submit(self, prompt: list[int], params: SamplingParams | Sequence[SamplingParams]
                ) -> tuple[list[str], asyncio.Queue]:
