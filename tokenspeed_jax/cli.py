@@ -25,6 +25,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's real default; flags whose default is None explain it in their help."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _fail(message: str) -> int:
     print(f"tokenspeed-jax: error: {message}", file=sys.stderr)
     return 2
@@ -145,7 +154,7 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _Help
     parser = _Parser(prog="tokenspeed-jax", formatter_class=fmt)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
