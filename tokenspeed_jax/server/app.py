@@ -223,7 +223,7 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True) -> F
                                    "finish_reason": reason}
                         else:
                             one = {"index": ch.index, "text": d.text, "logprobs": lp,
-                                   "finish_reason": reason}
+                                   "finish_reason": reason, "token_ids": d.token_ids}
                         yield chunk([one])
                     if include_usage:
                         yield chunk([], usage())

@@ -248,3 +248,22 @@ def test_non_streaming_disconnect_frees_pages_within_2s(srv):
         time.sleep(0.05)
     assert st["num_aborted"] == aborted + 1, "the request was not aborted (finished instead?)"
     assert st["free_pages"] == st["total_pages"] and st["num_running"] == 0
+
+
+def test_bench_serve_against_the_server_writes_json_and_plots(srv, tmp_path):
+    pytest.importorskip("matplotlib")
+    from tokenspeed_jax.bench_serve import main as bench_serve
+
+    rc = bench_serve(["--url", srv.url, "--sessions", "3", "--turns", "2", "--system-tokens", "24",
+                      "--user-tokens", "4", "--max-tokens", "4", "--request-rates", "50,inf",
+                      "--max-concurrency", "2", "--result-dir", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "bench_serve.json").read_text())
+    assert [lv["request_rate"] for lv in result["levels"]] == [50.0, "inf"]
+    for lv in result["levels"]:
+        assert lv["completed"] == 6 and lv["failed"] == 0 and lv["total_output_tokens"] == 24
+        assert lv["ttft_ms_p50"] <= lv["ttft_ms_p99"] and lv["goodput"] <= lv["request_throughput"]
+        assert lv["tpot_ms_p50"] is not None and lv["itl_ms_p99"] is not None
+    assert result["pages_over_time"] and "full" in result["pages_over_time"][0]
+    for png in ("latency_vs_load.png", "pages_over_time.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
