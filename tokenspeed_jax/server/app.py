@@ -144,7 +144,7 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True) -> F
             if event[0] == "delta":
                 d = ch.feed(event[1], event[2], event[3])
                 if ch.stopped:  # a stop string: end this choice now, free its pages
-                    engine().abort(rids[j])
+                    engine().abort(rids[j], finish_reason="stop")
                     ch.finish_reason = "stop"
                     done.add(j)
                     yield ch, d, "stop"

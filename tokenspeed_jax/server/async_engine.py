@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -123,7 +124,10 @@ class AsyncEngine:
         rep.wake.set()
         return rids, queue
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, finish_reason: str | None = None) -> None:
+        """Drop a request (its pages come back at once). finish_reason: the request ended
+        normally from the client's view (a stop string: "stop"), so it is reported to
+        `on_finish` with that reason; None = a real abort (client gone)."""
         rep = self._owner.pop(request_id, None)
         if rep is None:
             return
@@ -133,7 +137,9 @@ class AsyncEngine:
                 rest[:] = [x for x in rest if x[0] != request_id]
                 if not rest:
                     del rep.deferred[first]
-            rep.engine.abort(request_id)
+            out = rep.engine.abort(request_id)
+        if out is not None and finish_reason is not None and self._on_finish is not None:
+            self._on_finish(dataclasses.replace(out, finish_reason=finish_reason))
 
     def stats(self) -> list[dict]:
         out = []

@@ -65,8 +65,9 @@ def test_two_replicas_both_serve_and_route_by_prefix(dp_server):
         return client.completions.create(model="tiny-random", prompt=prompt, max_tokens=n,
                                          temperature=0, extra_body={"ignore_eos": True})
 
-    with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(ask, [f"session {i}: hello" for i in range(4)]))
+    # prompts that share no page (routing then balances by load): 8 at once
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: ask(f"{chr(65 + i) * 8} hello", 48), range(8)))
     assert all(o.choices[0].finish_reason == "length" for o in outs)
     per = httpx.get(f"{url}/stats").json()["replicas"]
     assert all(r["num_generated_tokens"] > 0 for r in per), per  # both replicas served
