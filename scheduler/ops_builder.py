@@ -144,6 +144,8 @@ class OpsBuilder:
     def _fill_extras(extra: dict, reqs: list[Request]) -> None:
         """Penalties, logit_bias and top-k logprobs: only rows that use them differ from padding."""
         for i, req in enumerate(reqs):
+            if not req.needs_extras:
+                continue
             if req.has_penalties:
                 extra["presence_penalty"][i] = req.presence_penalty
                 extra["frequency_penalty"][i] = req.frequency_penalty

@@ -42,7 +42,7 @@ class Request:
                  "prefill_done", "num_decode_rows", "needs_refresh", "num_cached_tokens",
                  "num_retractions", "finish_reason", "published_base_pages", "admitted_once",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                 "top_logprobs")
+                 "top_logprobs", "has_penalties", "needs_extras")
 
     def __init__(self, request_id: str, prompt: list[int], max_new_tokens: int, *,
                  stop_token_ids: frozenset[int], temperature: float, top_p: float, top_k: int,
@@ -80,13 +80,10 @@ class Request:
         self.repetition_penalty = 1.0
         self.logit_bias: tuple[tuple[int, float], ...] = ()
         self.top_logprobs = 0
-
-    @property
-    def has_penalties(self) -> bool:
-        """True when the device must count this request's tokens (such requests skip the prefix
-        cache so that every token they hold passes through a step; see sampling.py)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        # the device must count this request's tokens (such requests skip the prefix cache so
+        # that every token they hold passes through a step; see tokenspeed_jax/sampling.py)
+        self.has_penalties = False
+        self.needs_extras = False  # any non-padding penalty / logit_bias / top_logprobs field
 
     @classmethod
     def from_options(cls, request_id: str, prompt: list[int], max_new_tokens: int, options: dict,
@@ -139,7 +136,7 @@ class Request:
 
 
 _EXTRA_OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                  "top_logprobs")
+                  "top_logprobs", "has_penalties", "needs_extras")
 
 
 def _set_extra_options(req: Request, options: dict) -> None:
@@ -164,3 +161,6 @@ def _set_extra_options(req: Request, options: dict) -> None:
     if not 0 <= top <= 20:
         raise ValueError(f"request {rid!r}: top_logprobs must be in [0, 20], got {top}")
     req.top_logprobs = top
+    req.has_penalties = (req.presence_penalty != 0.0 or req.frequency_penalty != 0.0
+                         or req.repetition_penalty != 1.0)
+    req.needs_extras = req.has_penalties or bool(items) or top > 0

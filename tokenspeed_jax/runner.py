@@ -30,12 +30,11 @@ from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.page_table import clamped_rows, update_rows
 from tokenspeed_jax.sampling import (
     MAX_TOP_LOGPROBS,
-    apply_penalties,
     init_penalty_state,
+    penalize_step,
     prompt_logprobs,
     sample,
     top_logprobs,
-    update_penalty_state,
 )
 from tokenspeed_jax.sharding import TensorParallel, prepare_model
 from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
@@ -189,7 +188,7 @@ class ModelRunner:
         logits = model.logits(hidden[last])
         if self._tp is not None:  # vocab-sharded under TP: the sort / argmax want whole rows
             logits = self._tp.gather_logits(logits)
-        penalties, processed = self._penalize(penalties, logits, ops)
+        penalties, processed = penalize_step(penalties, logits, ops)
         tokens, logprobs = sample(
             processed, ops["temperature"], ops["top_k"], ops["top_p"],
             ops["seeds"], ops["sample_index"], raw_logits=logits,
@@ -215,34 +214,6 @@ class ModelRunner:
         )
         return (DeviceState(mirrors=mirrors, caches=caches), penalties, tokens, logprobs, plp,
                 (top_ids, top_lp))
-
-    @staticmethod
-    def _penalize(penalties, logits, ops):
-        """(penalty state after this step's inputs, logits after bias + penalties). Both parts
-        run under lax.cond, so steps without penalties / logit_bias pay nothing for them."""
-        use = ((ops["presence_penalty"] != 0) | (ops["frequency_penalty"] != 0)
-               | (ops["repetition_penalty"] != 1))
-        penalties = jax.lax.cond(
-            jnp.any(use),
-            lambda p: update_penalty_state(
-                p, ops["req_slots"], ops["kv_lens"], ops["query_start"], ops["prompt_lens"],
-                ops["token_ids"], ops["positions"], ops["token_rows"]),
-            lambda p: p, penalties,
-        )  # fmt: skip
-        if penalties.counts.shape[-1] != logits.shape[-1]:
-            raise ValueError(f"penalty state vocab {penalties.counts.shape[-1]} != logits "
-                             f"{logits.shape[-1]}")
-
-        def modify(x):
-            slots = jnp.maximum(ops["req_slots"], 0)
-            counts = jnp.where(use[:, None], penalties.counts[slots], 0)
-            seen = use[:, None] & penalties.seen[slots]
-            return apply_penalties(
-                x, counts, seen, ops["presence_penalty"], ops["frequency_penalty"],
-                ops["repetition_penalty"], ops["logit_bias_ids"], ops["logit_bias_values"])
-
-        active = jnp.any(use) | jnp.any(ops["logit_bias_ids"] >= 0)
-        return penalties, jax.lax.cond(active, modify, lambda x: x.astype(jnp.float32), logits)
 
     # ------------------------------------------------------------------ host side
     def bucket_for(self, num_tokens: int) -> int:

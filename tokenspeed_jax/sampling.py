@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
-    "MAX_TOP_LOGPROBS", "PenaltyState", "apply_penalties", "init_penalty_state", "prompt_logprobs",
-    "sample", "top_logprobs", "update_penalty_state",
+    "MAX_TOP_LOGPROBS", "PenaltyState", "apply_penalties", "init_penalty_state", "penalize_step",
+    "prompt_logprobs", "sample", "top_logprobs", "update_penalty_state",
 ]
 
 MAX_TOP_LOGPROBS = 20  # K of the on-device top-k logprobs (OpenAI's top_logprobs limit)
@@ -163,3 +163,33 @@ def apply_penalties(logits, counts, seen, presence, frequency, repetition, bias_
     penalized = jnp.where(logits > 0, logits / rep, logits * rep)
     logits = jnp.where(occurred | seen, penalized, logits)
     return logits - frequency[:, None] * counts - presence[:, None] * occurred
+
+
+def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: dict):
+    """One step's penalty work: (state after this step's inputs, logits f32[R, V] after bias and
+    penalties). `ops` holds the step's StepOps arrays (req_slots, kv_lens, query_start,
+    prompt_lens, token_ids, positions, token_rows and the penalty / logit_bias fields). Both
+    parts run under lax.cond, so steps without penalties or logit_bias pay nothing for them."""
+    use = ((ops["presence_penalty"] != 0) | (ops["frequency_penalty"] != 0)
+           | (ops["repetition_penalty"] != 1))
+    penalties = jax.lax.cond(
+        jnp.any(use),
+        lambda p: update_penalty_state(
+            p, ops["req_slots"], ops["kv_lens"], ops["query_start"], ops["prompt_lens"],
+            ops["token_ids"], ops["positions"], ops["token_rows"]),
+        lambda p: p, penalties,
+    )
+    if penalties.counts.shape[-1] != logits.shape[-1]:
+        raise ValueError(f"penalty state vocab {penalties.counts.shape[-1]} != logits "
+                         f"{logits.shape[-1]}")
+
+    def modify(x):
+        slots = jnp.maximum(ops["req_slots"], 0)
+        counts = jnp.where(use[:, None], penalties.counts[slots], 0)
+        seen = use[:, None] & penalties.seen[slots]
+        return apply_penalties(
+            x, counts, seen, ops["presence_penalty"], ops["frequency_penalty"],
+            ops["repetition_penalty"], ops["logit_bias_ids"], ops["logit_bias_values"])
+
+    active = jnp.any(use) | jnp.any(ops["logit_bias_ids"] >= 0)
+    return penalties, jax.lax.cond(active, modify, lambda x: x.astype(jnp.float32), logits)
