@@ -140,3 +140,20 @@ def test_bad_penalty_values_raise():
         SamplingParams(top_logprobs=21)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 200})
+
+
+def test_top_logprobs_equal_the_dense_forwards_log_softmax(greedy):
+    """The step's on-device top-20 == the top 20 of log_softmax of an independent dense forward
+    over prompt + generated tokens (same weights: tiny-random, seed 0)."""
+    from tokenspeed_jax.models import registry
+
+    _, model = registry.load_builtin("tiny-random", seed=0)
+    ids = PROMPT + greedy.token_ids
+    padded = np.zeros(64, np.int32)
+    padded[:len(ids)] = ids  # causal: padding after the sequence changes nothing before it
+    logp = np.asarray(jax.nn.log_softmax(jax.jit(model.dense)(jnp.asarray(padded))))
+    for j, top in enumerate(greedy.top_logprobs):
+        row = logp[len(PROMPT) - 1 + j]
+        want = np.sort(row)[::-1][:20]
+        np.testing.assert_allclose([v for _, v in top], want, atol=2e-4)
+        assert [t for t, _ in top][:5] == np.argsort(-row)[:5].tolist()

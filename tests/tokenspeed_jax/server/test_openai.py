@@ -267,3 +267,30 @@ def test_bench_serve_against_the_server_writes_json_and_plots(srv, tmp_path):
     assert result["pages_over_time"] and "full" in result["pages_over_time"][0]
     for png in ("latency_vs_load.png", "pages_over_time.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chat_n2_streaming_with_stop_equals_non_streaming(srv):
+    msgs = [{"role": "user", "content": "hi"}]
+    full = srv.client.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=30,
+                                              **_greedy()).choices[0].message.content
+    starts = [i for i in range(1, len(full) - 2) if full[i:i + 2].isascii()
+              and full[i:i + 2].isprintable() and full.find(full[i:i + 2]) == i]
+    if not starts:
+        pytest.skip(f"no clean stop string in {full!r}")
+    stop = full[starts[0]:starts[0] + 2]
+    kw = dict(model="tiny-random", messages=msgs, max_tokens=30, n=2, stop=stop, **_greedy())
+    plain = srv.client.chat.completions.create(**kw)
+    chunks = list(srv.client.chat.completions.create(stream=True, **kw))
+    texts, reasons, roles = {}, {}, set()
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.delta.role:
+                roles.add(ch.index)
+            if ch.finish_reason:
+                reasons[ch.index] = ch.finish_reason
+    assert roles == {0, 1} and reasons == {0: "stop", 1: "stop"}
+    assert texts == {c.index: c.message.content for c in plain.choices} == {0: full[:starts[0]],
+                                                                           1: full[:starts[0]]}
+    st = _stats(srv)
+    assert st["free_pages"] == st["total_pages"]
