@@ -23,7 +23,6 @@ class SchedulerConfig:
     enable_adoption: repoint a just-computed page to an existing canonical copy and free it.
     max_prefill_chunk_tokens: cap on one request's prefill chunk per step (None = the whole
         token budget), so one long prompt cannot take a step's budget from everyone else.
-    max_logit_bias: logit_bias entries one request may carry (B of StepOps.logit_bias_ids).
     debug_checks: after every schedule/update run `check_invariants()` and the tail-only mirror
         comparison (slow; for tests and debugging).
     """
@@ -39,7 +38,6 @@ class SchedulerConfig:
     decode_reserve_tokens: int = 1
     enable_adoption: bool = True
     max_prefill_chunk_tokens: int | None = None
-    max_logit_bias: int = 64
     debug_checks: bool = False
 
     def __post_init__(self) -> None:
@@ -57,9 +55,6 @@ class SchedulerConfig:
         if self.max_prefill_chunk_tokens is not None and self.max_prefill_chunk_tokens <= 0:
             raise ValueError(f"SchedulerConfig.max_prefill_chunk_tokens must be positive, got "
                              f"{self.max_prefill_chunk_tokens}")
-        if not isinstance(self.max_logit_bias, int) or self.max_logit_bias < 1:
-            raise ValueError(f"SchedulerConfig.max_logit_bias must be an int >= 1, got "
-                             f"{self.max_logit_bias!r}")
         if self.decode_reserve_tokens < 0:
             raise ValueError(f"SchedulerConfig.decode_reserve_tokens must be >= 0, got "
                              f"{self.decode_reserve_tokens}")

@@ -33,8 +33,7 @@ class OpsBuilder:
         self.R = config.max_batch_requests
         self.T = config.max_scheduled_tokens
         self.layouts = config.group_layouts()
-        self.B = config.max_logit_bias
-        self._sampling_pad = sampling_padding(self.R, self.B)
+        self._sampling_pad = sampling_padding(self.R)
         self._row_index = np.arange(self.R, dtype=np.int32)
         # padding-valued templates: copying one is cheaper than np.full / np.ones each step
         R, T, i32 = self.R, self.T, np.int32

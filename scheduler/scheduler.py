@@ -20,7 +20,7 @@ from scheduler.hashing import PrefixHasher
 from scheduler.invariants import check_scheduler_invariants
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
-from scheduler.step_ops import StepOps
+from scheduler.step_ops import LOGIT_BIAS_WIDTH, StepOps
 from scheduler.tail_mirror import MirrorChecker
 
 
@@ -78,9 +78,9 @@ class Scheduler:
                              f"pool has {self.pool.num_pages - 1}")
         req = Request.from_options(request_id, prompt, max_new_tokens, options,
                                    arrival=next(self._arrival), hash_base=self.coord.base)
-        if len(req.logit_bias) > cfg.max_logit_bias:
+        if len(req.logit_bias) > LOGIT_BIAS_WIDTH:
             raise ValueError(f"request {request_id!r}: {len(req.logit_bias)} logit_bias entries, "
-                             f"at most {cfg.max_logit_bias} (SchedulerConfig.max_logit_bias)")
+                             f"at most {LOGIT_BIAS_WIDTH}")
         self._requests[request_id] = req
         self._waiting.append(req)
 

@@ -7,10 +7,19 @@ jitted device step compiles once per shape bucket. Notation used in the field co
   T   = config.max_scheduled_tokens query tokens of a step, packed row after row
   W_g = GroupLayout.width           max logical pages of one request in group g
   N_g = GroupLayout.delta_width     max tail-delta pages of one row in one step, group g
-  B   = config.max_logit_bias       logit_bias entries of one row
+  B   = LOGIT_BIAS_WIDTH (64)         logit_bias entries of one row (a request may carry at most B)
 
 Device slots (`req_slots`) index the rows of the device page-table mirrors
 (`i32[max_live_requests, W_g]` per group); batch row i of a step lives in slot `req_slots[i]`.
+
+Schema: every field that goes to the device carries `metadata={"axis": ..., "dtype": ...}`
+(`device_schema()` lists them), so the runner moves a StepOps to the device generically (packed
+into one int32 and one float32 buffer) and a new field needs no runner edit. Axes:
+  "row" [R], "row+1" [R+1], "token" [T] (the runner cuts it to the step's token bucket),
+  "row,delta" [R, N_g], "row,width" [R, W_g] (the runner cuts it to the step's kv bucket: only
+  columns below the longest row of the step can hold a page), "row,bias" [R, B].
+dtypes: "i32", "bool" and "u32" travel in the int32 buffer (bit-exact), "f32" in the float32 one.
+Fields without an axis (num_reqs, num_tokens, request_ids) stay on the host.
 """
 
 from __future__ import annotations
@@ -18,6 +27,16 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+AXES = ("row", "row+1", "token", "row,delta", "row,width", "row,bias")
+LOGIT_BIAS_WIDTH = 64  # B: logit_bias entries per row (fixed, so it is no shape-key dimension)
+DTYPES = ("i32", "bool", "u32", "f32")
+
+
+def _dev(axis: str, dtype: str = "i32"):
+    """A device field of `axis` (see module docstring) and wire dtype."""
+    assert axis in AXES and dtype in DTYPES, (axis, dtype)
+    return dataclasses.field(metadata={"axis": axis, "dtype": dtype})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +53,17 @@ class GroupLayout:
 class GroupStepOps:
     """Page-table mirror update of one cache group (DESIGN.md §6)."""
 
-    begins: np.ndarray  # i32[R] first mirror column the tail delta writes; 0 padding
-    sizes: np.ndarray  # i32[R] valid entries of new_pages; 0 padding (and on rows with no new page)
-    new_pages: np.ndarray  # i32[R, N_g] tail-delta page ids, first sizes[i] valid; 0 (null) padding
-    rows: np.ndarray  # i32[R, W_g] authoritative row, filled only where full_refresh; 0 padding
-    row_lens: np.ndarray  # i32[R] valid entries of rows (0 unless full_refresh); 0 padding
-    hole_slots: np.ndarray  # i32[R, N_g] columns reclaimed into holes on non-refresh rows; W_g padding
+    begins: np.ndarray = _dev("row", "i32")  # i32[R] first mirror column the tail delta writes; 0 padding
+    # i32[R] valid entries of new_pages; 0 padding (and on rows with no new page)
+    sizes: np.ndarray = _dev("row", "i32")
+    # i32[R, N_g] tail-delta page ids, first sizes[i] valid; 0 (null) padding
+    new_pages: np.ndarray = _dev("row,delta", "i32")
+    # i32[R, W_g] authoritative row, filled only where full_refresh; 0 padding
+    rows: np.ndarray = _dev("row,width", "i32")
+    # i32[R] valid entries of rows (0 unless full_refresh); 0 padding
+    row_lens: np.ndarray = _dev("row", "i32")
+    # i32[R, N_g] columns reclaimed into holes on non-refresh rows; W_g padding
+    hole_slots: np.ndarray = _dev("row,delta", "i32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,27 +77,39 @@ class StepOps:
     num_reqs: int  # rows in use this step (rows >= num_reqs are padding)
     num_tokens: int  # tokens in use this step (tokens >= num_tokens are padding)
     request_ids: tuple[str, ...]  # host only: request id of each used row, in row order
-    req_slots: np.ndarray  # i32[R] device mirror slot of each row; -1 padding
-    full_refresh: np.ndarray  # bool[R] rewrite the whole mirror row from column 0; False padding
-    query_start: np.ndarray  # i32[R+1] cu_q_lens; padding rows repeat num_tokens
-    kv_lens: np.ndarray  # i32[R] tokens in cache after this step (incl. this step's); 0 padding
-    sample_mask: np.ndarray  # bool[R] the row's last token yields a sampled token; False padding
-    token_ids: np.ndarray  # i32[T] input token ids; 0 padding
-    positions: np.ndarray  # i32[T] absolute position of each token; 0 padding
-    token_rows: np.ndarray  # i32[T] batch row of each token; R padding (out of range, dropped)
-    prompt_targets: np.ndarray  # i32[T] next prompt token (prompt-logprob target); -1 none/padding
-    temperature: np.ndarray  # f32[R] 0 = greedy; 0 padding
-    top_p: np.ndarray  # f32[R] nucleus mass in (0, 1]; 1 padding
-    top_k: np.ndarray  # i32[R] keep the k most likely tokens, -1 = all; -1 padding
-    seeds: np.ndarray  # u32[R] per-request sampling seed; 0 padding
-    sample_index: np.ndarray  # i32[R] tokens generated so far (PRNG fold-in); 0 padding
-    prompt_lens: np.ndarray  # i32[R] prompt length (inputs at positions >= it count as output); 0 padding
-    presence_penalty: np.ndarray  # f32[R] subtracted once from every generated token's logit; 0 padding
-    frequency_penalty: np.ndarray  # f32[R] subtracted per occurrence in the output; 0 padding
-    repetition_penalty: np.ndarray  # f32[R] divides (>0) / multiplies (<0) logits of seen tokens; 1 padding
-    logit_bias_ids: np.ndarray  # i32[R, B] token ids whose logits get a bias; -1 padding
-    logit_bias_values: np.ndarray  # f32[R, B] bias added to those logits; 0 padding
-    top_logprobs: np.ndarray  # i32[R] most likely tokens to report with logprobs (<= 20); 0 padding
+    req_slots: np.ndarray = _dev("row", "i32")  # i32[R] device mirror slot of each row; -1 padding
+    # bool[R] rewrite the whole mirror row from column 0; False padding
+    full_refresh: np.ndarray = _dev("row", "bool")
+    query_start: np.ndarray = _dev("row+1", "i32")  # i32[R+1] cu_q_lens; padding rows repeat num_tokens
+    # i32[R] tokens in cache after this step (incl. this step's); 0 padding
+    kv_lens: np.ndarray = _dev("row", "i32")
+    # bool[R] the row's last token yields a sampled token; False padding
+    sample_mask: np.ndarray = _dev("row", "bool")
+    token_ids: np.ndarray = _dev("token", "i32")  # i32[T] input token ids; 0 padding
+    positions: np.ndarray = _dev("token", "i32")  # i32[T] absolute position of each token; 0 padding
+    # i32[T] batch row of each token; R padding (out of range, dropped)
+    token_rows: np.ndarray = _dev("token", "i32")
+    # i32[T] next prompt token (prompt-logprob target); -1 none/padding
+    prompt_targets: np.ndarray = _dev("token", "i32")
+    temperature: np.ndarray = _dev("row", "f32")  # f32[R] 0 = greedy; 0 padding
+    top_p: np.ndarray = _dev("row", "f32")  # f32[R] nucleus mass in (0, 1]; 1 padding
+    top_k: np.ndarray = _dev("row", "i32")  # i32[R] keep the k most likely tokens, -1 = all; -1 padding
+    seeds: np.ndarray = _dev("row", "u32")  # u32[R] per-request sampling seed; 0 padding
+    sample_index: np.ndarray = _dev("row", "i32")  # i32[R] tokens generated so far (PRNG fold-in); 0 padding
+    # i32[R] prompt length (inputs at positions >= it count as output); 0 padding
+    prompt_lens: np.ndarray = _dev("row", "i32")
+    # f32[R] subtracted once from the logit of every token already generated; 0 padding
+    presence_penalty: np.ndarray = _dev("row", "f32")
+    # f32[R] subtracted per occurrence of the token in the output; 0 padding
+    frequency_penalty: np.ndarray = _dev("row", "f32")
+    # f32[R] divides (> 0) / multiplies (< 0) logits of tokens seen in prompt or output; 1 padding
+    repetition_penalty: np.ndarray = _dev("row", "f32")
+    # i32[R, B] token ids whose logits get a bias; -1 padding (the device drops them)
+    logit_bias_ids: np.ndarray = _dev("row,bias", "i32")
+    # f32[R, B] bias added to those logits; 0 padding
+    logit_bias_values: np.ndarray = _dev("row,bias", "f32")
+    # i32[R] most likely tokens to report with logprobs (<= 20); 0 padding
+    top_logprobs: np.ndarray = _dev("row", "i32")
     groups: tuple[GroupStepOps, ...]  # one per cache group, in config.groups order
 
     def row_of(self, request_id: str) -> int:
@@ -87,7 +123,13 @@ class StepOps:
         return int(self.query_start[row + 1] - self.query_start[row])
 
 
-SAMPLING_PADDING = {  # field -> (dtype, padding value, extra trailing dims: "B" = max_logit_bias)
+def device_schema(cls: type) -> tuple[tuple[str, str, str], ...]:
+    """(name, axis, dtype) of every device field of `StepOps` or `GroupStepOps`, in field order."""
+    return tuple((f.name, f.metadata["axis"], f.metadata["dtype"])
+                 for f in dataclasses.fields(cls) if "axis" in f.metadata)
+
+
+SAMPLING_PADDING = {  # field -> (dtype, padding value, extra trailing dims: "B" = LOGIT_BIAS_WIDTH)
     "prompt_lens": (np.int32, 0, ()), "presence_penalty": (np.float32, 0.0, ()),
     "frequency_penalty": (np.float32, 0.0, ()), "repetition_penalty": (np.float32, 1.0, ()),
     "logit_bias_ids": (np.int32, -1, ("B",)), "logit_bias_values": (np.float32, 0.0, ("B",)),
@@ -95,10 +137,10 @@ SAMPLING_PADDING = {  # field -> (dtype, padding value, extra trailing dims: "B"
 }
 
 
-def sampling_padding(num_rows: int, max_logit_bias: int) -> dict[str, np.ndarray]:
+def sampling_padding(num_rows: int) -> dict[str, np.ndarray]:
     """All-padding arrays of the per-request penalty / logprob fields (R rows, B bias slots)."""
     out = {}
     for name, (dtype, value, dims) in SAMPLING_PADDING.items():
-        shape = (num_rows, *(max_logit_bias for _ in dims))
+        shape = (num_rows, *(LOGIT_BIAS_WIDTH for _ in dims))
         out[name] = np.full(shape, value, dtype)
     return out
