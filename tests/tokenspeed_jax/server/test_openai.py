@@ -25,14 +25,14 @@ from tests.tokenspeed_jax.server.live import LiveServer  # noqa: E402
 from tokenspeed_jax import LLM, SamplingParams  # noqa: E402
 from tokenspeed_jax.server.app import build_app  # noqa: E402
 
-CTX = 1024
+CTX = 256  # one kv bucket (DEFAULT_MIN_KV_BUCKET): few shape keys to compile
 N = 40
 
 
 @pytest.fixture(scope="module")
 def srv():
     llm = LLM("tiny-random", num_pages=300, page_size=8, max_batch_requests=8,
-              max_scheduled_tokens=64, max_context_len=CTX)
+              max_scheduled_tokens=32, max_context_len=CTX)
     ref = types.SimpleNamespace()
     ref.greedy = llm.generate("Hello", SamplingParams(max_tokens=N, ignore_eos=True,
                                                       top_logprobs=20))[0]
@@ -45,7 +45,7 @@ def srv():
     server = LiveServer(build_app(llm))
     first = httpx.get(f"{server.url}/health").status_code
     gate.set()
-    deadline = time.time() + 120
+    deadline = time.time() + 900  # compiling every shape key; slow on a loaded 2-core VM
     while (last := httpx.get(f"{server.url}/health").status_code) != 200 and time.time() < deadline:
         time.sleep(0.05)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
@@ -96,7 +96,8 @@ def test_chat_logprobs_streaming_and_not(srv):
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = [c for ch in chunks for c in ((ch.choices[0].logprobs.content or [])
                                              if ch.choices[0].logprobs else [])]
-    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    # (the two runs may batch differently: equal up to float reduction order)
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
     assert text == r.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -235,7 +236,15 @@ def test_metrics_parse_and_move(srv):
         assert name in names, name
 
 
-def test_non_streaming_disconnect_frees_pages_within_2s(srv):
+def test_non_streaming_disconnect_frees_pages_within_2s(srv, monkeypatch):
+    engine = srv.llm.engines[0]
+    step = engine.step
+
+    def slow_step():  # a slow model: the request is surely still running when the client leaves
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
     aborted = _stats(srv)["num_aborted"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{srv.url}/v1/completions", timeout=0.5, json={
