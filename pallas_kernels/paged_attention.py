@@ -32,9 +32,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
-from pallas_kernels.ragged import check_ragged_metadata, sanitize, token_layout
+from pallas_kernels.ragged import check_ragged_metadata, sanitize
 
-__all__ = ["PagedAttentionConfig", "default_config", "paged_attention", "paged_attention_reference"]
+__all__ = ["PagedAttentionConfig", "default_config", "paged_attention", "paged_attention_reference",
+           "reference_block_q"]
 
 _LOG2E = math.log2(math.e)
 _MASK = -1e30  # finite: (mask - mask) must stay 0, never inf - inf = NaN
@@ -361,18 +362,34 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return _merge_splits(*outs, sinks, q.dtype)
 
 
+def reference_block_q(num_tokens: int, num_seqs_max: int) -> int:
+    """Query tokens per block of `paged_attention_reference`: 1 for decode-shaped steps (every
+    token is its own request: a block per token gathers nothing twice), 16 otherwise (a prefill
+    chunk gathers its request's K/V once per 16 tokens instead of once per token)."""
+    return 1 if num_tokens <= 2 * num_seqs_max else 16
+
+
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                               page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
                               num_seqs: jax.Array, *, sm_scale: float | None = None,
                               sliding_window: int | None = None, soft_cap: float | None = None,
                               sinks: jax.Array | None = None, interpret: bool = False,
-                              token_batch: int = 16) -> jax.Array:
+                              block_q: int | None = None,
+                              max_gather_elems: int = 1 << 22) -> jax.Array:
     """Pure-jnp twin of `paged_attention` (same arguments and result; `interpret` is ignored).
 
-    Each query token gathers its request's whole page row (float32 math) and masks everything
-    outside `[max(0, pos - W + 1), pos]` with `jnp.where` (logits AND values, since NaN * 0 =
-    NaN). Tokens are processed `token_batch` at a time (`lax.map`), so memory is
-    O(token_batch * max_pages * page_size * Hkv * D) rather than O(T * context).
+    Also the runtime's CPU backend, so its cost follows the real context:
+    - work is split into blocks of up to `block_q` query tokens of ONE request (None =
+      `reference_block_q`); a block gathers its request's K/V once, float32 math;
+    - full attention gathers the `page_table` columns only: callers pass a table cut to the
+      step's kv bucket (`page_table[:, :cols]`, cols covering the longest row) and the gather
+      shrinks with it;
+    - a sliding window gathers only the `ceil((W + block_q - 2) / page_size) + 1` pages that can
+      hold the block's window (pages wholly before it, holes included, are never read).
+    Everything outside `[max(0, pos - W + 1), pos]` is masked with `jnp.where` (logits AND
+    values, since NaN * 0 = NaN); fully masked rows (padding) come out as zeros, never NaN.
+    Blocks run `lax.map` batches of at most ~`max_gather_elems` gathered K elements.
+    Returns f[T, Hq, D] in q's dtype; padding tokens are zeros.
     """
     del interpret
     scale = _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
@@ -380,36 +397,65 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                           sinks=sinks)
     t, hq, d = q.shape
     _, page_size, hkv, _ = k_pages.shape
+    s, max_pages = page_table.shape
     group = hq // hkv
-    ctx = page_table.shape[1] * page_size
-    lay = token_layout(cu_q_lens, kv_lens, num_seqs, t, ctx)
-    kpos = jnp.arange(ctx, dtype=jnp.int32)
-    sink_logits = (None if sinks is None
-                   else sinks.astype(jnp.float32).reshape(hkv, group, 1))
-
-    def one(args: tuple[jax.Array, ...]) -> jax.Array:
-        q_t, seq, pos, valid = args
-        row = page_table[seq].astype(jnp.int32)
-        k = k_pages[row].reshape(ctx, hkv, d).astype(jnp.float32)
-        v = v_pages[row].reshape(ctx, hkv, d).astype(jnp.float32)
-        keep = valid & (kpos <= pos)
-        if sliding_window is not None:
-            keep = keep & (kpos > pos - sliding_window)
-        qg = q_t.astype(jnp.float32).reshape(hkv, group, d)
-        logits = jnp.einsum("hgd,lhd->hgl", qg, k, precision=lax.Precision.HIGHEST) * scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(keep, logits, -jnp.inf)
-        if sink_logits is not None:
-            logits = jnp.concatenate([logits, sink_logits], axis=-1)
-        m = jnp.max(logits, axis=-1, keepdims=True)
-        p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-        denom = jnp.sum(p, axis=-1, keepdims=True)
-        v = jnp.where(keep[:, None, None], v, 0.0)
-        o = jnp.einsum("hgl,lhd->hgd", p[..., :ctx], v, precision=lax.Precision.HIGHEST)
-        o = o / jnp.where(denom > 0, denom, 1.0)
-        return jnp.where(valid, o.reshape(hq, d), 0.0).astype(q.dtype)
-
     if t == 0:
         return jnp.zeros_like(q)
-    return lax.map(one, (q, lay.seq, lay.pos, lay.valid), batch_size=min(token_batch, t))
+    bq = block_q or reference_block_q(t, s)
+    if sliding_window is None:
+        n_cols = max_pages
+    else:
+        n_cols = min(max_pages, (sliding_window + bq - 2 + page_size - 1) // page_size + 1)
+    span = n_cols * page_size
+    meta, num_blocks = _block_metadata(q, page_table, kv_lens, cu_q_lens, num_seqs, page_size, bq)
+    num_blocks = min(num_blocks, t)  # a non-empty block holds >= 1 token: at most T of them
+    meta = meta[:, :num_blocks]
+    sink_logits = (None if sinks is None
+                   else sinks.astype(jnp.float32).reshape(1, hkv, group, 1))
+    rows = jnp.arange(bq, dtype=jnp.int32)
+    kk = jnp.arange(span, dtype=jnp.int32)
+
+    def one(m: jax.Array) -> jax.Array:
+        seq, q0, q1, pos_off = m[0], m[1], m[2], m[3]
+        tok = q0 + rows
+        ok = tok < q1  # [bq] real query rows of this block
+        qpos = tok + pos_off
+        first = 0
+        if sliding_window is not None:
+            first = jnp.maximum(q0 + pos_off - sliding_window + 1, 0) // page_size
+        cols = first + jnp.arange(n_cols, dtype=jnp.int32)
+        pages = page_table[seq, jnp.minimum(cols, max_pages - 1)].astype(jnp.int32)
+        kpos = first * page_size + kk  # [L] absolute key positions
+        keep = (ok[:, None] & (kpos[None, :] <= qpos[:, None])
+                & (kpos < max_pages * page_size)[None, :])
+        if sliding_window is not None:
+            keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
+        k = k_pages[pages].reshape(span, hkv, d).astype(jnp.float32)
+        v = v_pages[pages].reshape(span, hkv, d).astype(jnp.float32)
+        v = jnp.where(jnp.any(keep, axis=0)[:, None, None], v, 0.0)  # NaN * 0 = NaN
+        qg = q[jnp.minimum(tok, t - 1)].astype(jnp.float32).reshape(bq, hkv, group, d)
+        logits = jnp.einsum("qhgd,lhd->qhgl", qg, k, precision=lax.Precision.HIGHEST) * scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(keep[:, None, None, :], logits, -jnp.inf)
+        if sink_logits is not None:
+            logits = jnp.concatenate(
+                [logits, jnp.broadcast_to(sink_logits, (bq, hkv, group, 1))], axis=-1)
+        mx = jnp.max(logits, axis=-1, keepdims=True)
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        o = jnp.einsum("qhgl,lhd->qhgd", p[..., :span], v, precision=lax.Precision.HIGHEST)
+        o = o / jnp.where(denom > 0, denom, 1.0)
+        return jnp.where(ok[:, None, None], o.reshape(bq, hq, d), 0.0).astype(q.dtype)
+
+    batch = max(1, min(num_blocks, max_gather_elems // max(1, span * hkv * d)))
+    if batch == num_blocks:  # one batch: a plain vmap, no loop
+        outs = jax.vmap(one)(meta.T)
+    else:  # whole batches only (lax.map would compile a remainder batch as a second copy)
+        pad = -num_blocks % batch  # empty blocks: q0 == q1 == 0, every row masked
+        meta = jnp.pad(meta, ((0, 0), (0, pad)))
+        outs = lax.map(one, meta.T, batch_size=batch)  # [NB, bq, Hq, D]
+    tok = meta[1][:, None] + rows[None, :]
+    dest = jnp.where(tok < meta[2][:, None], tok, t)  # empty rows -> out of range, dropped
+    out = jnp.zeros_like(q)
+    return out.at[dest.reshape(-1)].set(outs.reshape(-1, hq, d), mode="drop")
