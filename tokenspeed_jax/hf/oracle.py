@@ -8,17 +8,7 @@ and `gguf` extras). Nothing is downloaded.
 
 from __future__ import annotations
 
-import os
-
-
-def gguf_path(model: str) -> str:
-    """An alias of `MODEL_ALIASES` or a .gguf path -> the file's path (ValueError if missing)."""
-    from tokenspeed_jax.models.registry import MODEL_ALIASES, resolve_alias
-
-    path = resolve_alias(model) if model in MODEL_ALIASES else model
-    if not (path.endswith(".gguf") and os.path.isfile(path)):
-        raise ValueError(f"{model!r} is neither a model alias nor an existing .gguf file")
-    return path
+from tokenspeed_jax.models.registry import gguf_location
 
 
 def transformers_from_gguf(model: str, *, dtype: str = "float32"):
@@ -31,8 +21,7 @@ def transformers_from_gguf(model: str, *, dtype: str = "float32"):
         import transformers
     except ImportError as e:
         raise ValueError(f"the transformers oracle needs torch + transformers (the hf extra): {e}") from e
-    path = gguf_path(model)
-    folder, name = os.path.split(os.path.abspath(path))
+    folder, name = gguf_location(model)
     kwargs = {}
     gguf_config = getattr(transformers, "GgufConfig", None)
     if gguf_config is not None:  # transformers >= 5 can keep blocks packed; we want dense weights

@@ -64,6 +64,18 @@ def tiny_random_config(**overrides) -> ModelConfig:
     return dataclasses.replace(cfg, **overrides)
 
 
+def gguf_location(name: str) -> tuple[str, str]:
+    """(directory, file name) of an alias or .gguf path: what transformers'
+    `from_pretrained(directory, gguf_file=file name)` takes (benchmarks/e2e.py's oracle)."""
+    import os
+
+    path = resolve_alias(name) if name in MODEL_ALIASES else name
+    if not (path.endswith(".gguf") and os.path.isfile(path)):
+        raise ValueError(f"{name!r} is neither a model alias nor an existing .gguf file")
+    folder, file = os.path.split(os.path.abspath(path))
+    return folder, file
+
+
 def build_model(config: ModelConfig, seed: int = 0) -> CausalLM:
     """Random-init model of `config`; same seed -> same weights."""
     return CausalLM(config, rngs=nnx.Rngs(params=seed))
