@@ -61,6 +61,8 @@ def cmd_run(args) -> int:
     text = prompt_source_for(llm.tokenizer)  # real chat-templated text when the model has a template
     if text is not None:
         wl = dataclasses.replace(wl, ignore_eos=False)
+        print(f"workload: real text through the model's chat template (first prompt "
+              f"{len(text.first(0))} tokens, shared system prompt), replies stop at EOS", flush=True)
     report = run_workload(llm.engine, wl, vocab=vocab, progress=not args.no_progress, prompts=text)
     summary = report.summary()
     if args.json:
