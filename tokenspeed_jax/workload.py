@@ -28,6 +28,7 @@ class WorkloadConfig:
     max_tokens: int = 24
     temperature: float = 0.0
     seed: int = 0
+    ignore_eos: bool = True  # fixed-length replies (comparable runs); chat text stops at EOS
 
 
 @dataclasses.dataclass
@@ -66,11 +67,15 @@ class WorkloadReport:
 
 
 def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, vocab: int = 256,
-                 progress: bool = False) -> WorkloadReport:
+                 progress: bool = False, prompts=None) -> WorkloadReport:
     """Serve the workload to completion on `engine` (or on every data-parallel replica of a
     list: each request goes to the replica with the longest prefix-cache match, ties to the least
     loaded, and every busy replica steps once per round, in threads); returns latency /
-    throughput / cache figures."""
+    throughput / cache figures.
+
+    prompts: None = random token ids below `vocab`; else an object with `first(session)` and
+    `follow(session, turn, history, reply)` returning token ids, and `record(session, turn,
+    reply)` called on every finished request (`chat_workload.ChatPrompts`: chat-templated text)."""
     engines = [engine] if isinstance(engine, Engine) else list(engine)
     rng = np.random.default_rng(cfg.seed)
     system = rng.integers(0, vocab, cfg.system_tokens).tolist()
@@ -78,7 +83,7 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
     turn_of: dict[str, int] = {}
     session_of: dict[str, int] = {}
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                            ignore_eos=True)
+                            ignore_eos=cfg.ignore_eos)
     total = cfg.sessions * cfg.turns
     bar = None
     if progress:
@@ -94,7 +99,8 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
         session_of[rid] = session
 
     for s in range(cfg.sessions):
-        send(s, 0, system + rng.integers(0, vocab, cfg.user_tokens).tolist())
+        send(s, 0, system + rng.integers(0, vocab, cfg.user_tokens).tolist()
+             if prompts is None else prompts.first(s))
     ttft, tpot = [], []
     prompt_tokens = generated = done = peak = 0
     prefill0 = sum(e.num_prefill_tokens for e in engines)
@@ -116,10 +122,15 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
             if bar is not None:
                 bar.update(1)
             nxt = turn_of[out.request_id] + 1
+            sid = session_of[out.request_id]
+            if prompts is not None:
+                prompts.record(sid, nxt - 1, out.token_ids)
             if nxt < cfg.turns:
+                if prompts is not None:
+                    send(sid, nxt, prompts.follow(sid, nxt, history[out.request_id], out.token_ids))
+                    continue
                 follow = rng.integers(0, vocab, cfg.user_tokens).tolist()
-                send(session_of[out.request_id], nxt,
-                     history[out.request_id] + out.token_ids + follow)
+                send(sid, nxt, history[out.request_id] + out.token_ids + follow)
         peak = max(peak, sum(e.scheduler.pool.num_used for e in engines))
     wall = time.perf_counter() - t0
     if pool is not None:
