@@ -1,0 +1,228 @@
+"""Multi-host serving on JAX's multi-controller runtime: launch config, initialization, liveness.
+
+One process per host (or, on CPU, several local processes with gloo collectives), all joined by
+`jax.distributed.initialize(coordinator, num_processes, process_id)`. Every process holds its
+slice of a global mesh (`sharding.replica_meshes`), and every process calls the same jitted step
+on globally sharded arrays. Process 0 (the *leader*) owns the scheduler, the requests and the
+HTTP server; each step it broadcasts the StepOps to the *followers* (`distributed_runner.py`),
+which hold no request state and only replay the steps.
+
+Launch: `DistributedConfig(coordinator="HOST:PORT", num_processes=N, process_id=I)`, built from
+the CLI flags `--coordinator --num-processes --process-id` or the environment
+(`TOKENSPEED_COORDINATOR`, `TOKENSPEED_NUM_PROCESSES`, `TOKENSPEED_PROCESS_ID`).
+
+Liveness: a follower that dies leaves the leader blocked inside a collective forever (gloo and
+NCCL wait), so it must be detected from the side: every follower writes a heartbeat counter into
+the coordination service's key-value store every `heartbeat_interval_s`; a watchdog thread on the
+leader reads them. A counter that has not moved for `follower_timeout_s` means the follower is
+gone: if the leader is inside a step (blocked in a collective that will never finish) it prints a
+clear error and exits the process with `EXIT_FOLLOWER_LOST`; if it is idle, its next step raises
+`RuntimeError` with the same message. JAX's own heartbeat timeout (which aborts with a terse
+log line) is set longer than ours, as a backstop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+logger = logging.getLogger(__name__)
+
+ENV_COORDINATOR = "TOKENSPEED_COORDINATOR"
+ENV_NUM_PROCESSES = "TOKENSPEED_NUM_PROCESSES"
+ENV_PROCESS_ID = "TOKENSPEED_PROCESS_ID"
+EXIT_FOLLOWER_LOST = 70  # EX_SOFTWARE: the leader cannot go on without a follower
+_HEARTBEAT_KEY = "tokenspeed_jax/heartbeat/{}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Where this process sits in a multi-process run.
+
+    coordinator: "HOST:PORT" of process 0's coordination service (every process passes the same).
+    num_processes: processes in the run (one per host on GPUs); process_id: this one, 0 = leader.
+    follower_timeout_s: a follower silent this long is declared dead (leader fails loudly).
+    heartbeat_interval_s: how often followers report and the leader's watchdog checks.
+    initialization_timeout_s: how long `jax.distributed.initialize` waits for every process.
+    """
+
+    coordinator: str
+    num_processes: int
+    process_id: int
+    follower_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 0.5
+    initialization_timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        host, sep, port = str(self.coordinator).rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"coordinator must be HOST:PORT, got {self.coordinator!r}")
+        if self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
+        if self.heartbeat_interval_s <= 0 or self.follower_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError(f"follower_timeout_s ({self.follower_timeout_s}) must exceed twice "
+                             f"heartbeat_interval_s ({self.heartbeat_interval_s}) > 0")
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> DistributedConfig | None:
+        """Config from TOKENSPEED_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID; None when the
+        coordinator is unset. `overrides` (non-None values) win over the environment."""
+        env = os.environ if env is None else env
+        values = {"coordinator": env.get(ENV_COORDINATOR),
+                  "num_processes": env.get(ENV_NUM_PROCESSES),
+                  "process_id": env.get(ENV_PROCESS_ID)}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if values["coordinator"] is None:
+            given = [k for k in ("num_processes", "process_id") if values[k] is not None]
+            if given:
+                raise ValueError(f"{given} given without a coordinator (--coordinator HOST:PORT or "
+                                 f"{ENV_COORDINATOR})")
+            return None
+        missing = [k for k in ("num_processes", "process_id") if values[k] is None]
+        if missing:
+            raise ValueError(f"a multi-process launch needs {missing} (flags --num-processes / "
+                             f"--process-id or {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})")
+        try:
+            values["num_processes"] = int(values["num_processes"])
+            values["process_id"] = int(values["process_id"])
+        except ValueError:
+            raise ValueError(f"num_processes and process_id must be integers, got "
+                             f"{values['num_processes']!r}, {values['process_id']!r}") from None
+        return cls(**values)
+
+
+def resolve(distributed) -> DistributedConfig | None:
+    """`LLM(distributed=...)`: a DistributedConfig, a dict of its fields, "env" (read the
+    environment) or None (single process)."""
+    if distributed is None or isinstance(distributed, DistributedConfig):
+        return distributed
+    if distributed == "env":
+        return DistributedConfig.from_env()
+    if isinstance(distributed, Mapping):
+        return DistributedConfig(**distributed)
+    raise ValueError(f"distributed must be a DistributedConfig, a dict, 'env' or None, got "
+                     f"{distributed!r:.80}")
+
+
+def _client():
+    from jax._src import distributed as jd
+
+    return jd.global_state.client
+
+
+def initialize(cfg: DistributedConfig) -> None:
+    """Join the multi-controller runtime (idempotent for the same config).
+
+    CPU collectives use gloo (harmless on GPU hosts, where NCCL carries the collectives). Must run
+    before anything touches `jax.devices()`."""
+    import jax
+    from jax._src import distributed as jd
+
+    state = jd.global_state
+    if state.client is not None:
+        if (state.num_processes, state.process_id) != (cfg.num_processes, cfg.process_id):
+            raise ValueError(f"jax.distributed is already initialized as process "
+                             f"{state.process_id}/{state.num_processes}, not {cfg.process_id}/"
+                             f"{cfg.num_processes}")
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        cfg.coordinator, cfg.num_processes, cfg.process_id,
+        initialization_timeout=int(cfg.initialization_timeout_s),
+        # our watchdog (clear message) fires first; JAX's own detection stays as a backstop
+        heartbeat_timeout_seconds=int(max(2 * cfg.follower_timeout_s, cfg.follower_timeout_s + 10)),
+    )  # fmt: skip
+
+
+class Liveness:
+    """Follower heartbeats and the leader's watchdog (see the module docstring)."""
+
+    def __init__(self, cfg: DistributedConfig, *, on_lost: Callable[[str], None] | None = None,
+                 client=None) -> None:
+        self.cfg = cfg
+        self._client = client if client is not None else _client()
+        self._stop = threading.Event()
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self.lost: str | None = None  # the failure message once a follower is declared dead
+        self._on_lost = on_lost or self._default_on_lost
+        target = self._watch if cfg.is_leader else self._beat
+        self._thread = threading.Thread(target=target, name="tokenspeed-liveness", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ follower
+    def _beat(self) -> None:
+        key = _HEARTBEAT_KEY.format(self.cfg.process_id)
+        n = 0
+        while not self._stop.is_set():
+            try:
+                self._client.key_value_set(key, str(n), allow_overwrite=True)
+            except Exception as e:  # the leader (which hosts the service) is gone
+                logger.error("heartbeat to the coordinator failed: %s", e)
+                return
+            n += 1
+            self._stop.wait(self.cfg.heartbeat_interval_s)
+
+    # ------------------------------------------------------------------ leader
+    def _watch(self) -> None:
+        followers = range(1, self.cfg.num_processes)
+        seen = {k: None for k in followers}
+        since = {k: time.monotonic() for k in followers}
+        while not self._stop.wait(self.cfg.heartbeat_interval_s):
+            now = time.monotonic()
+            for k in followers:
+                try:
+                    value = self._client.key_value_try_get(_HEARTBEAT_KEY.format(k))
+                except Exception:  # not written yet
+                    value = None
+                if value is not None and value != seen[k]:
+                    seen[k], since[k] = value, now
+                elif now - since[k] > self.cfg.follower_timeout_s:
+                    self.lost = (
+                        f"tokenspeed-jax distributed: follower process {k} of "
+                        f"{self.cfg.num_processes} stopped responding (no heartbeat for "
+                        f"{now - since[k]:.1f}s > follower_timeout_s={self.cfg.follower_timeout_s}); "
+                        f"it probably died. Every step runs collectives across all processes, so "
+                        f"the leader cannot continue: restart all processes.")
+                    self._on_lost(self.lost)
+                    return
+
+    def _default_on_lost(self, message: str) -> None:
+        logger.critical(message)
+        with self._lock:
+            busy = self._in_flight > 0
+        if busy:  # the main thread is blocked in a collective that can never finish
+            print(message, file=sys.stderr, flush=True)
+            os._exit(EXIT_FOLLOWER_LOST)
+
+    @contextlib.contextmanager
+    def in_flight(self):
+        """Marks the leader as inside a collective; raises at once if a follower is known lost."""
+        self.check()
+        with self._lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def check(self) -> None:
+        if self.lost is not None:
+            raise RuntimeError(self.lost)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.cfg.heartbeat_interval_s + 1)
