@@ -13,9 +13,14 @@ Followers loop on 2-3 until the control word says SHUTDOWN. They hold no request
 and aborts are already folded into the StepOps by the leader's scheduler, so the control word
 (STEP / SHUTDOWN), the step counter and the replica index are all that travels besides the ops.
 
-Ordering: every collective program must be launched in the same order on every process. One
-lock covers "broadcast + dispatch" on the leader, and followers dispatch in broadcast order, so
-data-parallel replicas stepped from several leader threads stay consistent.
+Ordering: every collective program must run in the same order on every process. One lock covers
+"broadcast + step" on the leader, and followers run in broadcast order, so data-parallel replicas
+stepped from several leader threads stay consistent. Each step is also waited for before the next
+broadcast: the replicas of a dp run live on disjoint device sets, and two collective programs
+running at once on disjoint devices of the same processes share the gloo connections between the
+processes and corrupt each other ("collective mismatch"; the broadcast, over all devices, is
+waited for too). So multi-process dp replicas take turns (no overlap between replicas); tp within
+a replica is unaffected.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class OpsChannel:
         if self.is_source:
             local[0, :len(buf)] = buf
         out = self._bcast(jax.make_array_from_callback(self._shape, self._rows, lambda idx: local))
+        # finished on every local device before the step's collectives start (see "Ordering")
+        out.block_until_ready()
         if self.is_source:
             return local[0]  # the leader knows the value; its copy of the result is not needed
         return np.asarray(out.addressable_data(0))
@@ -188,7 +195,7 @@ class DistributedRunner:
                 if refresh else None)
         with self.group.lock:
             self.group.send(STEP, self.replica, bucket, refresh, small, rows)
-            return self.execute(bucket, refresh, small, rows)
+            return jax.block_until_ready(self.execute(bucket, refresh, small, rows))
 
     def step(self, ops) -> StepResult:
         """Leader: broadcast `ops` and run it everywhere; returns host results (as ModelRunner)."""
@@ -225,7 +232,8 @@ def follow(group: DistributedGroup, runners: list[DistributedRunner]) -> int:
                 break
             if head["control"] != STEP:
                 raise RuntimeError(f"unknown control word {head['control']} from the leader")
-            runners[head["replica"]].execute(head["bucket"], head["refresh"], small, rows)
+            outs = runners[head["replica"]].execute(head["bucket"], head["refresh"], small, rows)
+            jax.block_until_ready(outs)  # see "Ordering" in the module docstring
             steps += 1
         for r in runners:
             jax.block_until_ready(r.runner.state)
