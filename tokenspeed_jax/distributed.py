@@ -15,15 +15,15 @@ Liveness: a follower that dies leaves the leader blocked inside a collective for
 NCCL wait), so it must be detected from the side: every follower writes a heartbeat counter into
 the coordination service's key-value store every `heartbeat_interval_s`; a watchdog thread on the
 leader reads them. A counter that has not moved for `follower_timeout_s` means the follower is
-gone: if the leader is inside a step (blocked in a collective that will never finish) it prints a
-clear error and exits the process with `EXIT_FOLLOWER_LOST`; if it is idle, its next step raises
-`RuntimeError` with the same message. JAX's own heartbeat timeout (which aborts with a terse
-log line) is set longer than ours, as a backstop.
+gone: the leader prints a clear error and exits the process with `EXIT_FOLLOWER_LOST` (a step
+would block forever in a collective, or fail inside gloo / NCCL, and even a clean interpreter
+exit would hang in jax's shutdown barrier). A step whose collective fails waits for that verdict
+before re-raising. JAX's own heartbeat timeout (which aborts with a terse log line) is set longer
+than ours, as a backstop.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -154,8 +154,6 @@ class Liveness:
         self.cfg = cfg
         self._client = client if client is not None else _client()
         self._stop = threading.Event()
-        self._in_flight = 0
-        self._lock = threading.Lock()
         self.lost: str | None = None  # the failure message once a follower is declared dead
         self._on_lost = on_lost or self._default_on_lost
         target = self._watch if cfg.is_leader else self._beat
@@ -200,24 +198,18 @@ class Liveness:
                     return
 
     def _default_on_lost(self, message: str) -> None:
-        logger.critical(message)
-        with self._lock:
-            busy = self._in_flight > 0
-        if busy:  # the main thread is blocked in a collective that can never finish
-            print(message, file=sys.stderr, flush=True)
-            os._exit(EXIT_FOLLOWER_LOST)
+        # Exit, whatever the main thread is doing: a step would block in a collective that never
+        # finishes, and even a clean interpreter exit would block in jax's shutdown barrier.
+        print(message, file=sys.stderr, flush=True)
+        os._exit(EXIT_FOLLOWER_LOST)
 
-    @contextlib.contextmanager
-    def in_flight(self):
-        """Marks the leader as inside a collective; raises at once if a follower is known lost."""
-        self.check()
-        with self._lock:
-            self._in_flight += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._in_flight -= 1
+    def wait_for_verdict(self) -> str | None:
+        """After a collective failed: give the watchdog time to declare a follower lost (the
+        default handler then exits the process). Returns the message, or None if all are alive."""
+        deadline = time.monotonic() + self.cfg.follower_timeout_s + 4 * self.cfg.heartbeat_interval_s
+        while self.lost is None and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(self.cfg.heartbeat_interval_s / 4)
+        return self.lost
 
     def check(self) -> None:
         if self.lost is not None:

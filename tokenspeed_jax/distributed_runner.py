@@ -89,6 +89,7 @@ class DistributedGroup:
         self.liveness = Liveness(cfg)
         self.seq = 0
         self.closed = False
+        self.broken = False  # a collective failed: nothing more may be broadcast
 
     def send(self, control: int, replica: int = 0, bucket: int = 0, refresh: bool = False,
              small: np.ndarray | None = None, rows: np.ndarray | None = None) -> None:
@@ -118,7 +119,7 @@ class DistributedGroup:
     def shutdown(self) -> None:
         """Leader: tell the followers to exit (once); both sides: stop the liveness thread."""
         with self.lock:
-            if self.cfg.is_leader and not self.closed and self.liveness.lost is None:
+            if self.cfg.is_leader and not self.closed and not self.broken:
                 self.send(SHUTDOWN)
             self.closed = True
         self.liveness.stop()
@@ -193,9 +194,22 @@ class DistributedRunner:
         small = pack(host_inputs(ops, bucket), self._layouts[bucket])
         rows = (np.concatenate([np.asarray(g.rows, np.int32).reshape(-1) for g in ops.groups])
                 if refresh else None)
-        with self.group.lock:
-            self.group.send(STEP, self.replica, bucket, refresh, small, rows)
-            return jax.block_until_ready(self.execute(bucket, refresh, small, rows))
+        group = self.group
+        with group.lock:
+            group.liveness.check()
+            if group.broken:
+                raise RuntimeError("an earlier collective failed; the distributed run is unusable")
+            try:
+                group.send(STEP, self.replica, bucket, refresh, small, rows)
+                return jax.block_until_ready(self.execute(bucket, refresh, small, rows))
+            except Exception as e:
+                # usually a follower died under the collective: wait for the watchdog's verdict
+                # (its default handler exits the process with the clear message)
+                group.broken = True
+                lost = group.liveness.wait_for_verdict()
+                if lost is not None:
+                    raise RuntimeError(lost) from e
+                raise
 
     def step(self, ops) -> StepResult:
         """Leader: broadcast `ops` and run it everywhere; returns host results (as ModelRunner)."""
@@ -204,21 +218,18 @@ class DistributedRunner:
             return r.step(ops)  # empty steps never reach the device (nor the followers)
         r._warn_clamped(ops)
         bucket = r.bucket_for(int(ops.num_tokens))
-        with self.group.liveness.in_flight():
-            tokens, logprobs, plp = self._lead(ops, bucket)
-            plp_full = np.full(r.max_scheduled_tokens, np.nan, np.float32)
-            plp_full[:bucket] = np.asarray(plp)
-            return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full)
+        tokens, logprobs, plp = self._lead(ops, bucket)
+        plp_full = np.full(r.max_scheduled_tokens, np.nan, np.float32)
+        plp_full[:bucket] = np.asarray(plp)
+        return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full)
 
     def warmup(self, padding_ops) -> int:
         """Leader: compile every bucket on every process with all-padding steps."""
         if padding_ops.num_reqs:
             raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
         before = self.runner.num_compiles
-        with self.group.liveness.in_flight():
-            for bucket in self.runner.buckets:
-                self._lead(padding_ops, bucket)
-            jax.block_until_ready(self.runner.state)
+        for bucket in self.runner.buckets:
+            self._lead(padding_ops, bucket)
         return self.runner.num_compiles - before
 
 

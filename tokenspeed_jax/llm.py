@@ -163,9 +163,10 @@ class LLM:
             raise RuntimeError(f"{what} runs on the leader (process 0); process "
                                f"{self.distributed.process_id} is a follower: call run_follower()")
 
-    def run_follower(self) -> int:
+    def run_follower(self, leave_runtime: bool = True) -> int:
         """Follower processes: replay the leader's steps until it shuts down, then leave the
-        distributed runtime. Returns the number of steps replayed."""
+        distributed runtime (unless `leave_runtime=False`: another LLM will follow on the same
+        processes). Returns the number of steps replayed."""
         if self.is_leader:
             raise RuntimeError("run_follower() is for processes other than 0")
         import jax
@@ -173,19 +174,21 @@ class LLM:
         from tokenspeed_jax.distributed_runner import follow
 
         steps = follow(self._group, [e.runner for e in self.engines])
-        jax.distributed.shutdown()
+        if leave_runtime:
+            jax.distributed.shutdown()
         return steps
 
-    def shutdown(self) -> None:
+    def shutdown(self, leave_runtime: bool = True) -> None:
         """Leader of a multi-process run: release the followers (they exit their loop) and leave
-        the distributed runtime. Idempotent; a no-op in a single-process run."""
+        the distributed runtime (unless `leave_runtime=False`, to build another LLM on the same
+        processes). Idempotent; a no-op in a single-process run."""
         if self._group is None or not self.is_leader or self._group.closed:
             return
         import jax
 
-        lost = self._group.liveness.lost
+        broken = self._group.broken
         self._group.shutdown()
-        if lost is None:  # with a follower gone, the shutdown barrier could only time out
+        if leave_runtime and not broken:  # with a follower gone the barrier could only time out
             jax.distributed.shutdown()
 
     # ------------------------------------------------------------------ API
