@@ -149,10 +149,10 @@ def replicate_kv_heads(model, config: ModelConfig, tp: int) -> ModelConfig:
             continue
         for proj in (attn.k_proj, attn.v_proj):
             w = proj.kernel[...]
-            proj.kernel.value = jnp.repeat(w.reshape(w.shape[0], hkv, d), rep, axis=1).reshape(
-                w.shape[0], tp * d)
+            proj.kernel.set_value(jnp.repeat(w.reshape(w.shape[0], hkv, d), rep, axis=1).reshape(
+                w.shape[0], tp * d))
             if proj.bias is not None:
-                proj.bias.value = jnp.repeat(proj.bias[...].reshape(hkv, d), rep, axis=0).reshape(-1)
+                proj.bias.set_value(jnp.repeat(proj.bias[...].reshape(hkv, d), rep, axis=0).reshape(-1))
         attn.num_kv_heads = tp
     return dataclasses.replace(config, num_key_value_heads=tp)
 

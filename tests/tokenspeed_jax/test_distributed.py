@@ -17,8 +17,10 @@ A second pair checks that a SIGKILLed follower makes the leader exit with the cl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -54,10 +56,8 @@ def _kill(procs) -> None:
         if p.poll() is None:
             p.kill()
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
 
 
 # ---------------------------------------------------------------------------------- workers
@@ -228,7 +228,7 @@ def pair(tmp_path_factory) -> dict:
                 pytest.fail(f"the two-process run exceeded {PAIR_TIMEOUT_S}s")
         for i, p in enumerate(procs):
             assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{logs[i][-4000:]}"
-        leader, follower = (json.load(open(o)) for o in outs)
+        leader, follower = (json.loads(pathlib.Path(o).read_text()) for o in outs)
     finally:
         _kill(procs)
     leader["follower"] = follower
