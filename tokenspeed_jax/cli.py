@@ -9,6 +9,8 @@ import runpy
 import sys
 import time
 
+from tokenspeed_jax.distributed import add_cli_args, config_from_args, follow_cli
+
 BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels")
 
 
@@ -25,6 +27,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> No
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefix-cache", action="store_true")
+    add_cli_args(p)  # multi-process launch flags (+ tensor / data parallel sizes)
 
 
 def _make_llm(args):
@@ -34,7 +37,10 @@ def _make_llm(args):
                max_batch_requests=args.max_batch_requests,
                max_scheduled_tokens=args.max_scheduled_tokens,
                max_context_len=args.max_context_len, enable_prefix_cache=not args.no_prefix_cache,
-               dtype=args.dtype, attention_backend=args.attention_backend, seed=args.seed)
+               dtype=args.dtype, attention_backend=args.attention_backend, seed=args.seed,
+               tensor_parallel_size=args.tensor_parallel_size,
+               data_parallel_size=args.data_parallel_size,
+               distributed=config_from_args(args))
 
 
 def cmd_run(args) -> int:
@@ -42,6 +48,8 @@ def cmd_run(args) -> int:
 
     t0 = time.perf_counter()
     llm = _make_llm(args)
+    if not llm.is_leader:
+        return follow_cli(llm)
     load_s = time.perf_counter() - t0
     wl = WorkloadConfig(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                         user_tokens=args.user_tokens, max_tokens=args.max_tokens,
@@ -74,6 +82,8 @@ def cmd_serve(args) -> int:
         print(f"serve needs the 'serve' extra (pip install -e '.[serve]'): {e}", file=sys.stderr)
         return 2
     llm = _make_llm(args)
+    if not llm.is_leader:
+        return follow_cli(llm)
     uvicorn.run(build_app(llm, model_name=args.served_model_name or args.model),
                 host=args.host, port=args.port, log_level="info")
     return 0

@@ -1,0 +1,147 @@
+"""In-process pieces of the multi-process runtime: op packing, launch config, CLI flags,
+multi-process device grids (no second process needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import numpy as np
+import pytest
+
+from scheduler import Scheduler, SchedulerConfig
+from tokenspeed_jax.distributed import (
+    DistributedConfig,
+    Liveness,
+    add_cli_args,
+    config_from_args,
+    resolve,
+)
+from tokenspeed_jax.distributed_ops import host_inputs, layout_of, pack, unpack, unpack_host
+
+
+def _real_ops():
+    """A real StepOps with a prefill, a full refresh and sampling params set."""
+    cfg = SchedulerConfig(num_pages=64, page_size=4, max_batch_requests=4, max_scheduled_tokens=32,
+                          max_context_len=64)
+    sched = Scheduler(cfg)
+    sched.add_request("a", list(range(1, 12)), 4, temperature=0.7, top_p=0.9, top_k=5, seed=2**31 + 5)
+    sched.add_request("b", list(range(3, 9)), 4)
+    return sched, sched.schedule()
+
+
+def _assert_tree_equal(a, b):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_pack_roundtrip_host_and_device(with_rows):
+    _, ops = _real_ops()
+    assert ops.num_reqs == 2 and ops.full_refresh[:2].all()
+    tree = host_inputs(ops, 16, with_rows=with_rows)
+    layout = layout_of(tree)
+    buf = pack(tree, layout)
+    assert buf.dtype == np.int32 and buf.shape == (layout.size,)
+    _assert_tree_equal(unpack_host(buf, layout), tree)
+    _assert_tree_equal(jax.jit(lambda b: unpack(b, layout))(buf), tree)
+    # float / uint32 bits survive (temperature 0.7, a seed above 2**31)
+    assert np.float32(unpack_host(buf, layout)["temperature"][0]) == np.float32(0.7)
+    assert int(unpack_host(buf, layout)["seeds"][0]) == 2**31 + 5
+
+
+def test_layout_depends_only_on_shapes():
+    sched, ops = _real_ops()
+    pad = sched.padding_ops()
+    for bucket in (16, 32):
+        assert layout_of(host_inputs(ops, bucket)) == layout_of(host_inputs(pad, bucket))
+    assert layout_of(host_inputs(pad, 16)).size < layout_of(host_inputs(pad, 32)).size
+
+
+def test_pack_rejects_mismatch():
+    _, ops = _real_ops()
+    layout = layout_of(host_inputs(ops, 16))
+    with pytest.raises(ValueError, match="does not match layout"):
+        pack(host_inputs(ops, 32), layout)
+    with pytest.raises(TypeError, match="cannot pack"):
+        layout_of({"x": np.zeros(3, np.float64)})
+
+
+def test_config_validation_and_env():
+    env = {"TOKENSPEED_COORDINATOR": "10.0.0.1:1234", "TOKENSPEED_NUM_PROCESSES": "2",
+           "TOKENSPEED_PROCESS_ID": "1"}
+    cfg = DistributedConfig.from_env(env)
+    assert (cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.is_leader) == (
+        "10.0.0.1:1234", 2, 1, False)
+    assert DistributedConfig.from_env(env, process_id=0).is_leader  # flags win over the env
+    assert DistributedConfig.from_env({}) is None
+    with pytest.raises(ValueError, match="without a coordinator"):
+        DistributedConfig.from_env({"TOKENSPEED_PROCESS_ID": "0"})
+    with pytest.raises(ValueError, match="needs"):
+        DistributedConfig.from_env({"TOKENSPEED_COORDINATOR": "h:1"})
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        DistributedConfig("nohost", 2, 0)
+    with pytest.raises(ValueError, match="process_id"):
+        DistributedConfig("h:1", 2, 2)
+    with pytest.raises(ValueError, match="integers"):
+        DistributedConfig.from_env(dict(env, TOKENSPEED_NUM_PROCESSES="two"))
+    assert resolve(None) is None
+    assert resolve({"coordinator": "h:1", "num_processes": 2, "process_id": 0}).is_leader
+    with pytest.raises(ValueError, match="distributed must be"):
+        resolve(42)
+
+
+def test_cli_flags():
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    args = p.parse_args(["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id",
+                         "1", "--tensor-parallel-size", "4", "--follower-timeout", "5"])
+    cfg = config_from_args(args)
+    assert (cfg.num_processes, cfg.process_id, cfg.follower_timeout_s) == (2, 1, 5.0)
+    assert args.tensor_parallel_size == 4 and args.data_parallel_size == 1
+    assert config_from_args(p.parse_args([])) is None
+    # an existing --tensor-parallel-size (e.g. the CLI's own) is kept, not duplicated
+    q = argparse.ArgumentParser()
+    q.add_argument("--tensor-parallel-size", type=int, default=7)
+    add_cli_args(q)
+    assert q.parse_args([]).tensor_parallel_size == 7
+
+
+class _FakeKV:
+    """The coordination service's key-value calls the liveness threads use."""
+
+    def __init__(self):
+        self.store = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.store[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.store:
+            raise KeyError(key)
+        return self.store[key]
+
+
+def test_liveness_declares_a_silent_follower_lost():
+    kv = _FakeKV()
+    lost = []
+    fast = dict(coordinator="h:1", num_processes=2, follower_timeout_s=0.6, heartbeat_interval_s=0.05)
+    follower = Liveness(DistributedConfig(process_id=1, **fast), client=kv)
+    leader = Liveness(DistributedConfig(process_id=0, **fast), client=kv, on_lost=lost.append)
+    import time
+
+    time.sleep(1.0)
+    assert not lost, "a beating follower must not be declared lost"
+    follower.stop()  # the follower goes silent
+    deadline = time.monotonic() + 3
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost and "follower process 1 of 2 stopped responding" in lost[0]
+    with pytest.raises(RuntimeError, match="stopped responding"):
+        leader.check()
+    leader.stop()
