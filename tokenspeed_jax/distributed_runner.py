@@ -11,7 +11,7 @@ Per step, on the leader (process 0, which owns the scheduler):
      replica's mesh; the sampled ids come out replicated, so the leader reads them locally.
 Followers loop on 2-3 until the control word says SHUTDOWN. They hold no request state: admissions
 and aborts are already folded into the StepOps by the leader's scheduler, so the control word
-(STEP / SHUTDOWN), the step counter and the replica index are all that travels besides the ops.
+(STEP / SHUTDOWN / NOOP), the step counter and the replica index are all that travels besides the ops.
 
 Ordering: every collective program must run in the same order on every process. One lock covers
 "broadcast + step" on the leader, and followers run in broadcast order, so data-parallel replicas
@@ -41,7 +41,7 @@ from tokenspeed_jax.runner import ModelRunner, StepResult
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x7A5E_D157
-STEP, SHUTDOWN = 1, 2
+STEP, SHUTDOWN, NOOP = 1, 2, 3  # NOOP: a bare broadcast (keep-alive, benchmarks)
 HEADER = 8
 
 
@@ -241,6 +241,8 @@ def follow(group: DistributedGroup, runners: list[DistributedRunner]) -> int:
             head, small, rows = group.recv()
             if head["control"] == SHUTDOWN:
                 break
+            if head["control"] == NOOP:
+                continue
             if head["control"] != STEP:
                 raise RuntimeError(f"unknown control word {head['control']} from the leader")
             outs = runners[head["replica"]].execute(head["bucket"], head["refresh"], small, rows)

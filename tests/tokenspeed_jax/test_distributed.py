@@ -11,6 +11,8 @@ process 2 devices, so the global mesh has 4). One pair runs, in order, on the sa
    the openai client (httpx when openai is missing) gets the single-device completion.
 3. clean shutdown: the leader's `shutdown()` releases the follower; both exit 0.
 
+0. (with torch + transformers) a real family: the tiny qwen3 checkpoint of tests/hf, tp=4.
+
 A second pair checks that a SIGKILLed follower makes the leader exit with the clear message and
 `EXIT_FOLLOWER_LOST` within a bounded time. Every child is killed in a `finally`.
 """
@@ -44,10 +46,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(role: str, pid: int, port: int, out: str) -> subprocess.Popen:
+def _spawn(role: str, pid: int, port: int, out: str, hf_path: str = "-") -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-u", __file__, "--worker", role, str(pid), str(port), out],
+    return subprocess.Popen([sys.executable, "-u", __file__, "--worker", role, str(pid), str(port), out,
+                             hf_path],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -144,10 +147,26 @@ def _http(llm) -> dict:
     return {"text": text, "via": via, "prompt": prompt}
 
 
-def _leader_main(port: int) -> dict:
+def _hf_phase(pid: int, port: int, path: str) -> dict | None:
+    """A real family (tiny qwen3 checkpoint from tests/hf): tp=4 across both processes vs the
+    leader's single-device run. Skipped (None) when the parent could not build it."""
+    if path == "-":
+        return None
+    from tokenspeed_jax import LLM
+
+    kw = dict(SMALL, max_context_len=48)
+    llm = LLM(path, tensor_parallel_size=4, distributed=_dist(pid, port), **kw)
+    if pid:
+        return {"steps": llm.run_follower(leave_runtime=False)}
+    got = _generate(llm)
+    llm.shutdown(leave_runtime=False)
+    return {"base": _generate(LLM(path, **kw)), "tp4": got}
+
+
+def _leader_main(port: int, hf_path: str) -> dict:
     from tokenspeed_jax import LLM, SamplingParams
 
-    out: dict = {}
+    out: dict = {"hf": _hf_phase(0, port, hf_path)}
     t0 = time.perf_counter()
     llm = LLM("tiny-random", tensor_parallel_size=4, distributed=_dist(0, port), **SMALL)
     out["build_s"] = time.perf_counter() - t0
@@ -182,9 +201,10 @@ def _leader_main(port: int) -> dict:
     return out
 
 
-def _follower_main(port: int) -> dict:
+def _follower_main(port: int, hf_path: str) -> dict:
     from tokenspeed_jax import LLM
 
+    _hf_phase(1, port, hf_path)
     llm = LLM("tiny-random", tensor_parallel_size=4, distributed=_dist(1, port), **SMALL)
     steps = [llm.run_follower(leave_runtime=False)]
     llm = LLM("tiny-random", tensor_parallel_size=2, data_parallel_size=2,
@@ -210,15 +230,30 @@ def _kill_main(pid: int, port: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------- tests
+def _qwen3_checkpoint(root) -> str:
+    """The tiny qwen3 checkpoint of tests/hf (built by transformers), or "-" without torch."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return "-"
+    from tests.hf.checkpoints import build_checkpoint, family_configs
+
+    path = str(root / "qwen3")
+    build_checkpoint("qwen3", family_configs()["qwen3"], path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("dist")
+    hf_path = _qwen3_checkpoint(tmp)
     port = _free_port()
     outs = [str(tmp / f"p{i}.json") for i in range(2)]
     procs = []
     t0 = time.perf_counter()
     try:
-        procs = [_spawn("main", i, port, outs[i]) for i in range(2)]
+        procs = [_spawn("main", i, port, outs[i], hf_path) for i in range(2)]
         logs = []
         for p in procs:
             try:
@@ -281,6 +316,16 @@ def test_http_on_leader(pair):
     print(f"HTTP completion via {http['via']}")
 
 
+def test_real_family_two_processes(pair):
+    """Tiny qwen3 checkpoint (2 KV heads, sliding layers), tp=4 across the two processes."""
+    if pair["hf"] is None:
+        pytest.skip("torch / transformers (the 'hf' extra) not installed: no qwen3 checkpoint")
+    base, got = pair["hf"]["base"], pair["hf"]["tp4"]
+    assert got["tokens"] == base["tokens"]
+    assert _max_diff(got["logprobs"], base["logprobs"]) <= 1e-4
+    assert _max_diff(got["prompt_logprobs"], base["prompt_logprobs"]) <= 1e-4
+
+
 def test_clean_shutdown(pair):
     assert pair["shutdown"]
     steps = pair["follower"]["steps"]
@@ -320,10 +365,10 @@ def test_killed_follower_fails_leader_loudly(tmp_path):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     sys.path.insert(0, ROOT)
-    _role, _pid, _port, _out = sys.argv[sys.argv.index("--worker") + 1:][:4]
+    _role, _pid, _port, _out, _hf = sys.argv[sys.argv.index("--worker") + 1:][:5]
     _pid, _port = int(_pid), int(_port)
     if _role == "main":
-        _res = _leader_main(_port) if _pid == 0 else _follower_main(_port)
+        _res = _leader_main(_port, _hf) if _pid == 0 else _follower_main(_port, _hf)
     else:
         _res = _kill_main(_pid, _port)
     with open(_out, "w") as _f:
