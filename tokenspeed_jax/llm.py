@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import math
 import os
@@ -93,10 +94,13 @@ class LLM:
         from tokenspeed_jax.models.registry import cache_group_specs, layer_groups
         from tokenspeed_jax.runner import ModelRunner
 
-        self.model_config, net, self.tokenizer = _load(model, dtype, seed)
-        sharding.validate(self.model_config, tp)
-        # tp > kv heads: k/v projections widened to one KV head per shard (runtime config)
-        runtime_config = sharding.replicate_kv_heads(net, self.model_config, tp)
+        # Multi-process: the whole model is built / read into host memory only; each process
+        # then copies just its own shards onto its accelerators (`sharding.place`).
+        with sharding.host_staging() if multi else contextlib.nullcontext():
+            self.model_config, net, self.tokenizer = _load(model, dtype, seed)
+            sharding.validate(self.model_config, tp)
+            # tp > kv heads: k/v projections widened to one KV head per shard (runtime config)
+            runtime_config = sharding.replicate_kv_heads(net, self.model_config, tp)
         if max_context_len is None:
             limit = getattr(self.model_config, "max_position_embeddings", None)
             default = DEFAULT_TINY_CONTEXT if model == "tiny-random" else DEFAULT_HF_CONTEXT

@@ -42,6 +42,7 @@ takes local devices `[r*tp/N, (r+1)*tp/N)` of each of the N processes, process-m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -155,6 +156,16 @@ def replicate_kv_heads(model, config: ModelConfig, tp: int) -> ModelConfig:
                 proj.bias.set_value(jnp.repeat(proj.bias[...].reshape(hkv, d), rep, axis=0).reshape(-1))
         attn.num_kv_heads = tp
     return dataclasses.replace(config, num_key_value_heads=tp)
+
+
+def host_staging():
+    """Context that makes new arrays land on this process's first CPU device (host memory), so a
+    model built or loaded inside it never sits whole on an accelerator; a no-op context when no
+    CPU backend is available."""
+    try:
+        return jax.default_device(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:
+        return contextlib.nullcontext()
 
 
 def place(tree, shardings):
