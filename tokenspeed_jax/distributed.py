@@ -49,6 +49,8 @@ class DistributedConfig:
     num_processes: processes in the run (one per host on GPUs); process_id: this one, 0 = leader.
     follower_timeout_s: a follower silent this long is declared dead (leader fails loudly).
     heartbeat_interval_s: how often followers report and the leader's watchdog checks.
+    keepalive_s: an idle leader broadcasts an empty message this often, so followers never sit
+      in one collective for long (collective transports have timeouts of their own).
     initialization_timeout_s: how long `jax.distributed.initialize` waits for every process.
     """
 
@@ -57,6 +59,7 @@ class DistributedConfig:
     process_id: int
     follower_timeout_s: float = 30.0
     heartbeat_interval_s: float = 0.5
+    keepalive_s: float = 10.0
     initialization_timeout_s: int = 300
 
     def __post_init__(self) -> None:
@@ -70,6 +73,8 @@ class DistributedConfig:
         if self.heartbeat_interval_s <= 0 or self.follower_timeout_s <= 2 * self.heartbeat_interval_s:
             raise ValueError(f"follower_timeout_s ({self.follower_timeout_s}) must exceed twice "
                              f"heartbeat_interval_s ({self.heartbeat_interval_s}) > 0")
+        if self.keepalive_s <= 0:
+            raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s}")
 
     @property
     def is_leader(self) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,27 @@ class DistributedGroup:
         self.seq = 0
         self.closed = False
         self.broken = False  # a collective failed: nothing more may be broadcast
+        self.noops = 0  # keep-alive messages sent (leader) / received (follower)
+        self._last_send = time.monotonic()
+        self._stop = threading.Event()
+        if cfg.is_leader:
+            threading.Thread(target=self._keepalive, name="tokenspeed-keepalive", daemon=True).start()
+
+    def _keepalive(self) -> None:
+        """Leader: an empty broadcast after `keepalive_s` without a message (see the config)."""
+        period = self.cfg.keepalive_s
+        while not self._stop.wait(period / 2):
+            with self.lock:
+                if self.closed or self.broken:
+                    return
+                if time.monotonic() - self._last_send < period:
+                    continue
+                try:
+                    self.send(NOOP)
+                    self.noops += 1
+                except Exception:  # a follower died under it: the watchdog reports and exits
+                    self.broken = True
+                    return
 
     def send(self, control: int, replica: int = 0, bucket: int = 0, refresh: bool = False,
              small: np.ndarray | None = None, rows: np.ndarray | None = None) -> None:
@@ -102,6 +124,7 @@ class DistributedGroup:
                            len(rows)], np.int32)
         self.channel.broadcast(np.concatenate([header, small, rows]))
         self.seq += 1
+        self._last_send = time.monotonic()
 
     def recv(self) -> tuple[dict, np.ndarray, np.ndarray]:
         """Follower only: the next message (header fields, small buffer, refresh rows)."""
@@ -122,6 +145,7 @@ class DistributedGroup:
             if self.cfg.is_leader and not self.closed and not self.broken:
                 self.send(SHUTDOWN)
             self.closed = True
+        self._stop.set()
         self.liveness.stop()
 
 
@@ -242,6 +266,7 @@ def follow(group: DistributedGroup, runners: list[DistributedRunner]) -> int:
             if head["control"] == SHUTDOWN:
                 break
             if head["control"] == NOOP:
+                group.noops += 1
                 continue
             if head["control"] != STEP:
                 raise RuntimeError(f"unknown control word {head['control']} from the leader")

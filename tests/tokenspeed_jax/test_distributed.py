@@ -65,6 +65,8 @@ def _kill(procs) -> None:
 
 # ---------------------------------------------------------------------------------- workers
 def _dist(pid: int, port: int, **kw) -> dict:
+    # a short keep-alive so that idle gaps (HTTP start-up, phase changes) really send some
+    kw.setdefault("keepalive_s", 0.5)
     return dict(coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid, **kw)
 
 
@@ -196,7 +198,9 @@ def _leader_main(port: int, hf_path: str) -> dict:
     out["tp2dp2_devices"] = [sorted((d.process_index, d.id) for d in e.runner.state.mirrors[0]
                                     .sharding.device_set) for e in llm.engines]
     out["http"] = _http(llm)
+    time.sleep(1.5)  # idle: the keep-alive broadcasts
     llm.shutdown()
+    out["noops"] = llm._group.noops  # after shutdown: no keep-alive can follow
     out["shutdown"] = True
     return out
 
@@ -210,7 +214,7 @@ def _follower_main(port: int, hf_path: str) -> dict:
     llm = LLM("tiny-random", tensor_parallel_size=2, data_parallel_size=2,
               distributed=_dist(1, port), **SMALL)
     steps.append(llm.run_follower())
-    return {"steps": steps}
+    return {"steps": steps, "noops": llm._group.noops}
 
 
 def _kill_main(pid: int, port: int) -> dict:
@@ -330,6 +334,7 @@ def test_clean_shutdown(pair):
     assert pair["shutdown"]
     steps = pair["follower"]["steps"]
     assert len(steps) == 2 and all(s > 0 for s in steps)  # both LLMs replayed steps, then exited 0
+    assert pair["follower"]["noops"] == pair["noops"] > 0  # idle keep-alives, in step order
     print(f"two-process run: {pair['wall_s']:.1f}s wall, leader build {pair['build_s']:.1f}s, "
           f"tp4 generate {pair['tp4_s']:.1f}s")
 
