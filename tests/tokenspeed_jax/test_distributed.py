@@ -13,8 +13,10 @@ process 2 devices, so the global mesh has 4). One pair runs, in order, on the sa
 
 0. (with torch + transformers) a real family: the tiny qwen3 checkpoint of tests/hf, tp=4.
 
-A second pair checks that a SIGKILLed follower makes the leader exit with the clear message and
-`EXIT_FOLLOWER_LOST` within a bounded time. Every child is killed in a `finally`.
+A second pair runs the real launch path, `tokenspeed-jax serve --coordinator ... --process-id I`:
+the leader answers a completion, then a SIGKILLed follower (mid-request) makes the leader exit
+with the clear message and `EXIT_FOLLOWER_LOST` within a bounded time. Every child is killed in
+a `finally`.
 """
 
 from __future__ import annotations
@@ -217,22 +219,6 @@ def _follower_main(port: int, hf_path: str) -> dict:
     return {"steps": steps, "noops": llm._group.noops}
 
 
-def _kill_main(pid: int, port: int) -> dict:
-    """Leader: generate forever after printing READY; follower: follow (until SIGKILLed)."""
-    from tokenspeed_jax import LLM, SamplingParams
-
-    llm = LLM("tiny-random", tensor_parallel_size=4, **SMALL,
-              distributed=_dist(pid, port, follower_timeout_s=3.0, heartbeat_interval_s=0.25))
-    if pid:
-        print("FOLLOWING", flush=True)
-        return {"steps": llm.run_follower()}
-    sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    llm.generate([[1, 2, 3]], sp)
-    print("READY", flush=True)
-    while True:
-        llm.generate([[1, 2, 3, 4]], sp)
-
-
 # ---------------------------------------------------------------------------------- tests
 def _qwen3_checkpoint(root) -> str:
     """The tiny qwen3 checkpoint of tests/hf (built by transformers), or "-" without torch."""
@@ -339,20 +325,59 @@ def test_clean_shutdown(pair):
           f"tp4 generate {pair['tp4_s']:.1f}s")
 
 
-def test_killed_follower_fails_leader_loudly(tmp_path):
-    port = _free_port()
+def _spawn_serve(pid: int, port: int, http_port: int) -> subprocess.Popen:
+    """`tokenspeed-jax serve` as process `pid` of a two-process run (the real launch path)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    flags = ["--tensor-parallel-size", "4", "--coordinator", f"127.0.0.1:{port}",
+             "--num-processes", "2", "--process-id", str(pid), "--follower-timeout", "3",
+             "--port", str(http_port), "--model", "tiny-random"]
+    for key, value in SMALL.items():
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    return subprocess.Popen([sys.executable, "-u", "-m", "tokenspeed_jax.cli", "serve", *flags],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def test_cli_serve_then_killed_follower_fails_leader_loudly(pair):
+    """`serve` on two processes answers a completion on the leader; then the follower is
+    SIGKILLed while the leader is mid-request, and the leader exits with EXIT_FOLLOWER_LOST and
+    the clear message within KILL_BOUND_S."""
+    httpx = pytest.importorskip("httpx")
+    from tokenspeed_jax.distributed import EXIT_FOLLOWER_LOST
+
+    port, http_port = _free_port(), _free_port()
+    url = f"http://127.0.0.1:{http_port}/v1/completions"
+    prompt = pair["http"]["prompt"]
     procs = []
     try:
-        procs = [_spawn("kill", i, port, str(tmp_path / f"k{i}.json")) for i in range(2)]
+        procs = [_spawn_serve(i, port, http_port) for i in range(2)]
         leader, follower = procs
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(leader.stdout), daemon=True)
         reader.start()
         deadline = time.monotonic() + PAIR_TIMEOUT_S
-        while not any("READY" in ln for ln in lines):
+        while True:
             assert leader.poll() is None, "".join(lines)[-3000:]
-            assert time.monotonic() < deadline, "leader never became ready"
-            time.sleep(0.2)
+            assert time.monotonic() < deadline, "the leader's server never came up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 6, "temperature": 0.0}
+        resp = httpx.post(url, json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == pair["base_text"]
+        # keep the leader busy stepping, then kill the follower under it
+        long = dict(body, max_tokens=40)
+
+        def busy():
+            with contextlib.suppress(httpx.HTTPError):  # the leader dies under this request
+                httpx.post(url, json=long, timeout=60)
+
+        threading.Thread(target=busy, daemon=True).start()
+        time.sleep(0.5)
         follower.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         rc = leader.wait(timeout=KILL_BOUND_S)
@@ -360,8 +385,6 @@ def test_killed_follower_fails_leader_loudly(tmp_path):
         reader.join(timeout=5)
     finally:
         _kill(procs)
-    from tokenspeed_jax.distributed import EXIT_FOLLOWER_LOST
-
     log = "".join(lines)
     assert rc == EXIT_FOLLOWER_LOST, log[-3000:]
     assert "follower process 1 of 2 stopped responding" in log
@@ -370,11 +393,8 @@ def test_killed_follower_fails_leader_loudly(tmp_path):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     sys.path.insert(0, ROOT)
-    _role, _pid, _port, _out, _hf = sys.argv[sys.argv.index("--worker") + 1:][:5]
+    _, _pid, _port, _out, _hf = sys.argv[sys.argv.index("--worker") + 1:][:5]
     _pid, _port = int(_pid), int(_port)
-    if _role == "main":
-        _res = _leader_main(_port, _hf) if _pid == 0 else _follower_main(_port, _hf)
-    else:
-        _res = _kill_main(_pid, _port)
+    _res = _leader_main(_port, _hf) if _pid == 0 else _follower_main(_port, _hf)
     with open(_out, "w") as _f:
         json.dump(_res, _f)
