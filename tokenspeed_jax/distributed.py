@@ -12,14 +12,15 @@ the CLI flags `--coordinator --num-processes --process-id` or the environment
 (`TOKENSPEED_COORDINATOR`, `TOKENSPEED_NUM_PROCESSES`, `TOKENSPEED_PROCESS_ID`).
 
 Liveness: a follower that dies leaves the leader blocked inside a collective forever (gloo and
-NCCL wait), so it must be detected from the side: every follower writes a heartbeat counter into
-the coordination service's key-value store every `heartbeat_interval_s`; a watchdog thread on the
-leader reads them. A counter that has not moved for `follower_timeout_s` means the follower is
-gone: the leader prints a clear error and exits the process with `EXIT_FOLLOWER_LOST` (a step
-would block forever in a collective, or fail inside gloo / NCCL, and even a clean interpreter
-exit would hang in jax's shutdown barrier). A step whose collective fails waits for that verdict
-before re-raising. JAX's own heartbeat timeout (which aborts with a terse log line) is set longer
-than ours, as a backstop.
+NCCL wait), so it must be detected from the side: every follower, from `initialize` on (so also
+while it loads its shards), writes a heartbeat counter into the coordination service's key-value
+store every `heartbeat_interval_s`; a watchdog thread on the leader reads them. A counter that
+has not moved for `follower_timeout_s` means the follower is gone: the leader prints a clear
+error and exits the process with `EXIT_FOLLOWER_LOST` (a step would block forever in a
+collective, or fail inside gloo / NCCL, and even a clean interpreter exit would hang in jax's
+shutdown barrier). A step whose collective fails waits for that verdict before re-raising.
+JAX's own heartbeat timeout (which aborts with a terse log line) is set longer than ours, as a
+backstop.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ ENV_NUM_PROCESSES = "TOKENSPEED_NUM_PROCESSES"
 ENV_PROCESS_ID = "TOKENSPEED_PROCESS_ID"
 EXIT_FOLLOWER_LOST = 70  # EX_SOFTWARE: the leader cannot go on without a follower
 _HEARTBEAT_KEY = "tokenspeed_jax/heartbeat/{}"
+_HEARTBEAT: Liveness | None = None  # a follower's process-wide heartbeat (see `initialize`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,18 +179,36 @@ def initialize(cfg: DistributedConfig) -> None:
             raise ValueError(f"jax.distributed is already initialized as process "
                              f"{state.process_id}/{state.num_processes}, not {cfg.process_id}/"
                              f"{cfg.num_processes}")
-        return
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        cfg.coordinator, cfg.num_processes, cfg.process_id,
-        initialization_timeout=int(cfg.initialization_timeout_s),
-        # our watchdog (clear message) fires first; JAX's own detection stays as a backstop
-        heartbeat_timeout_seconds=int(max(2 * cfg.follower_timeout_s, cfg.follower_timeout_s + 10)),
-    )  # fmt: skip
+    else:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            cfg.coordinator, cfg.num_processes, cfg.process_id,
+            initialization_timeout=int(cfg.initialization_timeout_s),
+            # our watchdog (clear message) fires first; JAX's own detection stays as a backstop
+            heartbeat_timeout_seconds=int(max(2 * cfg.follower_timeout_s, cfg.follower_timeout_s + 10)),
+        )  # fmt: skip
+    global _HEARTBEAT
+    if not cfg.is_leader and _HEARTBEAT is None:
+        # from now on, for the life of the runtime: the leader's watchdog must see this process
+        # alive while it is still loading its shards, however long that takes
+        _HEARTBEAT = Liveness(cfg)
+
+
+def leave(cfg: DistributedConfig) -> None:
+    """Stop this process's heartbeat (followers) and leave `jax.distributed` (a barrier with
+    every other process)."""
+    import jax
+
+    global _HEARTBEAT
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.stop()
+        _HEARTBEAT = None
+    jax.distributed.shutdown()
 
 
 class Liveness:
-    """Follower heartbeats and the leader's watchdog (see the module docstring)."""
+    """A follower's heartbeat thread (one per process, started by `initialize`) or the leader's
+    watchdog thread (one per `DistributedGroup`); see the module docstring."""
 
     def __init__(self, cfg: DistributedConfig, *, on_lost: Callable[[str], None] | None = None,
                  client=None) -> None:

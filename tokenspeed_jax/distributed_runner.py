@@ -81,13 +81,15 @@ class OpsChannel:
 
 
 class DistributedGroup:
-    """The channel, the ordering lock, the step counter and liveness shared by every replica."""
+    """The channel, the ordering lock, the step counter, the keep-alive and (leader) the
+    watchdog, shared by every replica."""
 
     def __init__(self, cfg: DistributedConfig, payload_words: int) -> None:
         self.cfg = cfg
         self.channel = OpsChannel(HEADER + payload_words)
         self.lock = threading.Lock()
-        self.liveness = Liveness(cfg)
+        # leader: the watchdog over the followers' heartbeats (which run per process)
+        self.liveness = Liveness(cfg) if cfg.is_leader else None
         self.seq = 0
         self.closed = False
         self.broken = False  # a collective failed: nothing more may be broadcast
@@ -146,7 +148,8 @@ class DistributedGroup:
                 self.send(SHUTDOWN)
             self.closed = True
         self._stop.set()
-        self.liveness.stop()
+        if self.liveness is not None:
+            self.liveness.stop()
 
 
 class DistributedRunner:
@@ -277,5 +280,4 @@ def follow(group: DistributedGroup, runners: list[DistributedRunner]) -> int:
             jax.block_until_ready(r.runner.state)
     finally:
         group.closed = True
-        group.liveness.stop()
     return steps

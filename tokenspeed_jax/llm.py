@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from scheduler import SchedulerConfig
+from tokenspeed_jax import distributed as dist
 from tokenspeed_jax.engine import Engine
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -71,7 +72,6 @@ class LLM:
                  enable_prefix_cache: bool = True, dtype: str = "float32",
                  attention_backend: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, distributed=None, **more_options) -> None:
-        from tokenspeed_jax import distributed as dist
         from tokenspeed_jax import sharding
 
         self.distributed = dist.resolve(distributed)
@@ -173,13 +173,11 @@ class LLM:
         processes). Returns the number of steps replayed."""
         if self.is_leader:
             raise RuntimeError("run_follower() is for processes other than 0")
-        import jax
-
         from tokenspeed_jax.distributed_runner import follow
 
         steps = follow(self._group, [e.runner for e in self.engines])
         if leave_runtime:
-            jax.distributed.shutdown()
+            dist.leave(self.distributed)
         return steps
 
     def shutdown(self, leave_runtime: bool = True) -> None:
@@ -188,12 +186,10 @@ class LLM:
         processes). Idempotent; a no-op in a single-process run."""
         if self._group is None or not self.is_leader or self._group.closed:
             return
-        import jax
-
         broken = self._group.broken
         self._group.shutdown()
         if leave_runtime and not broken:  # with a follower gone the barrier could only time out
-            jax.distributed.shutdown()
+            dist.leave(self.distributed)
 
     # ------------------------------------------------------------------ API
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str] | str,

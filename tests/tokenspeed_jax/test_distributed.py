@@ -330,7 +330,7 @@ def _spawn_serve(pid: int, port: int, http_port: int) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     flags = ["--tensor-parallel-size", "4", "--coordinator", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(pid), "--follower-timeout", "3",
+             "--num-processes", "2", "--process-id", str(pid), "--follower-timeout", "5",
              "--port", str(http_port), "--model", "tiny-random"]
     for key, value in SMALL.items():
         flags += [f"--{key.replace('_', '-')}", str(value)]
