@@ -145,3 +145,32 @@ def test_liveness_declares_a_silent_follower_lost():
     with pytest.raises(RuntimeError, match="stopped responding"):
         leader.check()
     leader.stop()
+
+
+class _Dev:
+    def __init__(self, process_index: int, id: int):
+        self.process_index, self.id = process_index, id
+
+    def __repr__(self):
+        return f"d{self.process_index}.{self.id}"
+
+
+@pytest.fixture
+def two_processes(monkeypatch):
+    """jax as seen by a process of a 2-process x 2-device run (device ids as jax numbers them)."""
+    devices = [_Dev(p, p * 2048 + i) for p in (1, 0) for i in (1, 0)]  # unordered on purpose
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "devices", lambda *a: devices)
+
+
+def test_global_device_grid_spans_every_process(two_processes):
+    from tokenspeed_jax.sharding import global_device_grid
+
+    ids = lambda grid: [[(d.process_index, d.id) for d in row] for row in grid]  # noqa: E731
+    assert ids(global_device_grid(4, 1)) == [[(0, 0), (0, 1), (1, 2048), (1, 2049)]]
+    assert ids(global_device_grid(2, 2)) == [[(0, 0), (1, 2048)], [(0, 1), (1, 2049)]]
+    assert ids(global_device_grid(2, 1)) == [[(0, 0), (1, 2048)]]
+    with pytest.raises(ValueError, match="multiple of the 2 processes"):
+        global_device_grid(1, 4)
+    with pytest.raises(ValueError, match="exceeds the 4 available"):
+        global_device_grid(4, 2)
