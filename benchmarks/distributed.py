@@ -73,6 +73,7 @@ def _worker(mode: str, pid: int, port: int, n: int, max_tokens: int) -> dict:
             group.send(NOOP, small=small)
         out["bcast_ms"] = 1e3 * (time.perf_counter() - t0) / 100
     out["bcast_words"] = group.channel.words
+    out["rows_words"] = group.rows_channel.words
     out["bucket_words"] = int(np.asarray(small).size)
     del runner
     llm.shutdown()
@@ -124,7 +125,8 @@ def main() -> None:
     print(f"{'1 process x 4 devices':<34}{single['steps']:>7}{single['step_ms']:>10.2f}")
     print(f"{'2 processes x 2 devices (gloo)':<34}{leader['steps']:>7}{leader['step_ms']:>10.2f}")
     print(f"ratio 2-process / 1-process: {leader['step_ms'] / single['step_ms']:.2f}x")
-    print(f"broadcast of one {leader['bcast_words']}-word message: {leader['bcast_ms']:.3f} ms; "
+    print(f"broadcast of one {leader['bcast_words']}-word message (refresh rows: a second "
+          f"{leader['rows_words']}-word one on refresh steps only): {leader['bcast_ms']:.3f} ms; "
           f"pack of one 16-token step ({leader['bucket_words']} words): {leader['pack_us']:.0f} us")
 
 

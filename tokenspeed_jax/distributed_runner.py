@@ -2,7 +2,8 @@
 
 Per step, on the leader (process 0, which owns the scheduler):
   1. pack the step's inputs into one int32 buffer (`distributed_ops`), prefix a header
-     `[MAGIC, control, seq, replica, bucket, refresh, small_words, row_words]`;
+     `[MAGIC, control, seq, replica, bucket, refresh, small_words, row_words]` (the refresh rows,
+     which scale with the context capacity, follow as a second buffer only on refresh steps);
   2. broadcast it to every process: a jitted all-reduce over a ("proc", "local") mesh of all
      devices, where only the leader's row is non-zero (what `multihost_utils.broadcast_one_to_all`
      does, kept compiled for one fixed buffer size, so it is one collective per step);
@@ -84,9 +85,14 @@ class DistributedGroup:
     """The channel, the ordering lock, the step counter, the keep-alive and (leader) the
     watchdog, shared by every replica."""
 
-    def __init__(self, cfg: DistributedConfig, payload_words: int) -> None:
+    def __init__(self, cfg: DistributedConfig, payload_words: tuple[int, int]) -> None:
         self.cfg = cfg
-        self.channel = OpsChannel(HEADER + payload_words)
+        small_words, row_words = payload_words
+        # Two fixed sizes: every message uses the small channel (header + one step's inputs);
+        # the i32[R, W_g] refresh rows, which scale with the context capacity, follow on their
+        # own channel only when the header says the step carries a full refresh.
+        self.channel = OpsChannel(HEADER + small_words)
+        self.rows_channel = OpsChannel(max(1, row_words))
         self.lock = threading.Lock()
         # leader: the watchdog over the followers' heartbeats (which run per process)
         self.liveness = Liveness(cfg) if cfg.is_leader else None
@@ -124,7 +130,9 @@ class DistributedGroup:
         rows = np.zeros(0, np.int32) if rows is None else rows
         header = np.array([MAGIC, control, self.seq, replica, bucket, int(refresh), len(small),
                            len(rows)], np.int32)
-        self.channel.broadcast(np.concatenate([header, small, rows]))
+        self.channel.broadcast(np.concatenate([header, small]))
+        if refresh:
+            self.rows_channel.broadcast(rows)
         self.seq += 1
         self._last_send = time.monotonic()
 
@@ -137,7 +145,7 @@ class DistributedGroup:
                                f"magic {magic:#x}, step {seq}, expected step {self.seq}")
         self.seq += 1
         small = buf[HEADER:HEADER + n_small]
-        rows = buf[HEADER + n_small:HEADER + n_small + n_rows]
+        rows = self.rows_channel.broadcast(None)[:n_rows] if refresh else buf[:0]
         return (dict(control=control, replica=replica, bucket=bucket, refresh=bool(refresh)),
                 small, rows)
 
@@ -174,10 +182,10 @@ class DistributedRunner:
         self._fns: dict[int, object] = {}
 
     @staticmethod
-    def payload_words(runner: ModelRunner, padding_ops) -> int:
-        """Largest message of a step: the top bucket's inputs plus every group's refresh rows."""
+    def payload_words(runner: ModelRunner, padding_ops) -> tuple[int, int]:
+        """(words of the top bucket's inputs, words of every group's refresh rows)."""
         small = layout_of(host_inputs(padding_ops, runner.buckets[-1])).size
-        return small + sum(int(np.prod(np.shape(g.rows))) for g in padding_ops.groups)
+        return small, sum(int(np.prod(np.shape(g.rows))) for g in padding_ops.groups)
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
