@@ -44,8 +44,6 @@ def _serve(llm, n: int, max_tokens: int) -> dict:
 
 def _worker(mode: str, pid: int, port: int, n: int, max_tokens: int) -> dict:
     sys.path.insert(0, ROOT)
-    import numpy as np
-
     from tokenspeed_jax import LLM
 
     if mode == "single":
@@ -56,25 +54,26 @@ def _worker(mode: str, pid: int, port: int, n: int, max_tokens: int) -> dict:
         return {"steps": llm.run_follower()}
     out = _serve(llm, n, max_tokens)
     from scheduler import Scheduler
-    from tokenspeed_jax.distributed_ops import host_inputs, layout_of, pack
-    from tokenspeed_jax.distributed_runner import NOOP
+    from tokenspeed_jax.distributed_runner import NOOP, frame
+    from tokenspeed_jax.step_inputs import pack
 
     group, runner = llm._group, llm.engine.runner
     pad = Scheduler(llm.engine.scheduler.config).padding_ops()
-    layout = layout_of(host_inputs(pad, 16))
+    layout = runner._layout(16, runner.kv_levels[0][1])
     t0 = time.perf_counter()
     for _ in range(200):
-        small = pack(host_inputs(pad, 16), layout)
+        i32, f32 = pack(pad, layout)
+        msg = frame(NOOP, 0, 0, 16, 0, i32, f32)
     out["pack_us"] = 1e6 * (time.perf_counter() - t0) / 200
     with group.lock:
-        group.send(NOOP, small=small)
+        group.send(frame(NOOP, group.seq, 0, 16, 0, i32, f32))
         t0 = time.perf_counter()
         for _ in range(100):
-            group.send(NOOP, small=small)
+            group.send(frame(NOOP, group.seq, 0, 16, 0, i32, f32))
         out["bcast_ms"] = 1e3 * (time.perf_counter() - t0) / 100
     out["bcast_words"] = group.channel.words
-    out["rows_words"] = group.rows_channel.words
-    out["bucket_words"] = int(np.asarray(small).size)
+    out["rows_words"] = group.big_channel.words if group.big_channel else 0
+    out["bucket_words"] = int(msg.size)
     del runner
     llm.shutdown()
     return out
@@ -125,8 +124,8 @@ def main() -> None:
     print(f"{'1 process x 4 devices':<34}{single['steps']:>7}{single['step_ms']:>10.2f}")
     print(f"{'2 processes x 2 devices (gloo)':<34}{leader['steps']:>7}{leader['step_ms']:>10.2f}")
     print(f"ratio 2-process / 1-process: {leader['step_ms'] / single['step_ms']:.2f}x")
-    print(f"broadcast of one {leader['bcast_words']}-word message (refresh rows: a second "
-          f"{leader['rows_words']}-word one on refresh steps only): {leader['bcast_ms']:.3f} ms; "
+    print(f"broadcast of one {leader['bcast_words']}-word message (long-context steps: announced, "
+          f"then a {leader['rows_words']}-word one): {leader['bcast_ms']:.3f} ms; "
           f"pack of one 16-token step ({leader['bucket_words']} words): {leader['pack_us']:.0f} us")
 
 

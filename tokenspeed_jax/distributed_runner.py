@@ -1,15 +1,17 @@
 """Leader / follower stepping of a multi-process run (see `tokenspeed_jax.distributed`).
 
 Per step, on the leader (process 0, which owns the scheduler):
-  1. pack the step's inputs into one int32 buffer (`distributed_ops`), prefix a header
-     `[MAGIC, control, seq, replica, bucket, refresh, small_words, row_words]` (the refresh rows,
-     which scale with the context capacity, follow as a second buffer only on refresh steps);
+  1. pack the step's inputs exactly as the single-process runner does (`step_inputs.pack`: one
+     int32 + one float32 buffer for the step's shape key = token bucket x kv bucket) and frame
+     them as ONE int32 message `[MAGIC, control, seq, replica, bucket, kv_level, n_i32, n_f32]
+     + i32 + f32 bits`;
   2. broadcast it to every process: a jitted all-reduce over a ("proc", "local") mesh of all
      devices, where only the leader's row is non-zero (what `multihost_utils.broadcast_one_to_all`
-     does, kept compiled for one fixed buffer size, so it is one collective per step);
-  3. every process builds the same global replicated input array from the buffer (no
-     cross-process equality check, unlike `jax.device_put`) and calls the same jitted step on its
-     replica's mesh; the sampled ids come out replicated, so the leader reads them locally.
+     does, kept compiled for fixed sizes: a small channel that fits every step of the shortest
+     kv bucket, and a full-size one announced by the small one only for longer steps);
+  3. every process builds the same global replicated input arrays from the buffers (no
+     cross-process equality check, unlike `jax.device_put`) and calls the runner's own jitted step
+     on its replica's mesh; the sampled ids come out replicated, so the leader reads them locally.
 Followers loop on 2-3 until the control word says SHUTDOWN. They hold no request state: admissions
 and aborts are already folded into the StepOps by the leader's scheduler, so the control word
 (STEP / SHUTDOWN / NOOP), the step counter and the replica index are all that travels besides the ops.
@@ -37,14 +39,34 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tokenspeed_jax.distributed import DistributedConfig, Liveness
-from tokenspeed_jax.distributed_ops import host_inputs, layout_of, pack, unpack
 from tokenspeed_jax.runner import ModelRunner, StepResult
+from tokenspeed_jax.step_inputs import pack
 
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x7A5E_D157
 STEP, SHUTDOWN, NOOP = 1, 2, 3  # NOOP: a bare broadcast (keep-alive, benchmarks)
 HEADER = 8
+_BIG = 1 << 30  # header flag (in the control word): the message follows on the full-size channel
+
+
+def frame(control: int, seq: int, replica: int = 0, bucket: int = 0, level: int = 0,
+          i32: np.ndarray | None = None, f32: np.ndarray | None = None) -> np.ndarray:
+    """One int32 message: the 8-word header, the i32 buffer, the f32 buffer's bits."""
+    i32 = np.zeros(0, np.int32) if i32 is None else np.asarray(i32, np.int32)
+    f32 = np.zeros(0, np.float32) if f32 is None else np.asarray(f32, np.float32)
+    header = np.array([MAGIC, control, seq, replica, bucket, level, i32.size, f32.size], np.int32)
+    return np.concatenate([header, i32, f32.view(np.int32)])
+
+
+def unframe(msg: np.ndarray) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Inverse of `frame` (trailing padding ignored)."""
+    magic, control, seq, replica, bucket, level, n_i, n_f = (int(x) for x in msg[:HEADER])
+    if magic != MAGIC:
+        raise RuntimeError(f"bad message from the leader (magic {magic:#x})")
+    i32 = msg[HEADER:HEADER + n_i]
+    f32 = msg[HEADER + n_i:HEADER + n_i + n_f].view(np.float32)
+    return dict(control=control, seq=seq, replica=replica, bucket=bucket, level=level), i32, f32
 
 
 def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -82,17 +104,17 @@ class OpsChannel:
 
 
 class DistributedGroup:
-    """The channel, the ordering lock, the step counter, the keep-alive and (leader) the
+    """The channels, the ordering lock, the step counter, the keep-alive and (leader) the
     watchdog, shared by every replica."""
 
-    def __init__(self, cfg: DistributedConfig, payload_words: tuple[int, int]) -> None:
+    def __init__(self, cfg: DistributedConfig, message_words: tuple[int, int]) -> None:
         self.cfg = cfg
-        small_words, row_words = payload_words
-        # Two fixed sizes: every message uses the small channel (header + one step's inputs);
-        # the i32[R, W_g] refresh rows, which scale with the context capacity, follow on their
-        # own channel only when the header says the step carries a full refresh.
-        self.channel = OpsChannel(HEADER + small_words)
-        self.rows_channel = OpsChannel(max(1, row_words))
+        small_words, full_words = message_words
+        # Fixed sizes (one compile each): every message starts on the small channel; one that
+        # does not fit (a long-context step: its page-table rows scale with the kv bucket) is
+        # announced there and follows on the full-size channel.
+        self.channel = OpsChannel(max(HEADER, small_words))
+        self.big_channel = OpsChannel(full_words) if full_words > small_words else None
         self.lock = threading.Lock()
         # leader: the watchdog over the followers' heartbeats (which run per process)
         self.liveness = Liveness(cfg) if cfg.is_leader else None
@@ -115,45 +137,43 @@ class DistributedGroup:
                 if time.monotonic() - self._last_send < period:
                     continue
                 try:
-                    self.send(NOOP)
+                    self.send(frame(NOOP, self.seq))
                     self.noops += 1
                 except Exception:  # a follower died under it: the watchdog reports and exits
                     self.broken = True
                     return
 
-    def send(self, control: int, replica: int = 0, bucket: int = 0, refresh: bool = False,
-             small: np.ndarray | None = None, rows: np.ndarray | None = None) -> None:
-        """Leader only; call with `lock` held."""
+    def send(self, msg: np.ndarray) -> None:
+        """Leader only; call with `lock` held. `msg` from `frame(..., seq=self.seq)`."""
         if self.closed:
             raise RuntimeError("the distributed group is shut down")
-        small = np.zeros(0, np.int32) if small is None else small
-        rows = np.zeros(0, np.int32) if rows is None else rows
-        header = np.array([MAGIC, control, self.seq, replica, bucket, int(refresh), len(small),
-                           len(rows)], np.int32)
-        self.channel.broadcast(np.concatenate([header, small]))
-        if refresh:
-            self.rows_channel.broadcast(rows)
+        if msg.size <= self.channel.words:
+            self.channel.broadcast(msg)
+        else:
+            announce = msg[:HEADER].copy()
+            announce[1] |= _BIG
+            self.channel.broadcast(announce)
+            self.big_channel.broadcast(msg)
         self.seq += 1
         self._last_send = time.monotonic()
 
     def recv(self) -> tuple[dict, np.ndarray, np.ndarray]:
-        """Follower only: the next message (header fields, small buffer, refresh rows)."""
-        buf = self.channel.broadcast(None)
-        magic, control, seq, replica, bucket, refresh, n_small, n_rows = (int(x) for x in buf[:HEADER])
-        if magic != MAGIC or seq != self.seq:
+        """Follower only: the next message (header fields, i32 buffer, f32 buffer)."""
+        msg = self.channel.broadcast(None)
+        if int(msg[1]) & _BIG:
+            msg = self.big_channel.broadcast(None)
+        head, i32, f32 = unframe(msg)
+        if head["seq"] != self.seq:
             raise RuntimeError(f"follower {self.cfg.process_id} out of sync with the leader: "
-                               f"magic {magic:#x}, step {seq}, expected step {self.seq}")
+                               f"step {head['seq']}, expected step {self.seq}")
         self.seq += 1
-        small = buf[HEADER:HEADER + n_small]
-        rows = self.rows_channel.broadcast(None)[:n_rows] if refresh else buf[:0]
-        return (dict(control=control, replica=replica, bucket=bucket, refresh=bool(refresh)),
-                small, rows)
+        return head, i32, f32
 
     def shutdown(self) -> None:
-        """Leader: tell the followers to exit (once); both sides: stop the liveness thread."""
+        """Leader: tell the followers to exit (once); both sides: stop the threads."""
         with self.lock:
             if self.cfg.is_leader and not self.closed and not self.broken:
-                self.send(SHUTDOWN)
+                self.send(frame(SHUTDOWN, self.seq))
             self.closed = True
         self._stop.set()
         if self.liveness is not None:
@@ -165,8 +185,7 @@ class DistributedRunner:
     (Engine drives it on the leader), `execute` replays a received step on a follower.
     Other attributes (params, state, num_compiles, ...) are the wrapped runner's."""
 
-    def __init__(self, runner: ModelRunner, group: DistributedGroup, replica: int,
-                 padding_ops) -> None:
+    def __init__(self, runner: ModelRunner, group: DistributedGroup, replica: int) -> None:
         if runner._tp is None:
             raise ValueError("a multi-process runner needs a mesh (tensor_parallel_size >= 1 "
                              "over the global devices)")
@@ -174,69 +193,42 @@ class DistributedRunner:
         self.group = group
         self.replica = replica
         self._rep = runner._tp.replicated
-        self._layouts = {b: layout_of(host_inputs(padding_ops, b)) for b in runner.buckets}
-        self._row_shapes = [tuple(np.shape(g.rows)) for g in padding_ops.groups]
-        self._zero_rows = tuple(global_array(np.zeros(s, np.int32), self._rep)
-                                for s in self._row_shapes)
-        self._state_sh = jax.tree.map(lambda x: x.sharding, runner.state)
-        self._fns: dict[int, object] = {}
 
     @staticmethod
-    def payload_words(runner: ModelRunner, padding_ops) -> tuple[int, int]:
-        """(words of the top bucket's inputs, words of every group's refresh rows)."""
-        small = layout_of(host_inputs(padding_ops, runner.buckets[-1])).size
-        return small, sum(int(np.prod(np.shape(g.rows))) for g in padding_ops.groups)
+    def message_words(runner: ModelRunner) -> tuple[int, int]:
+        """(words of the largest step of the shortest kv bucket, of the largest step at all)."""
+        def words(cols):
+            lay = runner._layout(runner.buckets[-1], cols)
+            return HEADER + lay.i32_size + lay.f32_size
+
+        return words(runner.kv_levels[0][1]), words(runner.kv_levels[-1][1])
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
     # ------------------------------------------------------------------ every process
-    def _fn(self, bucket: int):
-        fn = self._fns.get(bucket)
-        if fn is None:
-            layout, runner = self._layouts[bucket], self.runner
-
-            def step(params, state, buf, rows):
-                ops = unpack(buf, layout)
-                for g, r in zip(ops["groups"], rows, strict=True):
-                    g["rows"] = r
-                return runner._step_impl(params, state, ops)
-
-            rep = self._rep
-            fn = self._fns[bucket] = jax.jit(step, donate_argnums=(1,),
-                                             out_shardings=(self._state_sh, rep, rep, rep))
-        return fn
-
-    def execute(self, bucket: int, refresh: bool, small: np.ndarray, rows: np.ndarray):
+    def execute(self, bucket: int, level: int, i32: np.ndarray, f32: np.ndarray):
         """Dispatch one step on this process's devices (async); returns the device outputs."""
-        if refresh:
-            parts, off = [], 0
-            for shape in self._row_shapes:
-                n = int(np.prod(shape))
-                parts.append(global_array(rows[off:off + n].reshape(shape), self._rep))
-                off += n
-            row_arrays = tuple(parts)
-        else:
-            row_arrays = self._zero_rows
         r = self.runner
-        r.state, tokens, logprobs, plp = self._fn(bucket)(
-            r.params, r.state, global_array(small, self._rep), row_arrays)
+        layout = r._layout(bucket, r.kv_levels[level][1])
+        if (i32.size, f32.size) != (layout.i32_size, layout.f32_size):
+            raise RuntimeError(f"step buffers of {i32.size}/{f32.size} words do not match the "
+                               f"layout of bucket {bucket}, kv level {level}")
+        bufs = [global_array(np.ascontiguousarray(b), self._rep) for b in (i32, f32)]
+        r.state, tokens, logprobs, plp = r._step(r.params, r.state, *bufs, layout)
         return tokens, logprobs, plp
 
     # ------------------------------------------------------------------ leader
-    def _lead(self, ops, bucket: int):
-        refresh = bool(np.asarray(ops.full_refresh).any())
-        small = pack(host_inputs(ops, bucket), self._layouts[bucket])
-        rows = (np.concatenate([np.asarray(g.rows, np.int32).reshape(-1) for g in ops.groups])
-                if refresh else None)
-        group = self.group
+    def _lead(self, ops, bucket: int, level: int):
+        r, group = self.runner, self.group
+        i32, f32 = pack(ops, r._layout(bucket, r.kv_levels[level][1]))
         with group.lock:
             group.liveness.check()
             if group.broken:
                 raise RuntimeError("an earlier collective failed; the distributed run is unusable")
             try:
-                group.send(STEP, self.replica, bucket, refresh, small, rows)
-                return jax.block_until_ready(self.execute(bucket, refresh, small, rows))
+                group.send(frame(STEP, group.seq, self.replica, bucket, level, i32, f32))
+                return jax.block_until_ready(self.execute(bucket, level, i32, f32))
             except Exception as e:
                 # usually a follower died under the collective: wait for the watchdog's verdict
                 # (its default handler exits the process with the clear message)
@@ -253,18 +245,21 @@ class DistributedRunner:
             return r.step(ops)  # empty steps never reach the device (nor the followers)
         r._warn_clamped(ops)
         bucket = r.bucket_for(int(ops.num_tokens))
-        tokens, logprobs, plp = self._lead(ops, bucket)
+        _, cols = r.kv_bucket_for(ops)
+        level = [c for _, c in r.kv_levels].index(cols)
+        tokens, logprobs, plp = self._lead(ops, bucket, level)
         plp_full = np.full(r.max_scheduled_tokens, np.nan, np.float32)
         plp_full[:bucket] = np.asarray(plp)
         return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full)
 
     def warmup(self, padding_ops) -> int:
-        """Leader: compile every bucket on every process with all-padding steps."""
+        """Leader: compile every shape key on every process with all-padding steps."""
         if padding_ops.num_reqs:
             raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
         before = self.runner.num_compiles
         for bucket in self.runner.buckets:
-            self._lead(padding_ops, bucket)
+            for level in range(len(self.runner.kv_levels)):
+                self._lead(padding_ops, bucket, level)
         return self.runner.num_compiles - before
 
 
@@ -273,7 +268,7 @@ def follow(group: DistributedGroup, runners: list[DistributedRunner]) -> int:
     steps = 0
     try:
         while True:
-            head, small, rows = group.recv()
+            head, i32, f32 = group.recv()
             if head["control"] == SHUTDOWN:
                 break
             if head["control"] == NOOP:
@@ -281,7 +276,7 @@ def follow(group: DistributedGroup, runners: list[DistributedRunner]) -> int:
                 continue
             if head["control"] != STEP:
                 raise RuntimeError(f"unknown control word {head['control']} from the leader")
-            outs = runners[head["replica"]].execute(head["bucket"], head["refresh"], small, rows)
+            outs = runners[head["replica"]].execute(head["bucket"], head["level"], i32, f32)
             jax.block_until_ready(outs)  # see "Ordering" in the module docstring
             steps += 1
         for r in runners:

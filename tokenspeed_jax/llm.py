@@ -141,7 +141,7 @@ class LLM:
                                  honor_full_refresh=more_options.get("honor_full_refresh", True),
                                  mesh=mesh)
             if multi:
-                runner = self._distribute(runner, r, sched_cfg)
+                runner = self._distribute(runner, r)
             self.engines.append(Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
                                        eos_token_ids=eos_ids, tokenizer=self.tokenizer))
         self.engine = self.engines[0]
@@ -152,15 +152,12 @@ class LLM:
             atexit.register(self.shutdown)  # releases the followers however the leader ends
 
     # ------------------------------------------------------------------ multi-process
-    def _distribute(self, runner, replica: int, sched_cfg: SchedulerConfig):
-        from scheduler import Scheduler
+    def _distribute(self, runner, replica: int):
         from tokenspeed_jax.distributed_runner import DistributedGroup, DistributedRunner
 
-        padding = Scheduler(sched_cfg).padding_ops()
         if self._group is None:
-            self._group = DistributedGroup(self.distributed,
-                                           DistributedRunner.payload_words(runner, padding))
-        return DistributedRunner(runner, self._group, replica, padding)
+            self._group = DistributedGroup(self.distributed, DistributedRunner.message_words(runner))
+        return DistributedRunner(runner, self._group, replica)
 
     def _leader_only(self, what: str) -> None:
         if not self.is_leader:

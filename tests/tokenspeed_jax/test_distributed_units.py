@@ -1,5 +1,5 @@
-"""In-process pieces of the multi-process runtime: op packing, launch config, CLI flags,
-multi-process device grids (no second process needed)."""
+"""In-process pieces of the multi-process runtime: message framing, launch config, CLI flags,
+liveness, multi-process device grids (no second process needed)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from tokenspeed_jax.distributed import (
     config_from_args,
     resolve,
 )
-from tokenspeed_jax.distributed_ops import host_inputs, layout_of, pack, unpack, unpack_host
+from tokenspeed_jax.distributed_runner import HEADER, STEP, frame, unframe
+from tokenspeed_jax.step_inputs import layout_for, pack
 
 
 def _real_ops():
@@ -30,46 +31,21 @@ def _real_ops():
     return sched, sched.schedule()
 
 
-def _assert_tree_equal(a, b):
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(x, y)
-
-
-@pytest.mark.parametrize("with_rows", [False, True])
-def test_pack_roundtrip_host_and_device(with_rows):
-    _, ops = _real_ops()
-    assert ops.num_reqs == 2 and ops.full_refresh[:2].all()
-    tree = host_inputs(ops, 16, with_rows=with_rows)
-    layout = layout_of(tree)
-    buf = pack(tree, layout)
-    assert buf.dtype == np.int32 and buf.shape == (layout.size,)
-    _assert_tree_equal(unpack_host(buf, layout), tree)
-    _assert_tree_equal(jax.jit(lambda b: unpack(b, layout))(buf), tree)
-    # float / uint32 bits survive (temperature 0.7, a seed above 2**31)
-    assert np.float32(unpack_host(buf, layout)["temperature"][0]) == np.float32(0.7)
-    assert int(unpack_host(buf, layout)["seeds"][0]) == 2**31 + 5
-
-
-def test_layout_depends_only_on_shapes():
+def test_message_frame_roundtrip():
+    """The broadcast message: header + the runner's own i32 / f32 step buffers, bit for bit."""
     sched, ops = _real_ops()
-    pad = sched.padding_ops()
-    for bucket in (16, 32):
-        assert layout_of(host_inputs(ops, bucket)) == layout_of(host_inputs(pad, bucket))
-    assert layout_of(host_inputs(pad, 16)).size < layout_of(host_inputs(pad, 32)).size
-
-
-def test_pack_rejects_mismatch():
-    _, ops = _real_ops()
-    layout = layout_of(host_inputs(ops, 16))
-    with pytest.raises(ValueError, match="does not match layout"):
-        pack(host_inputs(ops, 32), layout)
-    with pytest.raises(TypeError, match="cannot pack"):
-        layout_of({"x": np.zeros(3, np.float64)})
+    lays = sched.config.group_layouts()
+    layout = layout_for(4, 16, tuple(x.delta_width for x in lays), tuple(x.width for x in lays))
+    i32, f32 = pack(ops, layout)
+    msg = frame(STEP, 7, replica=1, bucket=16, level=2, i32=i32, f32=f32)
+    assert msg.dtype == np.int32 and msg.size == HEADER + i32.size + f32.size
+    padded = np.concatenate([msg, np.zeros(5, np.int32)])  # channels are fixed-size
+    head, i2, f2 = unframe(padded)
+    assert head == dict(control=STEP, seq=7, replica=1, bucket=16, level=2)
+    np.testing.assert_array_equal(i2, i32)
+    assert f2.dtype == np.float32 and f2.tobytes() == f32.tobytes()  # 0.7 etc. bit-exact
+    with pytest.raises(RuntimeError, match="bad message"):
+        unframe(np.zeros(HEADER, np.int32))
 
 
 def test_config_validation_and_env():
