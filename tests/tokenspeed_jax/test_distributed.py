@@ -6,7 +6,7 @@ process 2 devices, so the global mesh has 4). One pair runs, in order, on the sa
 1. tp=4 across both processes (tiny-random has 2 KV heads, so KV heads are replicated too):
    greedy tokens == the leader's own single-device run, |logprob diff| <= 1e-4 (generated and
    prompt logprobs); a request aborted mid-flight ends "abort" with a prefix of its single-device
-   tokens while the others finish unchanged, and no page leaks; one compile per token bucket.
+   tokens while the others finish unchanged, and no page leaks; at most one compile per shape key.
 2. tp=2 x dp=2 (each replica spans both processes): same checks; then the leader serves HTTP and
    the openai client (httpx when openai is missing) gets the single-device completion.
 3. clean shutdown: the leader's `shutdown()` releases the follower; both exit 0.
@@ -189,7 +189,7 @@ def _leader_main(port: int, hf_path: str) -> dict:
     out["tp4_pool"] = [list(k.shape), [list(s.data.shape) for s in k.addressable_shards],
                        len(k.sharding.device_set)]
     out["tp4_compiles"] = runner.num_compiles
-    out["tp4_buckets"] = len(runner.buckets)
+    out["tp4_shape_keys"] = len(runner.shape_keys)
     llm.shutdown(leave_runtime=False)  # the follower builds the next LLM too
 
     llm = LLM("tiny-random", tensor_parallel_size=2, data_parallel_size=2,
@@ -297,7 +297,7 @@ def test_global_mesh_layout(pair):
     # tp=2 x dp=2: every replica spans both processes
     assert pair["tp2dp2_devices"] == [[[0, 0], [1, 2048]], [[0, 1], [1, 2049]]]
     assert all(s > 0 for s in pair["tp2dp2_steps"])
-    assert pair["tp4_compiles"] == pair["tp4_buckets"]  # one compile per bucket
+    assert 1 <= pair["tp4_compiles"] <= pair["tp4_shape_keys"]  # at most one per shape key
 
 
 def test_http_on_leader(pair):
