@@ -15,6 +15,7 @@ import sys
 import time
 
 from tokenspeed_jax.cli_checks import DTYPES, float_at_least, int_at_least, port, preflight
+from tokenspeed_jax.distributed import add_cli_args, config_from_args, follow_cli
 
 BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve")
 
@@ -65,6 +66,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> No
     p.add_argument("--data-parallel-size", type=int_at_least(1), default=1,
                    help="independent replicas (each with its own page pool); requests go to the "
                         "best prefix-cache match, ties to the least loaded")
+    add_cli_args(p)  # multi-process launch flags (see docs/distributed.md)
 
 
 def _make_llm(args):
@@ -76,7 +78,8 @@ def _make_llm(args):
                max_context_len=args.max_context_len, enable_prefix_cache=not args.no_prefix_cache,
                dtype=args.dtype, attention_backend=args.attention_backend, seed=args.seed,
                tensor_parallel_size=args.tensor_parallel_size,
-               data_parallel_size=args.data_parallel_size)
+               data_parallel_size=args.data_parallel_size,
+               distributed=config_from_args(args))
 
 
 def _checked_llm(args, longest_request: int | None):
@@ -102,6 +105,8 @@ def cmd_run(args) -> int:
     llm, status = _checked_llm(args, longest)
     if llm is None:
         return status
+    if not llm.is_leader:
+        return follow_cli(llm)
     load_s = time.perf_counter() - t0
     print(f"tokenspeed-jax run: model={args.model} sessions={wl.sessions} turns={wl.turns} "
           f"system_prompt={wl.system_tokens} tokens, pages={llm.stats()['total_pages']} "
@@ -153,6 +158,8 @@ def cmd_serve(args) -> int:
     llm, status = _checked_llm(args, None)
     if llm is None:
         return status
+    if not llm.is_leader:
+        return follow_cli(llm)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     uvicorn.run(build_app(llm, model_name=args.served_model_name or args.model),
                 host=args.host, port=args.port, log_level="info")

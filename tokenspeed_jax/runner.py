@@ -47,7 +47,7 @@ from tokenspeed_jax.sampling import (
     sample,
     top_logprobs,
 )
-from tokenspeed_jax.sharding import TensorParallel, prepare_model
+from tokenspeed_jax.sharding import TensorParallel, place, prepare_model
 from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
 from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, unpack
 
@@ -167,7 +167,7 @@ class ModelRunner:
         else:
             tp = self._tp
             param_sh = tp.param_shardings(self.params)
-            self.params = jax.device_put(self.params, param_sh)
+            self.params = place(self.params, param_sh)  # per shard across processes
             state_sh = tp.state_shardings(jax.eval_shape(make_state))
             # built sharded in place: the full pools never sit on one device
             self.state = jax.jit(make_state, out_shardings=state_sh)()
