@@ -215,8 +215,9 @@ class DistributedRunner:
             raise RuntimeError(f"step buffers of {i32.size}/{f32.size} words do not match the "
                                f"layout of bucket {bucket}, kv level {level}")
         bufs = [global_array(np.ascontiguousarray(b), self._rep) for b in (i32, f32)]
-        r.state, tokens, logprobs, plp = r._step(r.params, r.state, *bufs, layout)
-        return tokens, logprobs, plp
+        r.state, r.penalties, tokens, logprobs, plp, top = r._step(
+            r.params, r.state, r.penalties, *bufs, layout)
+        return tokens, logprobs, plp, top
 
     # ------------------------------------------------------------------ leader
     def _lead(self, ops, bucket: int, level: int):
@@ -247,10 +248,7 @@ class DistributedRunner:
         bucket = r.bucket_for(int(ops.num_tokens))
         _, cols = r.kv_bucket_for(ops)
         level = [c for _, c in r.kv_levels].index(cols)
-        tokens, logprobs, plp = self._lead(ops, bucket, level)
-        plp_full = np.full(r.max_scheduled_tokens, np.nan, np.float32)
-        plp_full[:bucket] = np.asarray(plp)
-        return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full)
+        return r.host_result(ops, bucket, *self._lead(ops, bucket, level))
 
     def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
         """Leader: compile the shape keys on every process with all-padding steps (the same

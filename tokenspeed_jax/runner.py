@@ -328,8 +328,12 @@ class ModelRunner:
         self._warn_clamped(ops)
         bucket = self.bucket_for(int(ops.num_tokens))
         _, cols = self.kv_bucket_for(ops)
-        tokens, logprobs, plp, top = self._run(ops, bucket, cols)
-        plp_full = np.full(t, np.nan, np.float32)
+        return self.host_result(ops, bucket, *self._run(ops, bucket, cols))
+
+    def host_result(self, ops, bucket: int, tokens, logprobs, plp, top) -> StepResult:
+        """The host copy of one step's device outputs (prompt logprobs and the top-k only when
+        the step asked for them)."""
+        plp_full = np.full(self.max_scheduled_tokens, np.nan, np.float32)
         if ops.prompt_targets[: ops.num_tokens].max(initial=-1) >= 0:  # else all NaN: no copy
             plp_full[:bucket] = np.asarray(plp)
         top_ids = top_lp = None
