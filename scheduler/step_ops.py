@@ -18,6 +18,10 @@ import dataclasses
 
 import numpy as np
 
+# Host-side id of an input token that only the device knows yet (sampled by the step in flight);
+# `StepOps.token_from_prev` marks it and the device substitutes its slot's last sampled token.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupLayout:
@@ -57,7 +61,10 @@ class StepOps:
     query_start: np.ndarray  # i32[R+1] cu_q_lens; padding rows repeat num_tokens
     kv_lens: np.ndarray  # i32[R] tokens in cache after this step (incl. this step's); 0 padding
     sample_mask: np.ndarray  # bool[R] the row's last token yields a sampled token; False padding
-    token_ids: np.ndarray  # i32[T] input token ids; 0 padding
+    token_ids: np.ndarray  # i32[T] input token ids; PLACEHOLDER_TOKEN where token_from_prev; 0 padding
+    # bool[T] the token is the one the previous step sampled for this row's slot: the device
+    # reads it from its per-slot copy (overlapped scheduling); False padding
+    token_from_prev: np.ndarray
     positions: np.ndarray  # i32[T] absolute position of each token; 0 padding
     token_rows: np.ndarray  # i32[T] batch row of each token; R padding (out of range, dropped)
     prompt_targets: np.ndarray  # i32[T] next prompt token (prompt-logprob target); -1 none/padding
