@@ -42,7 +42,9 @@ class LLM:
     model: "tiny-random" (built in, no download) or a local Hugging Face checkpoint directory.
     num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory).
     More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
-    honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments).
+    honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
+    async_scheduling (False; True plans step N+1 on the host while the device runs step N,
+    same outputs: see tokenspeed_jax/engine.py).
 
     tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
     intermediate, conv channels, vocab; `tokenspeed_jax.sharding`). data_parallel_size = D: D
@@ -65,7 +67,8 @@ class LLM:
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 else sharding.replica_meshes(tp, dp)
         known = {"conv_page_size", "enable_adoption", "max_live_requests", "debug_checks",
-                 "honor_full_refresh", "decode_reserve_tokens", "max_prefill_chunk_tokens"}
+                 "honor_full_refresh", "decode_reserve_tokens", "max_prefill_chunk_tokens",
+                 "async_scheduling"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
@@ -112,7 +115,9 @@ class LLM:
                                  honor_full_refresh=more_options.get("honor_full_refresh", True),
                                  mesh=mesh)
             self.engines.append(Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
-                                       eos_token_ids=eos_ids, tokenizer=self.tokenizer))
+                                       eos_token_ids=eos_ids, tokenizer=self.tokenizer,
+                                       async_scheduling=more_options.get("async_scheduling",
+                                                                         False)))
         self.engine = self.engines[0]
         self._load = [0] * len(self.engines)  # outstanding tokens per replica (see docstring)
         self._pool: ThreadPoolExecutor | None = None

@@ -1,8 +1,14 @@
 """`ModelRunner`: applies one `StepOps` on the device in a single jitted, donated step.
 
-step(params, state, ops) = page-table update (every group) -> write locations from the updated
-mirrors -> paged forward (K/V + conv writes, attention through the page tables) -> sampling
-(+ prompt logprobs when the step asks for any).
+step(params, state, ops) = page-table update (every group) -> input tokens (placeholders flagged
+`token_from_prev` read the slot's last sampled token from the state) -> write locations from the
+updated mirrors -> paged forward (K/V + conv writes, attention through the page tables) ->
+sampling (+ prompt logprobs when the step asks for any) -> each sampling row's token is kept as
+its slot's last token.
+
+`dispatch(ops)` only enqueues the step (JAX dispatch is asynchronous) and returns a handle;
+`collect(handle)` blocks for its host results; `step = collect(dispatch(ops))`. The overlapped
+engine dispatches step N+1 before collecting step N.
 
 Shapes: rows are fixed at `max_batch_requests`; the token dimension is padded up to the smallest
 bucket (powers of two from `min_token_bucket` up to `max_scheduled_tokens`, which is always a
@@ -34,7 +40,7 @@ from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
 
 logger = logging.getLogger(__name__)
 
-_TOKEN_FIELDS = ("token_ids", "positions", "token_rows", "prompt_targets")
+_TOKEN_FIELDS = ("token_ids", "token_from_prev", "positions", "token_rows", "prompt_targets")
 _ROW_FIELDS = (
     "req_slots", "full_refresh", "query_start", "kv_lens", "sample_mask", "temperature",
     "top_p", "top_k", "seeds", "sample_index",
@@ -54,6 +60,20 @@ class StepResult:
     sampled: np.ndarray
     logprobs: np.ndarray
     prompt_logprobs: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHandle:
+    """A dispatched step: device futures of its outputs (None for an empty step)."""
+
+    tokens: jax.Array | None
+    logprobs: jax.Array | None
+    prompt_logprobs: jax.Array | None
+    bucket: int
+
+    def is_ready(self) -> bool:
+        """True once the device has finished the step (never blocks)."""
+        return self.tokens is None or self.tokens.is_ready()
 
 
 def token_buckets(max_scheduled_tokens: int, min_bucket: int = 16) -> tuple[int, ...]:
@@ -163,7 +183,14 @@ class ModelRunner:
             ops["token_rows"], block_sizes=self.block_sizes, num_pages=self.num_pages,
             layer_groups=self.layer_groups,
         )  # fmt: skip
-        hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
+        slots = ops["req_slots"]
+        num_slots = state.last_tokens.shape[0]
+        # overlapped scheduling: a flagged token is the one the previous step sampled for the
+        # row's slot; it never travelled to the host and back
+        token_slots = jnp.take(slots, ops["token_rows"], mode="clip")
+        prev_tokens = jnp.take(state.last_tokens, token_slots, mode="clip")
+        token_ids = jnp.where(ops["token_from_prev"], prev_tokens, ops["token_ids"])
+        hidden, caches = model(token_ids, state.caches, batch, self._attn, self._conv)
 
         t = hidden.shape[0]
         last = jnp.clip(ops["query_start"][1:] - 1, 0, t - 1)  # each row's last token
@@ -175,6 +202,7 @@ class ModelRunner:
             ops["seeds"], ops["sample_index"],
         )  # fmt: skip
         mask = ops["sample_mask"]
+        last_tokens = state.last_tokens.at[jnp.where(mask, slots, num_slots)].set(tokens, mode="drop")
         tokens = jnp.where(mask, tokens, -1)
         logprobs = jnp.where(mask, logprobs, jnp.nan)
         targets = ops["prompt_targets"]
@@ -185,7 +213,7 @@ class ModelRunner:
             lambda h: jnp.full((t,), jnp.nan, jnp.float32),
             hidden,
         )
-        return DeviceState(mirrors=mirrors, caches=caches), tokens, logprobs, plp
+        return DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens), tokens, logprobs, plp
 
     # ------------------------------------------------------------------ host side
     def bucket_for(self, num_tokens: int) -> int:
@@ -242,15 +270,32 @@ class ModelRunner:
 
     def step(self, ops) -> StepResult:
         """Applies one `StepOps`; returns the sampled tokens (numpy). Empty steps skip the device."""
-        r, t = self.max_batch_requests, self.max_scheduled_tokens
+        return self.collect(self.dispatch(ops))
+
+    def dispatch(self, ops) -> StepHandle:
+        """Enqueue one `StepOps` on the device and return at once (the state advances to the
+        step's output futures, so the next dispatch queues behind this one)."""
         if ops.num_reqs == 0:
+            return StepHandle(None, None, None, 0)
+        self._warn_clamped(ops)
+        bucket = self.bucket_for(int(ops.num_tokens))
+        self.state, tokens, logprobs, plp = self._step(self.params, self.state, self._device_ops(ops, bucket))
+        for x in (tokens, logprobs):  # start the device->host copies now, not when collected
+            x.copy_to_host_async()
+        return StepHandle(tokens, logprobs, plp, bucket)
+
+    def collect(self, handle: StepHandle) -> StepResult:
+        """Block until a dispatched step is done; its host results."""
+        r, t = self.max_batch_requests, self.max_scheduled_tokens
+        if handle.tokens is None:
             return StepResult(
                 np.full(r, -1, np.int32), np.full(r, np.nan, np.float32),
                 np.full(t, np.nan, np.float32),
             )  # fmt: skip
-        self._warn_clamped(ops)
-        bucket = self.bucket_for(int(ops.num_tokens))
-        self.state, tokens, logprobs, plp = self._step(self.params, self.state, self._device_ops(ops, bucket))
         plp_full = np.full(t, np.nan, np.float32)
-        plp_full[:bucket] = np.asarray(plp)
-        return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full)
+        plp_full[:handle.bucket] = np.asarray(handle.prompt_logprobs)
+        return StepResult(np.asarray(handle.tokens), np.asarray(handle.logprobs), plp_full)
+
+    def host_mirrors(self) -> list[np.ndarray]:
+        """The device page-table mirrors after the last dispatched step (blocks; debug checks)."""
+        return [np.asarray(m) for m in self.state.mirrors]

@@ -1,0 +1,91 @@
+"""`StepClock`: where the engine loop's time goes, and how long the device sat idle between steps.
+
+Per step the engine reports: host time (everything the loop does except waiting for results:
+schedule, device_put, dispatch, update, bookkeeping), wait time (blocked on a step's results),
+and the host critical path: the gap between the end of step N on the device and the moment
+step N+1 is queued behind it. JAX gives no device timestamps, so the gap is bounded from the
+host by cheap non-blocking probes (`handle.is_ready()`): `busy_seen` is the last time the newest
+dispatched step was observed still running. When step N+1 is dispatched:
+  - step N not finished yet -> the device went from N to N+1 without waiting: gap 0;
+  - step N finished -> it ended after `busy_seen`, so the gap is at most now - busy_seen.
+The synchronous loop blocks on every step, so there `busy_seen` is the moment the blocking
+wait returned and the gap is the whole host turnaround (update + schedule + dispatch). The sum
+of the gaps over the loop's wall time bounds the device-idle fraction from above.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class StepClock:
+    """Accumulates host / wait / critical-path seconds over the engine's steps."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_steps = 0  # device steps dispatched
+        self.host_s = 0.0  # loop time not spent blocked on results
+        self.wait_s = 0.0  # loop time blocked on results
+        self.critical_s = 0.0  # upper bound of device idle between consecutive steps
+        self.num_gapless = 0  # dispatches that found the previous step still running
+        self.decode_steps = 0  # steps whose rows are all one-token decodes
+        self.decode_host_s = 0.0  # host time of the engine calls that dispatched them
+        self.decode_critical_s = 0.0
+        self._handle = None  # newest dispatched step
+        self._busy_seen = 0.0
+        self._decode = False  # the current engine call dispatched a decode-only step
+        self._call_wait = 0.0
+
+    def probe(self) -> None:
+        """Cheap: note the time if the newest dispatched step is still running."""
+        h = self._handle
+        if h is not None and not h.is_ready():
+            self._busy_seen = time.perf_counter()
+
+    def dispatched(self, handle, decode: bool) -> None:
+        """Call right after `runner.dispatch` returned `handle` (a non-empty step); `decode`:
+        every row of the step is a one-token decode."""
+        now = time.perf_counter()
+        prev = self._handle
+        if prev is not None:
+            if prev.is_ready():
+                gap = now - self._busy_seen
+                self.critical_s += gap
+                if decode:
+                    self.decode_critical_s += gap
+            else:
+                self.num_gapless += 1
+        self.num_steps += 1
+        self.decode_steps += decode
+        self._decode = decode
+        self._handle = handle
+        self._busy_seen = now
+
+    def waited(self, handle, seconds: float, blocked: bool) -> None:
+        """Call after a blocking collect of `handle` that took `seconds`. When the wait really
+        blocked on the newest step, the device was busy with it until the wait returned."""
+        self.wait_s += seconds
+        self._call_wait += seconds
+        if blocked and handle is self._handle:
+            self._busy_seen = time.perf_counter()
+
+    def call_done(self, seconds: float) -> None:
+        """Call at the end of each engine step call with its total duration (wait included)."""
+        host = seconds - self._call_wait
+        self.host_s += host
+        if self._decode:
+            self.decode_host_s += host
+        self._decode = False
+        self._call_wait = 0.0
+
+    def summary(self) -> dict:
+        """Milliseconds per dispatched step (host time excludes the wait for results)."""
+        n, d = max(self.num_steps, 1), max(self.decode_steps, 1)
+        return {"host_ms_per_step": 1e3 * self.host_s / n,
+                "wait_ms_per_step": 1e3 * self.wait_s / n,
+                "critical_ms_per_step": 1e3 * self.critical_s / n,
+                "decode_host_ms_per_step": 1e3 * self.decode_host_s / d,
+                "decode_critical_ms_per_step": 1e3 * self.decode_critical_s / d,
+                "gapless_dispatch_fraction": self.num_gapless / max(self.num_steps - 1, 1)}
