@@ -9,7 +9,7 @@ import runpy
 import sys
 import time
 
-BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels")
+BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "overlap")
 
 
 def _add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> None:
@@ -25,6 +25,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> No
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="plan step N+1 on the host while the device runs step N (same outputs)")
 
 
 def _make_llm(args):
@@ -34,7 +36,8 @@ def _make_llm(args):
                max_batch_requests=args.max_batch_requests,
                max_scheduled_tokens=args.max_scheduled_tokens,
                max_context_len=args.max_context_len, enable_prefix_cache=not args.no_prefix_cache,
-               dtype=args.dtype, attention_backend=args.attention_backend, seed=args.seed)
+               dtype=args.dtype, attention_backend=args.attention_backend, seed=args.seed,
+               async_scheduling=args.async_scheduling)
 
 
 def cmd_run(args) -> int:

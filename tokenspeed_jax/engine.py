@@ -160,6 +160,17 @@ class Engine:
         clock.call_done(time.perf_counter() - t0)
         return outs
 
+    def drain(self) -> list[CompletionOutput]:
+        """Overlapped loop: finish the step in flight (if any) without dispatching another.
+        Afterwards every dispatched step is fed back and `stats()` is exact."""
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("Engine.drain called while another thread steps the engine")
+        try:
+            prev, self._inflight = self._inflight, None
+            return [] if prev is None else self._finish(*prev)
+        finally:
+            self._stepping.release()
+
     def _dispatch(self, ops: StepOps):
         handle = self._runner.dispatch(ops)  # the runner logs clamped rows by request id
         self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_reqs)

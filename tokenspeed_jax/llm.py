@@ -193,6 +193,9 @@ class LLM:
                     results[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
+        for e in self.engines:  # overlapped loop: collect a last step planned behind a stop
+            if not e.has_unfinished():
+                e.drain()
         if bar is not None:
             bar.close()
         return results
