@@ -144,7 +144,7 @@ class Engine:
         clock.probe()
         ops = self.scheduler.schedule()
         clock.probe()
-        handle = self._dispatch(ops) if ops.num_reqs else None
+        handle = self._dispatch(ops, self._inflight is not None) if ops.num_reqs else None
         prev, outs = self._inflight, []
         if self.async_scheduling:
             self._inflight = None if handle is None else (ops, handle)
@@ -152,6 +152,13 @@ class Engine:
             prev = None if handle is None else (ops, handle)
         if prev is not None:
             outs = self._finish(*prev)
+            if handle is None and self.async_scheduling and self.scheduler.has_unfinished():
+                # nothing could be planned behind the step in flight (its requests all end in
+                # it): now that it has freed their slots and pages, refill the device at once,
+                # as the synchronous loop would, instead of idling through the caller's turn
+                ops = self.scheduler.schedule()
+                if ops.num_reqs:
+                    self._inflight = (ops, self._dispatch(ops, False))
         elif handle is None and self.scheduler.has_unfinished():
             # nothing runs, nothing is in flight and the queue head cannot be admitted: no
             # later step can differ, so fail loudly instead of spinning
@@ -171,9 +178,9 @@ class Engine:
         finally:
             self._stepping.release()
 
-    def _dispatch(self, ops: StepOps):
+    def _dispatch(self, ops: StepOps, pipelined: bool):
         handle = self._runner.dispatch(ops)  # the runner logs clamped rows by request id
-        self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_reqs)
+        self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_reqs, pipelined=pipelined)
         checker = self.scheduler.mirror_checker
         if checker is not None and hasattr(self._runner, "host_mirrors"):
             self._check_device_mirrors(checker)

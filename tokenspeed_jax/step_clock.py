@@ -11,11 +11,21 @@ dispatched step was observed still running. When step N+1 is dispatched:
 The synchronous loop blocks on every step, so there `busy_seen` is the moment the blocking
 wait returned and the gap is the whole host turnaround (update + schedule + dispatch). The sum
 of the gaps over the loop's wall time bounds the device-idle fraction from above.
+
+A step is "pipelined" when it was dispatched while the previous one was still in flight (the
+overlapped loop's normal case). The overlapped loop also restarts from empty: when nothing could
+be planned ahead (every running request ends with its token in flight and nobody can be
+admitted until those outputs are back, e.g. a closed-loop client), the next step waits for the
+results like in the synchronous loop. Both are reported, and the recent per-step gaps are kept
+for percentiles.
 """
 
 from __future__ import annotations
 
+import collections
 import time
+
+import numpy as np
 
 
 class StepClock:
@@ -36,6 +46,8 @@ class StepClock:
         self._handle = None  # newest dispatched step
         self._busy_seen = 0.0
         self._decode = False  # the current engine call dispatched a decode-only step
+        # (decode, pipelined, gap seconds) of recent steps
+        self.gaps: collections.deque[tuple[bool, bool, float]] = collections.deque(maxlen=100_000)
         self._call_wait = 0.0
 
     def probe(self) -> None:
@@ -44,12 +56,14 @@ class StepClock:
         if h is not None and not h.is_ready():
             self._busy_seen = time.perf_counter()
 
-    def dispatched(self, handle, decode: bool) -> None:
+    def dispatched(self, handle, decode: bool, pipelined: bool) -> None:
         """Call right after `runner.dispatch` returned `handle` (a non-empty step); `decode`:
-        every row of the step is a one-token decode."""
+        every row of the step is a one-token decode; `pipelined`: the previous step had not
+        been collected when this one was planned."""
         now = time.perf_counter()
         prev = self._handle
         if prev is not None:
+            gap = 0.0
             if prev.is_ready():
                 gap = now - self._busy_seen
                 self.critical_s += gap
@@ -57,6 +71,7 @@ class StepClock:
                     self.decode_critical_s += gap
             else:
                 self.num_gapless += 1
+            self.gaps.append((decode, pipelined, gap))
         self.num_steps += 1
         self.decode_steps += decode
         self._decode = decode
@@ -83,9 +98,15 @@ class StepClock:
     def summary(self) -> dict:
         """Milliseconds per dispatched step (host time excludes the wait for results)."""
         n, d = max(self.num_steps, 1), max(self.decode_steps, 1)
+        dec = [g for decode, _, g in self.gaps if decode]
+        piped = [g for decode, p, g in self.gaps if decode and p]
+        ms = lambda xs, q: 1e3 * float(np.percentile(xs, q)) if xs else 0.0  # noqa: E731
         return {"host_ms_per_step": 1e3 * self.host_s / n,
                 "wait_ms_per_step": 1e3 * self.wait_s / n,
                 "critical_ms_per_step": 1e3 * self.critical_s / n,
                 "decode_host_ms_per_step": 1e3 * self.decode_host_s / d,
                 "decode_critical_ms_per_step": 1e3 * self.decode_critical_s / d,
+                "decode_critical_ms_p50": ms(dec, 50), "decode_critical_ms_p90": ms(dec, 90),
+                "pipelined_decode_critical_ms_per_step": 1e3 * sum(piped) / max(len(piped), 1),
+                "pipelined_fraction": sum(p for _, p, _ in self.gaps) / max(len(self.gaps), 1),
                 "gapless_dispatch_fraction": self.num_gapless / max(self.num_steps - 1, 1)}
