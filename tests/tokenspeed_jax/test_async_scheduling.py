@@ -147,3 +147,21 @@ def test_overlap_stats_are_reported(roomy):
                 "decode_critical_ms_per_step", "gapless_dispatch_fraction"):
         assert st[key] >= 0.0, key
     assert st["async_scheduling"] is True and roomy[False].stats()["async_scheduling"] is False
+
+
+def test_server_with_async_scheduling():
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from tokenspeed_jax.server.app import build_app
+
+    llm = LLM("tiny-random", num_pages=200, page_size=8, max_batch_requests=4,
+              max_scheduled_tokens=32, max_context_len=128, async_scheduling=True)
+    offline = llm.generate("The cache", SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    body = {"prompt": "The cache", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with TestClient(build_app(llm)) as client:
+        for _ in range(2):
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == offline.token_ids
