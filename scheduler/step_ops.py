@@ -10,6 +10,15 @@ jitted device step compiles once per shape bucket. Notation used in the field co
 
 Device slots (`req_slots`) index the rows of the device page-table mirrors
 (`i32[max_live_requests, W_g]` per group); batch row i of a step lives in slot `req_slots[i]`.
+
+Schema: every field that goes to the device carries `metadata={"axis": ..., "dtype": ...}`
+(`device_schema()` lists them), so the runner moves a StepOps to the device generically (packed
+into one int32 and one float32 buffer) and a new field needs no runner edit. Axes:
+  "row" [R], "row+1" [R+1], "token" [T] (the runner cuts it to the step's token bucket),
+  "row,delta" [R, N_g], "row,width" [R, W_g] (the runner cuts it to the step's kv bucket: only
+  columns below the longest row of the step can hold a page).
+dtypes: "i32", "bool" and "u32" travel in the int32 buffer (bit-exact), "f32" in the float32 one.
+Fields without an axis (num_reqs, num_tokens, request_ids) stay on the host.
 """
 
 from __future__ import annotations
@@ -17,6 +26,15 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+AXES = ("row", "row+1", "token", "row,delta", "row,width")
+DTYPES = ("i32", "bool", "u32", "f32")
+
+
+def _dev(axis: str, dtype: str = "i32"):
+    """A device field of `axis` (see module docstring) and wire dtype."""
+    assert axis in AXES and dtype in DTYPES, (axis, dtype)
+    return dataclasses.field(metadata={"axis": axis, "dtype": dtype})
 
 # Host-side id of an input token that only the device knows yet (sampled by the step in flight);
 # `StepOps.token_from_prev` marks it and the device substitutes its slot's last sampled token.
@@ -37,12 +55,17 @@ class GroupLayout:
 class GroupStepOps:
     """Page-table mirror update of one cache group (DESIGN.md §6)."""
 
-    begins: np.ndarray  # i32[R] first mirror column the tail delta writes; 0 padding
-    sizes: np.ndarray  # i32[R] valid entries of new_pages; 0 padding (and on rows with no new page)
-    new_pages: np.ndarray  # i32[R, N_g] tail-delta page ids, first sizes[i] valid; 0 (null) padding
-    rows: np.ndarray  # i32[R, W_g] authoritative row, filled only where full_refresh; 0 padding
-    row_lens: np.ndarray  # i32[R] valid entries of rows (0 unless full_refresh); 0 padding
-    hole_slots: np.ndarray  # i32[R, N_g] columns reclaimed into holes on non-refresh rows; W_g padding
+    begins: np.ndarray = _dev("row", "i32")  # i32[R] first mirror column the tail delta writes; 0 padding
+    # i32[R] valid entries of new_pages; 0 padding (and on rows with no new page)
+    sizes: np.ndarray = _dev("row", "i32")
+    # i32[R, N_g] tail-delta page ids, first sizes[i] valid; 0 (null) padding
+    new_pages: np.ndarray = _dev("row,delta", "i32")
+    # i32[R, W_g] authoritative row, filled only where full_refresh; 0 padding
+    rows: np.ndarray = _dev("row,width", "i32")
+    # i32[R] valid entries of rows (0 unless full_refresh); 0 padding
+    row_lens: np.ndarray = _dev("row", "i32")
+    # i32[R, N_g] columns reclaimed into holes on non-refresh rows; W_g padding
+    hole_slots: np.ndarray = _dev("row,delta", "i32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,23 +79,29 @@ class StepOps:
     num_reqs: int  # rows in use this step (rows >= num_reqs are padding)
     num_tokens: int  # tokens in use this step (tokens >= num_tokens are padding)
     request_ids: tuple[str, ...]  # host only: request id of each used row, in row order
-    req_slots: np.ndarray  # i32[R] device mirror slot of each row; -1 padding
-    full_refresh: np.ndarray  # bool[R] rewrite the whole mirror row from column 0; False padding
-    query_start: np.ndarray  # i32[R+1] cu_q_lens; padding rows repeat num_tokens
-    kv_lens: np.ndarray  # i32[R] tokens in cache after this step (incl. this step's); 0 padding
-    sample_mask: np.ndarray  # bool[R] the row's last token yields a sampled token; False padding
-    token_ids: np.ndarray  # i32[T] input token ids; PLACEHOLDER_TOKEN where token_from_prev; 0 padding
+    req_slots: np.ndarray = _dev("row", "i32")  # i32[R] device mirror slot of each row; -1 padding
+    # bool[R] rewrite the whole mirror row from column 0; False padding
+    full_refresh: np.ndarray = _dev("row", "bool")
+    query_start: np.ndarray = _dev("row+1", "i32")  # i32[R+1] cu_q_lens; padding rows repeat num_tokens
+    # i32[R] tokens in cache after this step (incl. this step's); 0 padding
+    kv_lens: np.ndarray = _dev("row", "i32")
+    # bool[R] the row's last token yields a sampled token; False padding
+    sample_mask: np.ndarray = _dev("row", "bool")
+    # i32[T] input token ids; PLACEHOLDER_TOKEN where token_from_prev; 0 padding
+    token_ids: np.ndarray = _dev("token", "i32")
     # bool[T] the token is the one the previous step sampled for this row's slot: the device
     # reads it from its per-slot copy (overlapped scheduling); False padding
-    token_from_prev: np.ndarray
-    positions: np.ndarray  # i32[T] absolute position of each token; 0 padding
-    token_rows: np.ndarray  # i32[T] batch row of each token; R padding (out of range, dropped)
-    prompt_targets: np.ndarray  # i32[T] next prompt token (prompt-logprob target); -1 none/padding
-    temperature: np.ndarray  # f32[R] 0 = greedy; 0 padding
-    top_p: np.ndarray  # f32[R] nucleus mass in (0, 1]; 1 padding
-    top_k: np.ndarray  # i32[R] keep the k most likely tokens, -1 = all; -1 padding
-    seeds: np.ndarray  # u32[R] per-request sampling seed; 0 padding
-    sample_index: np.ndarray  # i32[R] tokens generated so far (PRNG fold-in); 0 padding
+    token_from_prev: np.ndarray = _dev("token", "bool")
+    positions: np.ndarray = _dev("token", "i32")  # i32[T] absolute position of each token; 0 padding
+    # i32[T] batch row of each token; R padding (out of range, dropped)
+    token_rows: np.ndarray = _dev("token", "i32")
+    # i32[T] next prompt token (prompt-logprob target); -1 none/padding
+    prompt_targets: np.ndarray = _dev("token", "i32")
+    temperature: np.ndarray = _dev("row", "f32")  # f32[R] 0 = greedy; 0 padding
+    top_p: np.ndarray = _dev("row", "f32")  # f32[R] nucleus mass in (0, 1]; 1 padding
+    top_k: np.ndarray = _dev("row", "i32")  # i32[R] keep the k most likely tokens, -1 = all; -1 padding
+    seeds: np.ndarray = _dev("row", "u32")  # u32[R] per-request sampling seed; 0 padding
+    sample_index: np.ndarray = _dev("row", "i32")  # i32[R] tokens generated so far (PRNG fold-in); 0 padding
     groups: tuple[GroupStepOps, ...]  # one per cache group, in config.groups order
 
     def row_of(self, request_id: str) -> int:
@@ -84,3 +113,9 @@ class StepOps:
 
     def num_query_tokens(self, row: int) -> int:
         return int(self.query_start[row + 1] - self.query_start[row])
+
+
+def device_schema(cls: type) -> tuple[tuple[str, str, str], ...]:
+    """(name, axis, dtype) of every device field of `StepOps` or `GroupStepOps`, in field order."""
+    return tuple((f.name, f.metadata["axis"], f.metadata["dtype"])
+                 for f in dataclasses.fields(cls) if "axis" in f.metadata)

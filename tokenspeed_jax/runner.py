@@ -10,10 +10,20 @@ its slot's last token.
 `collect(handle)` blocks for its host results; `step = collect(dispatch(ops))`. The overlapped
 engine dispatches step N+1 before collecting step N.
 
-Shapes: rows are fixed at `max_batch_requests`; the token dimension is padded up to the smallest
-bucket (powers of two from `min_token_bucket` up to `max_scheduled_tokens`, which is always a
-bucket), so a decode step does not pay for a full prefill's worth of padding. One compile per
-bucket; `num_compiles` counts traces so tests and benchmarks can prove it.
+Shapes: rows are fixed at `max_batch_requests`. A step's shape key is (token bucket, kv bucket):
+* token bucket: the token dimension is padded up to the smallest of the powers of two from
+  `min_token_bucket` up to `max_scheduled_tokens` (always a bucket), so a decode step does not
+  pay for a full prefill's worth of padding;
+* kv bucket (reference backend): the page tables the attention / conv reads get only the columns
+  that cover the step's longest row, rounded up to a ladder of powers of two of tokens from
+  `min_kv_bucket` (`step_inputs.kv_levels`), so the jnp reference gathers K/V in proportion to
+  the real context, not to `max_context_len`. The Pallas kernels bound their loops by kv_len
+  themselves and always see the full width (one kv level: their compile count is unchanged).
+One compile per shape key; `num_compiles` counts traces so tests and benchmarks can prove it, and
+`warmup()` compiles every (token, kv) pair (`shape_keys`), so serving never compiles.
+
+Inputs: the StepOps travel as one int32 and one float32 buffer (`step_inputs`, driven by the
+StepOps schema), unpacked inside the jit.
 """
 
 from __future__ import annotations
@@ -37,15 +47,11 @@ from tokenspeed_jax.page_table import clamped_rows, update_rows
 from tokenspeed_jax.sampling import prompt_logprobs, sample
 from tokenspeed_jax.sharding import TensorParallel, prepare_model
 from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
+from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, unpack
 
 logger = logging.getLogger(__name__)
 
-_TOKEN_FIELDS = ("token_ids", "token_from_prev", "positions", "token_rows", "prompt_targets")
-_ROW_FIELDS = (
-    "req_slots", "full_refresh", "query_start", "kv_lens", "sample_mask", "temperature",
-    "top_p", "top_k", "seeds", "sample_index",
-)  # fmt: skip
-_GROUP_FIELDS = ("begins", "sizes", "new_pages", "rows", "row_lens", "hole_slots")
+DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fewer compiles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +105,7 @@ class ModelRunner:
       max_batch_requests, max_scheduled_tokens: R and T of the StepOps.
       backend: "auto" | "pallas" | "reference" attention.
       honor_full_refresh: False reproduces the tail-only mirror (aliasing bug) for experiments.
+      min_token_bucket, min_kv_bucket: the shortest token bucket and kv bucket (in tokens).
       mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.sharding`);
         None = the default device, unsharded (the single-device path, unchanged).
     """
@@ -117,6 +124,7 @@ class ModelRunner:
         backend: str = "auto",
         honor_full_refresh: bool = True,
         min_token_bucket: int = 16,
+        min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET,
         mesh: Mesh | None = None,
     ):
         self.config = model_config
@@ -136,8 +144,13 @@ class ModelRunner:
         self.backend = resolve_backend(backend)
         self.honor_full_refresh = honor_full_refresh
         self.buckets = token_buckets(max_scheduled_tokens, min_token_bucket)
+        self.delta_widths = tuple(int(lay.delta_width) for lay in self.layouts)
+        if self.backend == "reference":
+            self.kv_levels = kv_levels(self.widths, self.block_sizes, min_kv_bucket)
+        else:  # Pallas: loops bounded by kv_len on the device; one full-width level
+            self.kv_levels = ((max(w * b for w, b in zip(self.widths, self.block_sizes)), self.widths),)
         self.num_compiles = 0
-        self._zero_rows: list[jax.Array] | None = None
+        self._layouts: dict[tuple[int, tuple[int, ...]], StepLayout] = {}
 
         self._tp = None if mesh is None else TensorParallel(mesh, model_config)
         if self._tp is not None:
@@ -151,7 +164,7 @@ class ModelRunner:
         self._conv = get_short_conv(self.backend)
         if self._tp is None:
             self.state = make_state()
-            self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+            self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnums=(4,))
         else:
             tp = self._tp
             param_sh = tp.param_shardings(self.params)
@@ -162,13 +175,15 @@ class ModelRunner:
             self._attn, self._conv = tp.wrap_attention(self._attn), tp.wrap_conv(self._conv)
             rep = tp.replicated
             self._step = jax.jit(
-                self._step_impl, donate_argnums=(1,), in_shardings=(param_sh, state_sh, rep),
-                out_shardings=(state_sh, rep, rep, rep),
+                self._step_impl, donate_argnums=(1,), static_argnums=(4,),
+                in_shardings=(param_sh, state_sh, rep, rep), out_shardings=(state_sh, rep, rep, rep),
             )  # fmt: skip
 
     # ------------------------------------------------------------------ device side
-    def _step_impl(self, params, state: DeviceState, ops: dict):
+    def _step_impl(self, params, state: DeviceState, i32: jax.Array, f32: jax.Array,
+                   layout: StepLayout):
         self.num_compiles += 1  # Python body runs once per trace = once per compile
+        ops = unpack(i32, f32, layout)
         model = nnx.merge(self._graphdef, params)
         mirrors = tuple(
             update_rows(
@@ -181,7 +196,7 @@ class ModelRunner:
         batch = make_paged_batch(
             mirrors, ops["req_slots"], ops["query_start"], ops["kv_lens"], ops["positions"],
             ops["token_rows"], block_sizes=self.block_sizes, num_pages=self.num_pages,
-            layer_groups=self.layer_groups,
+            layer_groups=self.layer_groups, kv_cols=layout.cols,
         )  # fmt: skip
         slots = ops["req_slots"]
         num_slots = state.last_tokens.shape[0]
@@ -222,25 +237,36 @@ class ModelRunner:
                 return b
         raise ValueError(f"num_tokens {num_tokens} > max_scheduled_tokens {self.buckets[-1]}")
 
-    def _device_ops(self, ops, bucket: int) -> dict:
-        d = {k: np.asarray(getattr(ops, k))[:bucket] for k in _TOKEN_FIELDS}
-        d.update({k: np.asarray(getattr(ops, k)) for k in _ROW_FIELDS})
-        refresh = bool(np.asarray(ops.full_refresh).any())
-        # The i32[R, W_g] refresh rows are the only per-step input that scales with the context
-        # capacity. On steps without a refresh (pure decode) they are all zeros and unread, so a
-        # resident device copy stands in: no host->device transfer, same shapes, same compile.
-        fields = _GROUP_FIELDS if refresh else tuple(k for k in _GROUP_FIELDS if k != "rows")
-        d["groups"] = [{k: np.asarray(getattr(g, k)) for k in fields} for g in ops.groups]
+    @property
+    def shape_keys(self) -> tuple[tuple[int, int], ...]:
+        """Every (token bucket, kv bucket tokens) pair a step can have: one compile each."""
+        return tuple((b, t) for b in self.buckets for t, _ in self.kv_levels)
+
+    def kv_bucket_for(self, ops) -> tuple[int, tuple[int, ...]]:
+        """(tokens, kv columns per group) of the shortest kv level covering the step's longest
+        row (`kv_lens`) and every refreshed row's length (`row_lens`)."""
+        need = int(ops.kv_lens.max())
+        row_lens = [int(g.row_lens.max()) for g in ops.groups]
+        for tokens, cols in self.kv_levels:
+            if tokens >= need and all(c >= n for c, n in zip(cols, row_lens)):
+                return tokens, cols
+        return self.kv_levels[-1]
+
+    def _layout(self, bucket: int, cols: tuple[int, ...]) -> StepLayout:
+        key = (bucket, cols)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = layout_for(self.max_batch_requests, bucket,
+                                                  self.delta_widths, cols)
+        return lay
+
+    def _run(self, ops, bucket: int, cols: tuple[int, ...]):
+        layout = self._layout(bucket, cols)
+        i32, f32 = pack(ops, layout)
         target = None if self._tp is None else self._tp.replicated
-        d = jax.device_put(d, target)
-        if not refresh:
-            if self._zero_rows is None:
-                self._zero_rows = [
-                    jax.device_put(jnp.zeros(np.shape(g.rows), jnp.int32), target) for g in ops.groups
-                ]  # fmt: skip
-            for g, zeros in zip(d["groups"], self._zero_rows, strict=True):
-                g["rows"] = zeros
-        return d
+        i32, f32 = jax.device_put((i32, f32), target)
+        self.state, tokens, logprobs, plp = self._step(self.params, self.state, i32, f32, layout)
+        return tokens, logprobs, plp
 
     def _warn_clamped(self, ops) -> None:
         for g, (lay, grp) in enumerate(zip(self.layouts, ops.groups, strict=True)):
@@ -256,15 +282,16 @@ class ModelRunner:
                 )  # fmt: skip
 
     def warmup(self, padding_ops) -> int:
-        """Compile every token bucket now (serving then never stalls on XLA) by running an
-        all-padding StepOps through each: padding rows (slot -1) and padding tokens drop every
-        write, so the device state is unchanged. Returns the number of buckets compiled."""
+        """Compile every shape key (token bucket x kv bucket, `shape_keys`) now, so serving then
+        never stalls on XLA, by running an all-padding StepOps through each: padding rows (slot
+        -1) and padding tokens drop every write, so the device state is unchanged. Returns the
+        number of compilations it ran (0 when already warm)."""
         if padding_ops.num_reqs:
             raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
         before = self.num_compiles
         for bucket in self.buckets:
-            self.state, tokens, _, _ = self._step(self.params, self.state,
-                                                  self._device_ops(padding_ops, bucket))
+            for _, cols in self.kv_levels:
+                self._run(padding_ops, bucket, cols)
         jax.block_until_ready(self.state)
         return self.num_compiles - before
 
@@ -279,7 +306,8 @@ class ModelRunner:
             return StepHandle(None, None, None, 0)
         self._warn_clamped(ops)
         bucket = self.bucket_for(int(ops.num_tokens))
-        self.state, tokens, logprobs, plp = self._step(self.params, self.state, self._device_ops(ops, bucket))
+        _, cols = self.kv_bucket_for(ops)
+        tokens, logprobs, plp = self._run(ops, bucket, cols)
         for x in (tokens, logprobs):  # start the device->host copies now, not when collected
             x.copy_to_host_async()
         return StepHandle(tokens, logprobs, plp, bucket)

@@ -135,7 +135,7 @@ def test_abort_with_a_step_in_flight(roomy, abort_after):
 def test_one_compile_per_bucket():
     llm = LLM("tiny-random", num_pages=200, async_scheduling=True, **CFG)
     runner = llm.engine.runner
-    assert llm.warmup() == len(runner.buckets)
+    assert llm.warmup() == len(runner.shape_keys)
     before = runner.num_compiles
     llm.generate(_prompts(6, seed=11), SamplingParams(max_tokens=8, ignore_eos=True))
     assert runner.num_compiles == before

@@ -18,7 +18,8 @@ class PagedBatch:
     token_offset i32[T] index of the token inside its row's chunk (t - cu_q_lens[row]).
     token_valid bool[T] False on padding tokens.
     kv_lens i32[R]; cu_q_lens i32[R+1]; num_seqs i32[1] (kernel contract, SPEC.md).
-    page_tables[g] i32[R, W_g]: mirror rows of the batch (`mirror[g][req_slots]`).
+    page_tables[g] i32[R, C_g]: the first C_g columns of the batch's mirror rows
+      (`mirror[g][req_slots, :C_g]`; C_g = the step's kv columns, see `make_paged_batch`).
     write_idx[g] i32[T]: flat pool index `page * B_g + pos % B_g` of each token, or the
       out-of-range `num_pages * B_g` (dropped) for padding and holes.
     layer_groups (static): cache-group index of each layer.
@@ -47,6 +48,7 @@ def make_paged_batch(
     block_sizes: tuple[int, ...],
     num_pages: int,
     layer_groups: tuple[int, ...],
+    kv_cols: tuple[int, ...] | None = None,
 ) -> PagedBatch:
     """Derives the step metadata ON DEVICE from the (already updated) mirrors.
 
@@ -54,6 +56,9 @@ def make_paged_batch(
     positions, token_rows i32[T] (token_rows = R on padding). The write location of token t in
     group g is `page = mirrors[g][slot, pos // B_g]` (architecture.md), so a stale mirror really
     writes to the wrong page; holes (page 0), padding and columns past W_g drop their writes.
+    kv_cols[g] (static; None = W_g): columns of the read page tables. Every position a step reads
+    is below its row's kv_len, so the caller's kv bucket (covering the longest row) loses nothing;
+    writes still address the whole mirror.
     """
     r = req_slots.shape[0]
     t = jnp.arange(positions.shape[0], dtype=jnp.int32)
@@ -65,7 +70,8 @@ def make_paged_batch(
         num_slots, width = mirror.shape
         b = block_sizes[g]
         slots = jnp.clip(req_slots, 0, num_slots - 1)
-        tables.append(jnp.where(slot_ok[:, None], mirror[slots], 0))
+        cols = width if kv_cols is None else min(width, kv_cols[g])
+        tables.append(jnp.where(slot_ok[:, None], mirror[:, :cols][slots], 0))
         col = positions // b
         page = mirror[slots[row], jnp.minimum(col, width - 1)]
         ok = token_valid & slot_ok[row] & (col < width) & (page != 0)

@@ -1,0 +1,129 @@
+"""Moves a `StepOps` to the device as two packed buffers, driven by the StepOps schema.
+
+Every device field of `StepOps` / `GroupStepOps` is tagged with its axis and wire dtype in
+`scheduler/step_ops.py` (`device_schema`). For one step's shape key (token bucket, kv columns of
+each group) `layout_for` turns the schema into a static `StepLayout`: where each field sits in
+one int32 buffer (i32, bool and u32 fields, bit-exact) or one float32 buffer (f32 fields).
+`pack` fills the two numpy buffers (host: one copy per field, then two transfers instead of one
+per array), `unpack` cuts them back into named arrays inside the jitted step (free views).
+A new StepOps field only needs its schema tag: nothing here or in the runner lists field names.
+
+Cuts applied while packing (shapes depend only on the shape key):
+  "token" fields keep the first `bucket` entries (the rest is padding by construction);
+  "row,width" fields keep the first `cols[g]` columns: the step's kv bucket covers its longest
+  row, so later columns of a refreshed row are holes (the device pads them back with zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scheduler.step_ops import GroupStepOps, StepOps, device_schema
+
+_STEP_SCHEMA = device_schema(StepOps)
+_GROUP_SCHEMA = device_schema(GroupStepOps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One field's place in the packed buffers. group -1 = a StepOps field, else its group."""
+
+    group: int
+    name: str
+    dtype: str  # schema wire dtype: i32 | bool | u32 | f32
+    shape: tuple[int, ...]
+    offset: int  # into the i32 buffer, or the f32 buffer when dtype == "f32"
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Static (hashable: a jit static argument) packing of one shape key."""
+
+    bucket: int  # token bucket
+    cols: tuple[int, ...]  # kv columns per group (page-table columns the step may read)
+    slots: tuple[Slot, ...]
+    i32_size: int
+    f32_size: int
+
+
+def _shape(axis: str, rows: int, bucket: int, delta: int, cols: int) -> tuple[int, ...]:
+    return {"row": (rows,), "row+1": (rows + 1,), "token": (bucket,), "row,delta": (rows, delta),
+            "row,width": (rows, cols)}[axis]
+
+
+def layout_for(rows: int, bucket: int, deltas: tuple[int, ...], cols: tuple[int, ...]) -> StepLayout:
+    """The packing of a step with R = `rows`, token bucket `bucket`, per-group tail-delta widths
+    `deltas` (N_g) and kv columns `cols`."""
+    slots, sizes = [], {"i": 0, "f": 0}
+
+    def add(group: int, name: str, axis: str, dtype: str, delta: int = 0, width: int = 0) -> None:
+        shape = _shape(axis, rows, bucket, delta, width)
+        buf = "f" if dtype == "f32" else "i"
+        slots.append(Slot(group, name, dtype, shape, sizes[buf]))
+        sizes[buf] += int(np.prod(shape))
+
+    for name, axis, dtype in _STEP_SCHEMA:
+        add(-1, name, axis, dtype)
+    for g, (delta, width) in enumerate(zip(deltas, cols, strict=True)):
+        for name, axis, dtype in _GROUP_SCHEMA:
+            add(g, name, axis, dtype, delta, width)
+    return StepLayout(bucket, tuple(cols), tuple(slots), sizes["i"], sizes["f"])
+
+
+def pack(ops: StepOps, layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[layout.i32_size], f32[layout.f32_size]) host buffers holding `ops` cut to `layout`."""
+    i32 = np.empty(layout.i32_size, np.int32)
+    f32 = np.empty(layout.f32_size, np.float32)
+    for s in layout.slots:
+        src = getattr(ops if s.group < 0 else ops.groups[s.group], s.name)
+        if len(s.shape) == 1:
+            src = src[: s.shape[0]]
+        else:
+            src = src[:, : s.shape[1]]
+        dst = (f32 if s.dtype == "f32" else i32)[s.offset : s.offset + s.size].reshape(s.shape)
+        np.copyto(dst, src, casting="unsafe")  # bool -> 0/1, u32 -> same bits as i32
+    return i32, f32
+
+
+def unpack(i32: jax.Array, f32: jax.Array, layout: StepLayout) -> dict:
+    """Inside the jit: {field: array, ..., "groups": [{field: array}, ...]} from the buffers."""
+    out: dict = {"groups": [{} for _ in layout.cols]}
+    for s in layout.slots:
+        src = f32 if s.dtype == "f32" else i32
+        x = src[s.offset : s.offset + s.size].reshape(s.shape)
+        if s.dtype == "bool":
+            x = x != 0
+        elif s.dtype == "u32":
+            x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        (out if s.group < 0 else out["groups"][s.group])[s.name] = x
+    return out
+
+
+def kv_levels(widths: tuple[int, ...], block_sizes: tuple[int, ...], min_tokens: int
+              ) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The kv-bucket ladder: (tokens covered, kv columns per group), shortest first.
+
+    Levels are `min_tokens * 2^i` tokens (a power of two of pages when `min_tokens` is one) while
+    shorter than the widest group's capacity, then the full mirror widths. Group g reads
+    `min(W_g, ceil(tokens / B_g))` columns at a level; duplicates collapse.
+    """
+    cap = max(w * b for w, b in zip(widths, block_sizes, strict=True))
+    levels, seen, t = [], set(), max(1, min_tokens)
+    while t < cap:
+        cols = tuple(min(w, -(-t // b)) for w, b in zip(widths, block_sizes, strict=True))
+        if cols not in seen:
+            levels.append((t, cols))
+            seen.add(cols)
+        t *= 2
+    full = tuple(widths)
+    if full not in seen:
+        levels.append((cap, full))
+    return tuple(levels)
