@@ -203,7 +203,7 @@ class Engine:
         t = time.perf_counter()
         result = self._runner.collect(handle)
         now = time.perf_counter()
-        self.clock.waited(handle, now - t, blocked)
+        self.clock.waited(now - t, blocked)
         finished = self.scheduler.update(ops, result.sampled)
         self._route_logprobs(ops, result, now, self.scheduler.last_update_rows)
         self.num_steps += 1

@@ -78,12 +78,13 @@ class StepClock:
         self._handle = handle
         self._busy_seen = now
 
-    def waited(self, handle, seconds: float, blocked: bool) -> None:
-        """Call after a blocking collect of `handle` that took `seconds`. When the wait really
-        blocked on the newest step, the device was busy with it until the wait returned."""
+    def waited(self, seconds: float, blocked: bool) -> None:
+        """Call after a blocking collect that took `seconds`. When it really blocked, the device
+        was busy until the wait returned: with the collected step, or if a newer step is queued
+        behind it, with that one from then on."""
         self.wait_s += seconds
         self._call_wait += seconds
-        if blocked and handle is self._handle:
+        if blocked:
             self._busy_seen = time.perf_counter()
 
     def call_done(self, seconds: float) -> None:
