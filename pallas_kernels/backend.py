@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import bounds_check
+
 try:  # jax >= 0.4.31 ships the Triton-specific namespace.
     from jax.experimental.pallas import triton as _plgpu
 except ImportError:  # pragma: no cover - very old jax
@@ -47,6 +49,7 @@ def load(ref: Any, idx: Sequence[Any], *, mask: jax.Array | None = None, other: 
     `idx` entries are scalars or int arrays that broadcast together (no slices: interpret mode
     only discharges all-array indexers), so every load in our kernels is an explicit gather.
     """
+    bounds_check.check_access("load", ref, idx, mask)  # no-op outside the test-only mode
     if _REF_ONLY_LOAD:
         return _plgpu.load(_indexed(ref, idx), mask=mask, other=other)
     return pl.load(ref, tuple(idx), mask=mask, other=other)  # pragma: no cover - old jax
@@ -59,6 +62,7 @@ def store(ref: Any, idx: Sequence[Any], val: jax.Array, *, mask: jax.Array | Non
     Masked lanes must point at an out-of-range index (or be unique): in interpret mode a masked
     lane writes back the old value, and a duplicate index could race with a real write.
     """
+    bounds_check.check_access("store", ref, idx, mask)
     if _REF_ONLY_LOAD:
         _plgpu.store(_indexed(ref, idx), val, mask=mask)
         return
@@ -93,6 +97,13 @@ def pallas_call(kernel: Callable[..., None], *, out_shape: Any, grid: tuple[int,
                 input_output_aliases: dict[int, int] | None = None) -> Callable[..., Any]:
     """`pl.pallas_call` with whole-array refs (no BlockSpecs: our kernels index pages themselves
     through the page table, so blocking by the grid would not help) and backend params."""
+    if interpret and bounds_check.active():
+        body = kernel
+
+        def kernel(*refs: Any) -> None:  # the checks report the program id of each access
+            with bounds_check.program_ids(len(grid)):
+                body(*refs)
+
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,

@@ -32,9 +32,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
-from pallas_kernels.ragged import check_ragged_metadata, sanitize, token_layout
+from pallas_kernels.ragged import check_ragged_metadata, sanitize
 
-__all__ = ["PagedAttentionConfig", "default_config", "paged_attention", "paged_attention_reference"]
+__all__ = ["PagedAttentionConfig", "default_config", "paged_attention", "paged_attention_reference",
+           "reference_block_q"]
 
 _LOG2E = math.log2(math.e)
 _MASK = -1e30  # finite: (mask - mask) must stay 0, never inf - inf = NaN
@@ -71,26 +72,34 @@ class PagedAttentionConfig:
                                  "a power of two")
 
 
+# Occupancy the decode default reaches on an H100/H200 (132 SMs): 3 programs per SM at ~148
+# registers and 72 KiB shared memory (benchmarks/kernel_compile.py prints the measured values).
+_SMS, _DECODE_PROGRAMS_PER_SM, _MIN_WAVES = 132, 3, 4
+
+
 def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int,
                    num_kv_heads: int = 1, max_pages: int = 0) -> PagedAttentionConfig:
     """Static heuristic: decode-dominated shapes (<= 2 query tokens per request on average) use
     the minimum 16 rows per program (each K/V tile serves all G heads; more rows would only burn
     tensor-core time on padding); prefill-heavy shapes use 64 rows for arithmetic intensity.
-    K/V tiles of 64 tokens keep two pipeline stages of bf16 D=128 K+V within 64 KiB of smem.
-    Decode shapes split the key range when requests x kv heads < ~1024 programs (an H100/H200
-    runs ~400 of these CTAs at once; more programs than that evens out the last wave), as long
-    as every split still gets >= 4 tiles at full context."""
+    K/V tiles are 64 tokens. Decode runs 3 pipeline stages (two bf16 D=128 K+V tiles in flight
+    while one is consumed: 72 KiB of shared memory, cp.async.wait_group 2 in the PTX) and splits
+    the key range (flash-decoding) until requests x kv heads x splits fills >= 4 waves of
+    3 programs on each of 132 SMs, so the last, partial wave costs little, as long as every
+    split still gets >= 4 tiles at full context (at most 32 splits)."""
     gp = backend.next_power_of_2(group)
     decode = num_tokens <= 2 * num_seqs_max
     rows = 16 if decode else 64
     pages_per_block = max(1, 64 // page_size)
     splits = 1
     if decode:
-        while (splits < 8 and num_seqs_max * num_kv_heads * splits < 1024
+        target = _MIN_WAVES * _SMS * _DECODE_PROGRAMS_PER_SM
+        while (splits < 32 and num_seqs_max * num_kv_heads * splits < target
                and max_pages >= 2 * splits * 4 * pages_per_block):
             splits *= 2
     return PagedAttentionConfig(pages_per_block=pages_per_block, block_q=max(1, rows // gp),
-                                num_warps=4 if decode else 8, kv_splits=splits)
+                                num_warps=4 if decode else 8, num_stages=3 if decode else 2,
+                                kv_splits=splits)
 
 
 def _check_kernel_shapes(page_size: int, head_dim: int) -> None:
@@ -145,8 +154,9 @@ def _block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
                     block_q: int) -> tuple[jax.Array, int]:
     """i32[4, NB]: per grid block (request, first token, end token, position offset).
 
-    NB = cdiv(T, block_q) + S bounds sum_s cdiv(q_len_s, block_q); unused blocks get an empty
-    token range and do no work.
+    NB = cdiv(T, block_q) + S bounds sum_s cdiv(q_len_s, block_q). Surplus blocks (past the last
+    real one) get the empty token range [T, T) of request 0 with offset 0: the kernel derives an
+    empty key range from it and does no work (no page-table or K/V access at all).
     """
     t, s = q.shape[0], page_table.shape[0]
     cu, kv, q_len = sanitize(cu_q_lens, kv_lens, num_seqs, t, page_table.shape[1] * page_size)
@@ -154,12 +164,18 @@ def _block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
     ends = jnp.cumsum(nb_per_seq)
     num_blocks = pl.cdiv(t, block_q) + s
     b = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), s - 1).astype(jnp.int32)
+    # compare_all: S is small (<= a few hundred), and a [NB, S] compare + sum is one fused op on
+    # GPU where the default binary search is a sequential loop of gathers.
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right", method="compare_all"),
+                      s - 1).astype(jnp.int32)
+    real = b < ends[-1]
     within = b - (ends[seq] - nb_per_seq[seq])
     q0 = cu[seq] + within * block_q
-    q1 = jnp.where(b < ends[-1], jnp.minimum(q0 + block_q, cu[seq + 1]), q0)
+    q1 = jnp.minimum(q0 + block_q, cu[seq + 1])
     pos_off = kv[seq] - cu[seq + 1]  # absolute position = packed token index + pos_off
-    return jnp.stack([seq, q0, q1, pos_off]).astype(jnp.int32), num_blocks
+    meta = [jnp.where(real, seq, 0), jnp.where(real, q0, t), jnp.where(real, q1, t),
+            jnp.where(real, pos_off, 0)]
+    return jnp.stack(meta).astype(jnp.int32), num_blocks
 
 
 def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int, block_q: int,
@@ -184,23 +200,38 @@ def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int,
     q = backend.load(q_ref, (tok_idx[:, None], head[:, None], d[None, :]),
                      mask=row_ok[:, None], other=0.0)
 
-    # Key range of the whole block: union over its rows of [qpos - W + 1, qpos].
+    # Key range of the whole block: union over its rows of [qpos - W + 1, qpos]; empty for a
+    # surplus block (q0 == q1), which therefore never touches the page table or the pools.
     lo = jnp.maximum(q0 + pos_off - window + 1, 0) if window is not None else jnp.int32(0)
-    hi = q1 + pos_off  # exclusive; <= kv_len
+    hi = jnp.where(q1 > q0, q1 + pos_off, lo)  # exclusive; <= kv_len <= max_pages * page_size
     page_lo = lo // page_size
-    page_hi = (jnp.maximum(hi, 0) + page_size - 1) // page_size
-    n_iter = jnp.where(hi > lo, (page_hi - page_lo + pages_per_block - 1) // pages_per_block, 0)
+    page_hi = jnp.where(hi > lo, (hi + page_size - 1) // page_size, page_lo)
+    n_iter = (page_hi - page_lo + pages_per_block - 1) // pages_per_block
 
     block_k = pages_per_block * page_size
     kk = lax.iota(jnp.int32, block_k)
+    in_page = kk % page_size
     qk_scale = scale if soft_cap is None else scale / soft_cap
 
+    def page_ids(j):
+        """The tile's page ids: one load per PAGE (not per token), masked past the key range."""
+        slot = page_lo + j * pages_per_block + lax.iota(jnp.int32, pages_per_block)
+        ok = slot < page_hi
+        return backend.load(pt_ref, (seq, slot), mask=ok, other=0)
+
     def body(j, carry):
-        acc, m, denom = carry
+        # The tile's page ids come in through the carry, loaded one iteration earlier, so the K/V
+        # loads of tile j+1 depend on nothing computed in iteration j+1: Triton's software
+        # pipeliner can then issue them `num_stages - 1` tiles ahead (cp.async multi-buffering).
+        acc, m, denom, pages = carry
+        next_pages = page_ids(j + 1)
         kpos = (page_lo + j * pages_per_block) * page_size + kk
         k_ok = (kpos >= lo) & (kpos < hi)
-        page = backend.load(pt_ref, (seq, kpos // page_size), mask=k_ok, other=0)
-        flat = jnp.where(k_ok, page * page_size + kpos % page_size, pool_tokens)
+        if pages_per_block == 1:
+            page = jnp.broadcast_to(pages, (block_k,))
+        else:  # expand [ppb] page ids to [ppb * page_size] tokens
+            page = jnp.broadcast_to(pages[:, None], (pages_per_block, page_size)).reshape(block_k)
+        flat = jnp.where(k_ok, page * page_size + in_page, pool_tokens)
         kv_idx = (flat[:, None], h, d[None, :])
         k = backend.load(k_ref, kv_idx, mask=k_ok[:, None], other=0.0)
         logits = backend.dot(q, k, trans_b=True) * qk_scale
@@ -216,7 +247,7 @@ def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int,
         p = jnp.where(mask, jnp.exp2(logits - m_new[:, None]), 0.0)
         v = backend.load(v_ref, kv_idx, mask=k_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + backend.dot(p.astype(v.dtype), v)
-        return acc, m_new, denom * alpha + jnp.sum(p, axis=1)
+        return acc, m_new, denom * alpha + jnp.sum(p, axis=1), next_pages
 
     n_rows = block_q * gp
     acc = jnp.zeros((n_rows, head_dim), jnp.float32)
@@ -227,7 +258,7 @@ def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int,
     else:
         m0, l0 = jnp.full((n_rows,), _MASK, jnp.float32), jnp.zeros((n_rows,), jnp.float32)
     if kv_splits == 1:
-        acc, _, denom = lax.fori_loop(0, n_iter, body, (acc, m0, l0))
+        acc, _, denom, _ = lax.fori_loop(0, n_iter, body, (acc, m0, l0, page_ids(0)))
         out = acc / jnp.where(denom > 0.0, denom, 1.0)[:, None]
         backend.store(out_refs[0], (tok_idx[:, None], head[:, None], d[None, :]),
                       out.astype(out_refs[0].dtype), mask=row_ok[:, None])
@@ -235,8 +266,8 @@ def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int,
     split = pl.program_id(2)
     chunk = (n_iter + kv_splits - 1) // kv_splits
     start = split * chunk
-    acc, m, denom = lax.fori_loop(start, jnp.minimum(start + chunk, n_iter), body,
-                                  (acc, m0, l0))
+    acc, m, denom, _ = lax.fori_loop(start, jnp.minimum(start + chunk, n_iter), body,
+                                     (acc, m0, l0, page_ids(start)))
     acc_ref, m_ref, l_ref = out_refs
     backend.store(acc_ref, (split, tok_idx[:, None], head[:, None], d[None, :]), acc,
                   mask=row_ok[:, None])
@@ -330,18 +361,34 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return _merge_splits(*outs, sinks, q.dtype)
 
 
+def reference_block_q(num_tokens: int, num_seqs_max: int) -> int:
+    """Query tokens per block of `paged_attention_reference`: 1 for decode-shaped steps (every
+    token is its own request: a block per token gathers nothing twice), 16 otherwise (a prefill
+    chunk gathers its request's K/V once per 16 tokens instead of once per token)."""
+    return 1 if num_tokens <= 2 * num_seqs_max else 16
+
+
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                               page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
                               num_seqs: jax.Array, *, sm_scale: float | None = None,
                               sliding_window: int | None = None, soft_cap: float | None = None,
                               sinks: jax.Array | None = None, interpret: bool = False,
-                              token_batch: int = 16) -> jax.Array:
+                              block_q: int | None = None,
+                              max_gather_elems: int = 1 << 22) -> jax.Array:
     """Pure-jnp twin of `paged_attention` (same arguments and result; `interpret` is ignored).
 
-    Each query token gathers its request's whole page row (float32 math) and masks everything
-    outside `[max(0, pos - W + 1), pos]` with `jnp.where` (logits AND values, since NaN * 0 =
-    NaN). Tokens are processed `token_batch` at a time (`lax.map`), so memory is
-    O(token_batch * max_pages * page_size * Hkv * D) rather than O(T * context).
+    Also the runtime's CPU backend, so its cost follows the real context:
+    - work is split into blocks of up to `block_q` query tokens of ONE request (None =
+      `reference_block_q`); a block gathers its request's K/V once, float32 math;
+    - full attention gathers the `page_table` columns only: callers pass a table cut to the
+      step's kv bucket (`page_table[:, :cols]`, cols covering the longest row) and the gather
+      shrinks with it;
+    - a sliding window gathers only the `ceil((W + block_q - 2) / page_size) + 1` pages that can
+      hold the block's window (pages wholly before it, holes included, are never read).
+    Everything outside `[max(0, pos - W + 1), pos]` is masked with `jnp.where` (logits AND
+    values, since NaN * 0 = NaN); fully masked rows (padding) come out as zeros, never NaN.
+    Blocks run `lax.map` batches of at most ~`max_gather_elems` gathered K elements.
+    Returns f[T, Hq, D] in q's dtype; padding tokens are zeros.
     """
     del interpret
     scale = _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
@@ -349,36 +396,65 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                           sinks=sinks)
     t, hq, d = q.shape
     _, page_size, hkv, _ = k_pages.shape
+    s, max_pages = page_table.shape
     group = hq // hkv
-    ctx = page_table.shape[1] * page_size
-    lay = token_layout(cu_q_lens, kv_lens, num_seqs, t, ctx)
-    kpos = jnp.arange(ctx, dtype=jnp.int32)
-    sink_logits = (None if sinks is None
-                   else sinks.astype(jnp.float32).reshape(hkv, group, 1))
-
-    def one(args: tuple[jax.Array, ...]) -> jax.Array:
-        q_t, seq, pos, valid = args
-        row = page_table[seq].astype(jnp.int32)
-        k = k_pages[row].reshape(ctx, hkv, d).astype(jnp.float32)
-        v = v_pages[row].reshape(ctx, hkv, d).astype(jnp.float32)
-        keep = valid & (kpos <= pos)
-        if sliding_window is not None:
-            keep = keep & (kpos > pos - sliding_window)
-        qg = q_t.astype(jnp.float32).reshape(hkv, group, d)
-        logits = jnp.einsum("hgd,lhd->hgl", qg, k, precision=lax.Precision.HIGHEST) * scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(keep, logits, -jnp.inf)
-        if sink_logits is not None:
-            logits = jnp.concatenate([logits, sink_logits], axis=-1)
-        m = jnp.max(logits, axis=-1, keepdims=True)
-        p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-        denom = jnp.sum(p, axis=-1, keepdims=True)
-        v = jnp.where(keep[:, None, None], v, 0.0)
-        o = jnp.einsum("hgl,lhd->hgd", p[..., :ctx], v, precision=lax.Precision.HIGHEST)
-        o = o / jnp.where(denom > 0, denom, 1.0)
-        return jnp.where(valid, o.reshape(hq, d), 0.0).astype(q.dtype)
-
     if t == 0:
         return jnp.zeros_like(q)
-    return lax.map(one, (q, lay.seq, lay.pos, lay.valid), batch_size=min(token_batch, t))
+    bq = block_q or reference_block_q(t, s)
+    if sliding_window is None:
+        n_cols = max_pages
+    else:
+        n_cols = min(max_pages, (sliding_window + bq - 2 + page_size - 1) // page_size + 1)
+    span = n_cols * page_size
+    meta, num_blocks = _block_metadata(q, page_table, kv_lens, cu_q_lens, num_seqs, page_size, bq)
+    num_blocks = min(num_blocks, t)  # a non-empty block holds >= 1 token: at most T of them
+    meta = meta[:, :num_blocks]
+    sink_logits = (None if sinks is None
+                   else sinks.astype(jnp.float32).reshape(1, hkv, group, 1))
+    rows = jnp.arange(bq, dtype=jnp.int32)
+    kk = jnp.arange(span, dtype=jnp.int32)
+
+    def one(m: jax.Array) -> jax.Array:
+        seq, q0, q1, pos_off = m[0], m[1], m[2], m[3]
+        tok = q0 + rows
+        ok = tok < q1  # [bq] real query rows of this block
+        qpos = tok + pos_off
+        first = 0
+        if sliding_window is not None:
+            first = jnp.maximum(q0 + pos_off - sliding_window + 1, 0) // page_size
+        cols = first + jnp.arange(n_cols, dtype=jnp.int32)
+        pages = page_table[seq, jnp.minimum(cols, max_pages - 1)].astype(jnp.int32)
+        kpos = first * page_size + kk  # [L] absolute key positions
+        keep = (ok[:, None] & (kpos[None, :] <= qpos[:, None])
+                & (kpos < max_pages * page_size)[None, :])
+        if sliding_window is not None:
+            keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
+        k = k_pages[pages].reshape(span, hkv, d).astype(jnp.float32)
+        v = v_pages[pages].reshape(span, hkv, d).astype(jnp.float32)
+        v = jnp.where(jnp.any(keep, axis=0)[:, None, None], v, 0.0)  # NaN * 0 = NaN
+        qg = q[jnp.minimum(tok, t - 1)].astype(jnp.float32).reshape(bq, hkv, group, d)
+        logits = jnp.einsum("qhgd,lhd->qhgl", qg, k, precision=lax.Precision.HIGHEST) * scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(keep[:, None, None, :], logits, -jnp.inf)
+        if sink_logits is not None:
+            logits = jnp.concatenate(
+                [logits, jnp.broadcast_to(sink_logits, (bq, hkv, group, 1))], axis=-1)
+        mx = jnp.max(logits, axis=-1, keepdims=True)
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        o = jnp.einsum("qhgl,lhd->qhgd", p[..., :span], v, precision=lax.Precision.HIGHEST)
+        o = o / jnp.where(denom > 0, denom, 1.0)
+        return jnp.where(ok[:, None, None], o.reshape(bq, hq, d), 0.0).astype(q.dtype)
+
+    batch = max(1, min(num_blocks, max_gather_elems // max(1, span * hkv * d)))
+    if batch == num_blocks:  # one batch: a plain vmap, no loop
+        outs = jax.vmap(one)(meta.T)
+    else:  # whole batches only (lax.map would compile a remainder batch as a second copy)
+        pad = -num_blocks % batch  # empty blocks: q0 == q1 == 0, every row masked
+        meta = jnp.pad(meta, ((0, 0), (0, pad)))
+        outs = lax.map(one, meta.T, batch_size=batch)  # [NB, bq, Hq, D]
+    tok = meta[1][:, None] + rows[None, :]
+    dest = jnp.where(tok < meta[2][:, None], tok, t)  # empty rows -> out of range, dropped
+    out = jnp.zeros_like(q)
+    return out.at[dest.reshape(-1)].set(outs.reshape(-1, hq, d), mode="drop")

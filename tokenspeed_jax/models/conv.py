@@ -2,9 +2,10 @@
 
 in_proj -> (B, C, x); u = B * x is the conv input; y = C * conv_K(u); out_proj(y).
 The paged form persists each token's u position-addressed in the conv group's pool
-(`conv_pages f[num_pages, B_g, C]`, live-tail sliding group with W = K) and reads the K-1 previous
-inputs of a token from the packed activations when they are in this step's chunk, else from the
-pool through the page table (DESIGN.md §7). Negative positions read zero.
+(`conv_pages f[num_pages, B_g, C]`, live-tail sliding group with W = K); the taps themselves are
+`pallas_kernels.short_conv` / `short_conv_reference` (K-1 previous inputs from the packed
+activations when they are in this step's chunk, else from the pool through the page table,
+DESIGN.md §7; negative positions read zero).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import short_conv_reference
 from tokenspeed_jax.models.batch import PagedBatch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.layers import Linear
@@ -66,34 +68,22 @@ class ShortConv(nnx.Module):
     ) -> tuple[jax.Array, dict]:
         """Packed tokens x f[T, H]; cache {"conv": f[P, B_g, H]} -> (f[T, H], new cache).
 
-        conv_fn: None = the jnp taps below; else a function with the signature of
-        `pallas_kernels.short_conv(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs,
-        weight, bias)` (weight f[K, C], tap j at position pos - (K-1) + j).
+        conv_fn: `pallas_kernels.short_conv` or `short_conv_reference` (signature
+        `(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs, weight, bias)`, weight f[K, C],
+        tap j at position pos - (K-1) + j; None = the reference): this step's inputs are written
+        first, then it reads in-chunk taps from x and earlier ones from the pool.
         """
+        if conv_fn is None:
+            conv_fn = short_conv_reference
         u, c = self._gates(x)
         pool = cache["conv"]
         num_pages, bs, h = pool.shape
         flat = pool.reshape(num_pages * bs, h)
         flat = flat.at[batch.write_idx[group]].set(u.astype(flat.dtype), mode="drop")
         new_cache = {"conv": flat.reshape(num_pages, bs, h)}
-        table = batch.page_tables[group]
-        if conv_fn is not None:
-            bias = None if self.conv_bias is None else self.conv_bias[...]
-            y = conv_fn(
-                u, new_cache["conv"], table, batch.kv_lens, batch.cu_q_lens, batch.num_seqs,
-                self.conv_weight[...], bias,
-            )  # fmt: skip
-            return self.out_proj(c * y), new_cache
-        wp = table.shape[1]
-        t = jnp.arange(u.shape[0], dtype=jnp.int32)
-        taps = [u]
-        for j in range(1, self.kernel_size):
-            q = batch.positions - j
-            in_chunk = batch.token_offset >= j
-            from_chunk = u[jnp.maximum(t - j, 0)]
-            qc = jnp.maximum(q, 0)
-            page = table[batch.token_row, jnp.minimum(qc // bs, wp - 1)]
-            from_pool = flat[page * bs + qc % bs].astype(u.dtype)
-            tap = jnp.where(in_chunk[:, None], from_chunk, from_pool)
-            taps.append(jnp.where((q >= 0)[:, None], tap, 0))
-        return self._finish(taps, c), new_cache
+        bias = None if self.conv_bias is None else self.conv_bias[...]
+        y = conv_fn(
+            u, new_cache["conv"], batch.page_tables[group], batch.kv_lens, batch.cu_q_lens,
+            batch.num_seqs, self.conv_weight[...], bias,
+        )  # fmt: skip
+        return self.out_proj(c * y), new_cache

@@ -1,0 +1,92 @@
+"""StepOps -> two packed device buffers (schema driven) -> the same arrays inside the jit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from scheduler import Scheduler, SchedulerConfig
+from scheduler.step_ops import GroupStepOps, StepOps, device_schema
+from tokenspeed_jax.step_inputs import kv_levels, layout_for, pack, unpack
+
+
+def _random_ops(rng, r=5, t=24, layouts=((16, 8, 2), (8, 12, 3))) -> StepOps:
+    """A StepOps with random values in every device field (u32 seeds above 2^31, bools)."""
+    def arr(axis, dtype, width=0, delta=0):
+        shape = {"row": (r,), "row+1": (r + 1,), "token": (t,), "row,delta": (r, delta),
+                 "row,width": (r, width)}[axis]
+        if dtype == "f32":
+            return rng.standard_normal(shape).astype(np.float32)
+        if dtype == "bool":
+            return rng.random(shape) < 0.5
+        if dtype == "u32":
+            return rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32)
+        return rng.integers(-(2**31), 2**31 - 1, shape, dtype=np.int64).astype(np.int32)
+
+    groups = tuple(
+        GroupStepOps(**{n: arr(a, d, width=w, delta=dl) for n, a, d in device_schema(GroupStepOps)})
+        for _, w, dl in layouts)
+    fields = {n: arr(a, d) for n, a, d in device_schema(StepOps)}
+    return StepOps(num_reqs=r, num_tokens=t, request_ids=tuple(f"r{i}" for i in range(r)),
+                   groups=groups, **fields)
+
+
+def test_schema_covers_every_array_field():
+    """Every numpy field of StepOps / GroupStepOps is tagged (nothing silently stays host-side)."""
+    for cls, host in ((StepOps, {"num_reqs", "num_tokens", "request_ids", "groups"}),
+                      (GroupStepOps, set())):
+        tagged = {n for n, _, _ in device_schema(cls)}
+        assert tagged | host == {f.name for f in dataclasses.fields(cls)}
+
+
+@pytest.mark.parametrize(("bucket", "cols"), [(24, (8, 12)), (16, (4, 12)), (8, (1, 1))])
+def test_pack_unpack_roundtrip_exact(bucket, cols):
+    ops = _random_ops(np.random.default_rng(0))
+    layout = layout_for(5, bucket, (2, 3), cols)
+    i32, f32 = pack(ops, layout)
+    assert i32.dtype == np.int32 and f32.dtype == np.float32
+    assert f32.size == 2 * 5  # temperature + top_p: the only float fields
+    got = jax.jit(unpack, static_argnums=2)(i32, f32, layout)
+    for name, axis, _ in device_schema(StepOps):
+        want = getattr(ops, name)[:bucket] if axis == "token" else getattr(ops, name)
+        np.testing.assert_array_equal(np.asarray(got[name]), want, err_msg=name)
+        assert np.asarray(got[name]).dtype == want.dtype, name
+    for g, grp in enumerate(ops.groups):
+        for name, axis, _ in device_schema(GroupStepOps):
+            want = getattr(grp, name)
+            if axis == "row,width":
+                want = want[:, : cols[g]]
+            np.testing.assert_array_equal(np.asarray(got["groups"][g][name]), want, err_msg=name)
+
+
+def test_kv_levels_ladder():
+    # one group, 256 columns of 16 tokens (4096 tokens), shortest level 256 tokens
+    assert kv_levels((256,), (16,), 256) == (
+        (256, (16,)), (512, (32,)), (1024, (64,)), (2048, (128,)), (4096, (256,)))
+    # capacity not a power of two: the last level is the full width
+    assert kv_levels((30,), (16,), 128)[-1] == (480, (30,))
+    # groups of different page sizes cut at the same token count; a narrow group saturates
+    levels = kv_levels((64, 4), (16, 8), 256)
+    assert levels[0] == (256, (16, 4)) and levels[-1] == (1024, (64, 4))
+
+
+def test_runner_kv_bucket_follows_the_longest_row():
+    from tokenspeed_jax import LLM
+
+    llm = LLM("tiny-random", num_pages=256, max_batch_requests=4, max_scheduled_tokens=64,
+              max_context_len=1024, attention_backend="reference")
+    runner = llm.engine.runner
+    assert [t for t, _ in runner.kv_levels] == [256, 512, 1024]
+    assert len(runner.shape_keys) == len(runner.buckets) * 3
+    cfg = llm.engine.scheduler.config
+    sched = Scheduler(dataclasses.replace(cfg, max_scheduled_tokens=1024))
+    sched.add_request("a", [5] * 300, 4)
+    ops = sched.schedule()
+    assert runner.kv_bucket_for(ops)[0] == 512  # 300 tokens -> the 512 level
+    sched2 = Scheduler(SchedulerConfig(num_pages=64, max_batch_requests=4, max_context_len=1024,
+                                       groups=cfg.groups, max_scheduled_tokens=64))
+    sched2.add_request("b", [5] * 10, 4)
+    assert runner.kv_bucket_for(sched2.schedule())[0] == 256
