@@ -204,8 +204,9 @@ class ModelRunner:
         # row's slot; it never travelled to the host and back
         token_slots = jnp.take(slots, ops["token_rows"], mode="clip")
         prev_tokens = jnp.take(state.last_tokens, token_slots, mode="clip")
-        token_ids = jnp.where(ops["token_from_prev"], prev_tokens, ops["token_ids"])
-        hidden, caches = model(token_ids, state.caches, batch, self._attn, self._conv)
+        # resolved in place: everything below that reads the input ids sees the real tokens
+        ops["token_ids"] = jnp.where(ops["token_from_prev"], prev_tokens, ops["token_ids"])
+        hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
 
         t = hidden.shape[0]
         last = jnp.clip(ops["query_start"][1:] - 1, 0, t - 1)  # each row's last token
