@@ -25,8 +25,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> No
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="plan step N+1 on the host while the device runs step N (same outputs)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 on the host while the device runs step N (same outputs; "
+                        "default: on for accelerators, off on CPU)")
 
 
 def _make_llm(args):

@@ -43,8 +43,9 @@ class LLM:
     num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory).
     More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
-    async_scheduling (False; True plans step N+1 on the host while the device runs step N,
-    same outputs: see tokenspeed_jax/engine.py).
+    async_scheduling (None = on for accelerators, off on CPU; True plans step N+1 on the host
+    while the device runs step N, same outputs: see tokenspeed_jax/engine.py. On CPU the host
+    and XLA share the cores, so the overlap has nothing to hide behind: benchmarks/README.md).
 
     tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
     intermediate, conv channels, vocab; `tokenspeed_jax.sharding`). data_parallel_size = D: D
@@ -105,6 +106,12 @@ class LLM:
             debug_checks=more_options.get("debug_checks", False))
         eos = self.model_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        overlap = more_options.get("async_scheduling")
+        if overlap is None:
+            import jax
+
+            device = jax.devices()[0] if meshes[0] is None else meshes[0].devices.flat[0]
+            overlap = device.platform != "cpu"
         self.engines: list[Engine] = []
         for mesh in meshes:
             runner = ModelRunner(self.model_config, net, sched_cfg.group_layouts(),
@@ -116,8 +123,7 @@ class LLM:
                                  mesh=mesh)
             self.engines.append(Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
                                        eos_token_ids=eos_ids, tokenizer=self.tokenizer,
-                                       async_scheduling=more_options.get("async_scheduling",
-                                                                         False)))
+                                       async_scheduling=bool(overlap)))
         self.engine = self.engines[0]
         self._load = [0] * len(self.engines)  # outstanding tokens per replica (see docstring)
         self._pool: ThreadPoolExecutor | None = None
