@@ -232,3 +232,52 @@ def test_retracted_request_with_token_in_flight_keeps_it():
     assert all(len(o.token_ids) == 12 for o in outs.values()) and len(outs) == 4
     stats = sched.stats()
     assert stats["free_pages"] == stats["total_pages"]
+
+
+# ---------------------------------------------------------------- random workloads (hypothesis)
+import hypothesis.strategies as st  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from hypothesis.stateful import precondition, rule  # noqa: E402
+
+from tests.scheduler.test_scheduler_stateful import SchedulerMachine  # noqa: E402
+
+
+class OverlappedMachine(SchedulerMachine):
+    """The scheduler stateful machine (arrivals with shared prefixes, aborts at any time, a pool
+    that forces retraction, hybrid groups, debug mirror checks every schedule and update), driven
+    by the overlapped loop: every step schedules N+1 before feeding back N."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prev = None
+
+    @precondition(lambda self: self.sched.has_unfinished() or self.prev is not None)
+    @rule(positional=st.booleans())
+    def step(self, positional=False):
+        ops = self.sched.schedule()
+        assert ops.num_tokens <= self.cfg.max_scheduled_tokens
+        assert not np.any(ops.token_from_prev[:ops.num_tokens] != (
+            ops.token_ids[:ops.num_tokens] == PLACEHOLDER_TOKEN))
+        if positional:
+            sampled = ((ops.kv_lens * 5 + 3) % 12).astype(np.int32)
+        else:
+            sampled = self.rng.integers(0, 12, size=self.cfg.max_batch_requests).astype(np.int32)
+        cur = (ops, sampled) if ops.num_reqs else None
+        if self.prev is not None:
+            for out in self.sched.update(*self.prev):
+                assert PLACEHOLDER_TOKEN not in out.token_ids
+                self._check_finished(out)
+        self.prev = cur
+
+    def teardown(self):
+        for _ in range(2000):
+            if not self.sched.has_unfinished() and self.prev is None:
+                break
+            self.step()
+        assert not self.sched.has_unfinished() and not self.expect
+        stats = self.sched.stats()
+        assert stats["free_pages"] == stats["total_pages"] and stats["reserved_pages"] == 0
+
+
+TestOverlapped = OverlappedMachine.TestCase
+TestOverlapped.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
