@@ -9,7 +9,8 @@ alternate sync / async so machine load hits both alike, and each mode keeps its 
 (highest output tokens/s). Printed per mode:
   - output and computed tokens/s, steps;
   - host ms per step: loop time not blocked on results (schedule, device_put, dispatch, update,
-    bookkeeping); wait ms per step: blocked on results;
+    bookkeeping); wait ms per step: blocked on results; device ms per step: first dispatch to
+    last result minus the idle gaps (a lower bound);
   - critical ms per step: upper bound of the device idle gap between consecutive steps (end of
     step N on the device -> step N+1 queued; `tokenspeed_jax/step_clock.py`), all steps and pure
     decode steps; device-idle fraction = sum of the gaps / wall time;
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     cols = [("out tok/s", "out_tok_s", "{:.1f}"), ("computed tok/s", "computed_tok_s", "{:.1f}"),
             ("steps", "steps", "{}"), ("host ms/step", "host_ms_per_step", "{:.2f}"),
             ("wait ms/step", "wait_ms_per_step", "{:.2f}"),
+            ("device ms/step", "device_ms_per_step", "{:.2f}"),
             ("critical ms/step", "critical_ms_per_step", "{:.3f}"),
             ("decode host ms/step", "decode_host_ms_per_step", "{:.2f}"),
             ("decode critical ms/step (mean)", "decode_critical_ms_per_step", "{:.3f}"),

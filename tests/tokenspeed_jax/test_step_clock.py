@@ -69,8 +69,13 @@ def test_blocking_wait_marks_the_device_busy_until_it_returns(t):
     t.now += 0.010
     clock.dispatched(b, decode=False, pipelined=False)
     assert clock.critical_s == pytest.approx(0.010)  # only the host turnaround after the wait
-    clock.call_done(0.050)
+    t.now += 0.020
+    b.ready = True
+    clock.waited(0.020, blocked=True)
+    clock.call_done(0.070)  # one engine call of 70 ms, 50 of them blocked
     s = clock.summary()
-    assert s["wait_ms_per_step"] == pytest.approx(15.0)  # 30 ms over 2 steps
-    assert s["host_ms_per_step"] == pytest.approx(10.0)  # (50 - 30) ms over 2 steps
+    assert s["wait_ms_per_step"] == pytest.approx(25.0)  # 50 ms over 2 steps
+    assert s["host_ms_per_step"] == pytest.approx(10.0)  # (70 - 50) ms over 2 steps
+    # first dispatch 100.000 -> last result 100.060, minus the 10 ms gap, over 2 steps
+    assert s["device_ms_per_step"] == pytest.approx(25.0)
     assert s["decode_critical_ms_per_step"] == 0.0  # no decode-only step
