@@ -8,8 +8,13 @@
    "rows sent" transfers the i32[R, W] refresh rows every step; "rows elided" reuses a resident
    device zero array when no row refreshes (what the runner does).
 2. Compilations over 1,000 steps of a varied workload (mixed prefill/decode, arrivals, finishes):
-   the runner's trace counter after warm-up must not move.
+   at most one per (token bucket, kv bucket) shape key, none once every key has been met.
 3. End-to-end tokens/s of the main job (`tokenspeed-jax run`'s workload).
+4. StepOps host->device per step (issue 11): a real decode StepOps (48 decoding requests, 450
+   tokens each, max_context_len 4096, page 16) moved the old way (`jax.device_put` of a dict of
+   every field array, group rows elided on pure-decode steps) vs the schema-driven packing
+   (`step_inputs.pack` into one i32 + one f32 buffer, cut to the step's token and kv buckets,
+   two transfers). Both timed until the arrays are ready on the device.
 """
 
 from __future__ import annotations
@@ -89,9 +94,9 @@ def bench_compiles(steps: int = 1000, seed: int = 0) -> dict:
                                request_id=f"v{n}")
             n += 1
         engine.step()
-        if compiles_after_warmup is None and runner.num_compiles == len(runner.buckets):
+        if compiles_after_warmup is None and runner.num_compiles == len(runner.shape_keys):
             compiles_after_warmup, warm_steps = runner.num_compiles, step + 1
-    return dict(steps=steps, requests=n, buckets=len(runner.buckets),
+    return dict(steps=steps, requests=n, buckets=len(runner.shape_keys),
                 compiles=runner.num_compiles, all_buckets_warm_at_step=warm_steps,
                 wall_s=time.perf_counter() - t0)
 
@@ -105,6 +110,62 @@ def bench_e2e(quick: bool) -> dict:
     wl = WorkloadConfig(sessions=8 if quick else 24, turns=2 if quick else 3)
     llm.warmup()  # compile every token bucket first: the timed run measures serving only
     return run_workload(llm.engine, wl).summary()
+
+
+def _decode_step_ops(requests: int = 48, prompt: int = 450, ctx: int = 4096):
+    from scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(num_pages=4096, page_size=16, max_batch_requests=64,
+                                      max_scheduled_tokens=2048, max_context_len=ctx))
+    rng = np.random.default_rng(0)
+    for i in range(requests):
+        sched.add_request(f"r{i}", rng.integers(0, 1000, prompt).tolist(), 64)
+    ops = sched.schedule()
+    while ops.num_tokens != ops.num_reqs or ops.full_refresh.any():  # until a pure decode step
+        sched.update(ops, np.ones(64, np.int32))
+        ops = sched.schedule()
+    return ops
+
+
+def bench_step_inputs(steps: int = 300) -> dict:
+    """Median us per step: old dict-of-arrays transfer vs the packed schema-driven one."""
+    from scheduler.step_ops import GroupStepOps, StepOps, device_schema
+    from tokenspeed_jax.step_inputs import kv_levels, layout_for, pack
+
+    ops = _decode_step_ops()
+    bucket = 64  # token bucket of a 48-row decode step
+    widths = tuple(g.rows.shape[1] for g in ops.groups)
+    deltas = tuple(g.new_pages.shape[1] for g in ops.groups)
+    need = int(ops.kv_lens.max())
+    cols = next(c for t, c in kv_levels(widths, (16,) * len(widths), 256) if t >= need)
+
+    def old():  # what the runner did before: one array per field, rows elided without refresh
+        d = {n: np.asarray(getattr(ops, n))[:bucket] if a == "token" else np.asarray(getattr(ops, n))
+             for n, a, _ in device_schema(StepOps)}
+        d["groups"] = [{n: np.asarray(getattr(g, n)) for n, _, _ in device_schema(GroupStepOps)
+                        if n != "rows"} for g in ops.groups]
+        return jax.device_put(d)
+
+    layout = layout_for(64, bucket, deltas, cols)
+
+    def new():
+        return jax.device_put(pack(ops, layout))
+
+    out = {}
+    for name, fn in (("dict of arrays (before)", old), ("packed i32 + f32 (after)", new)):
+        times = []
+        for i in range(steps + 20):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+        leaves = len(jax.tree_util.tree_leaves(fn()))
+        out[name] = (statistics.median(times) * 1e6, leaves)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        pack(ops, layout)
+    out["pack only"] = ((time.perf_counter() - t0) / steps * 1e6, 0)
+    return out
 
 
 def main() -> None:
@@ -123,10 +184,15 @@ def main() -> None:
         print(f"\n128k/4k ratio ({mode}): {b / a:.2f}")
     c = bench_compiles(steps=150 if args.quick else 1000)
     print("\n## Compilations over a varied workload\n")
-    print("| steps | requests | token buckets | compiles | all buckets compiled by step | wall s |")
+    print("| steps | requests | (token, kv) shape keys | compiles | all keys compiled by step | wall s |")
     print("|---|---|---|---|---|---|")
     print(f"| {c['steps']} | {c['requests']} | {c['buckets']} | {c['compiles']} | "
           f"{c['all_buckets_warm_at_step'] or 'n/a'} | {c['wall_s']:.1f} |")
+    print("\n## StepOps host->device per decode step (48 rows, 450 tokens, context 4096)\n")
+    print("| transfer | arrays | median us/step |")
+    print("|---|---|---|")
+    for name, (us, leaves) in bench_step_inputs(steps=60 if args.quick else 300).items():
+        print(f"| {name} | {leaves or '-'} | {us:.0f} |")
     e = bench_e2e(args.quick)
     print("\n## End to end: the main job's workload (after `llm.warmup()` compiled every bucket)\n")
     print("| requests | generated | computed prompt | wall s | output tok/s | computed tok/s | "

@@ -39,8 +39,8 @@ from typing import Any
 
 import jax
 
-__all__ = ["PtxasInfo", "TritonKernel", "compile_to_ptx", "lower_triton_kernels", "missing",
-           "ptxas"]
+__all__ = ["PtxasInfo", "TritonKernel", "compile_to_ptx", "lower_for_cuda", "lower_triton_kernels",
+           "missing", "needs_plugin_to_lower", "ptxas"]
 
 _TRITON_TARGET = "__gpu$xla.gpu.triton"
 
@@ -179,6 +179,21 @@ def _cuda_abstract_mesh() -> Iterator[None]:
         yield
 
 
+def needs_plugin_to_lower() -> bool:
+    """jaxlib > 0.10.2 compiles Triton kernels while lowering, so even a lowering-only check
+    needs the CUDA plugin's Triton compilation handler."""
+    return _jaxlib_version() > (0, 10, 2)
+
+
+def lower_for_cuda(fn: Callable[..., Any], *shapes: jax.ShapeDtypeStruct) -> Any:
+    """`jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))` on a machine with no GPU
+    (under a CUDA abstract mesh; on jaxlib > 0.10.2 with the plugin's compile handler)."""
+    if needs_plugin_to_lower():
+        _compile_handler()
+    with _cuda_abstract_mesh():
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+
+
 def _custom_calls(module: Any) -> Iterator[Any]:
     for region in module.regions:
         for block in region.blocks:
@@ -193,10 +208,8 @@ def lower_triton_kernels(fn: Callable[..., Any], *shapes: jax.ShapeDtypeStruct
     """Lower `jax.jit(fn)` at `shapes` for CUDA and return its Pallas Triton kernels."""
     from jax._src.lib.mlir import ir
 
-    jitted = jax.jit(fn)
-    if _jaxlib_version() <= (0, 10, 2):
-        with _cuda_abstract_mesh():
-            lowered = jitted.trace(*shapes).lower(lowering_platforms=("cuda",))
+    if not needs_plugin_to_lower():
+        lowered = lower_for_cuda(fn, *shapes)
         out = []
         for op in _custom_calls(lowered.compiler_ir("stablehlo").operation):
             if ir.StringAttr(op.attributes["call_target_name"]).value != _TRITON_TARGET:
@@ -211,7 +224,7 @@ def lower_triton_kernels(fn: Callable[..., Any], *shapes: jax.ShapeDtypeStruct
                 num_warps=i32("num_warps"), num_stages=i32("num_stages"),
                 grid=(i32("grid_x"), i32("grid_y"), i32("grid_z"))))
         return out
-    return _lower_capturing_compiles(jitted, shapes)
+    return _lower_capturing_compiles(jax.jit(fn), shapes)
 
 
 def _lower_capturing_compiles(jitted: Any, shapes: tuple[Any, ...]) -> list[TritonKernel]:

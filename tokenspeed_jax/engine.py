@@ -252,9 +252,12 @@ class Engine:
             logprobs=track.logprobs[:len(token_ids)] if track.params.logprobs else None,
             prompt_logprobs=track.prompt_logprobs, metrics=track.metrics)
 
-    def warmup(self) -> int:
-        """Compile every token bucket of the runner now; returns how many were compiled."""
-        return self.runner.warmup(self.scheduler.padding_ops())
+    def warmup(self, max_kv_len: int | None = None) -> int:
+        """Compile the runner's shape keys now (`ModelRunner.warmup`: every (token, kv) bucket
+        pair, or those with kv buckets up to `max_kv_len`); returns how many were compiled."""
+        if max_kv_len is None:
+            return self.runner.warmup(self.scheduler.padding_ops())
+        return self.runner.warmup(self.scheduler.padding_ops(), max_kv_len=max_kv_len)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

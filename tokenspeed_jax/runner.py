@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from scheduler.step_ops import StepOps, device_schema
 from tokenspeed_jax.attention import get_paged_attention, get_short_conv, resolve_backend
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
@@ -51,6 +52,8 @@ from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, 
 
 logger = logging.getLogger(__name__)
 
+# per-row StepOps fields (schema axis "row"): what the LM head / sampler slice to the used rows
+_ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
 DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fewer compiles)
 
 
@@ -209,18 +212,24 @@ class ModelRunner:
         hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
 
         t = hidden.shape[0]
-        last = jnp.clip(ops["query_start"][1:] - 1, 0, t - 1)  # each row's last token
+        # A step has at most one row per token, so rows >= min(R, T) are padding: the LM head and
+        # the sampler only run on the first n rows (a 16-token decode bucket pays for 16, not R).
+        n = min(self.max_batch_requests, t)
+        rows = {k: ops[k][:n] for k in _ROW_FIELDS}
+        last = jnp.clip(ops["query_start"][1 : n + 1] - 1, 0, t - 1)  # each row's last token
         logits = model.logits(hidden[last])
         if self._tp is not None:  # vocab-sharded under TP: the sort / argmax want whole rows
             logits = self._tp.gather_logits(logits)
         tokens, logprobs = sample(
-            logits, ops["temperature"], ops["top_k"], ops["top_p"],
-            ops["seeds"], ops["sample_index"],
+            logits, rows["temperature"], rows["top_k"], rows["top_p"],
+            rows["seeds"], rows["sample_index"],
         )  # fmt: skip
-        mask = ops["sample_mask"]
-        last_tokens = state.last_tokens.at[jnp.where(mask, slots, num_slots)].set(tokens, mode="drop")
-        tokens = jnp.where(mask, tokens, -1)
-        logprobs = jnp.where(mask, logprobs, jnp.nan)
+        pad = self.max_batch_requests - n
+        mask = rows["sample_mask"]
+        keep = jnp.where(mask, slots[:n], num_slots)  # each sampling row's slot; others dropped
+        last_tokens = state.last_tokens.at[keep].set(tokens, mode="drop")
+        tokens = jnp.pad(jnp.where(mask, tokens, -1), (0, pad), constant_values=-1)
+        logprobs = jnp.pad(jnp.where(mask, logprobs, jnp.nan), (0, pad), constant_values=jnp.nan)
         targets = ops["prompt_targets"]
         # Full [T, V] logits only on steps that want prompt logprobs (lax.cond skips them else).
         plp = jax.lax.cond(
@@ -282,16 +291,27 @@ class ModelRunner:
                     rid, lay.group_id, self.widths[g],
                 )  # fmt: skip
 
-    def warmup(self, padding_ops) -> int:
-        """Compile every shape key (token bucket x kv bucket, `shape_keys`) now, so serving then
-        never stalls on XLA, by running an all-padding StepOps through each: padding rows (slot
-        -1) and padding tokens drop every write, so the device state is unchanged. Returns the
-        number of compilations it ran (0 when already warm)."""
+    def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
+        """Compile the shape keys (token bucket x kv bucket, `shape_keys`) now, so serving does
+        not stall on XLA, by running an all-padding StepOps through each: padding rows (slot -1)
+        and padding tokens drop every write, so the device state is unchanged.
+
+        Compile policy: None (default) compiles every pair, after which serving never compiles.
+        `max_kv_len` = L compiles every token bucket with the kv buckets up to the one covering L
+        tokens; a step whose longest row is longer compiles its key on first use (once; counted
+        in `num_compiles`, at most `len(shape_keys)` in all). Returns the compilations it ran.
+        """
         if padding_ops.num_reqs:
             raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
+        levels = self.kv_levels
+        if max_kv_len is not None:
+            if max_kv_len < 1:
+                raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
+            cover = next((i for i, (t, _) in enumerate(levels) if t >= max_kv_len), len(levels) - 1)
+            levels = levels[: cover + 1]
         before = self.num_compiles
         for bucket in self.buckets:
-            for _, cols in self.kv_levels:
+            for _, cols in levels:
                 self._run(padding_ops, bucket, cols)
         jax.block_until_ready(self.state)
         return self.num_compiles - before
@@ -311,6 +331,8 @@ class ModelRunner:
         tokens, logprobs, plp = self._run(ops, bucket, cols)
         for x in (tokens, logprobs):  # start the device->host copies now, not when collected
             x.copy_to_host_async()
+        if ops.prompt_targets[: ops.num_tokens].max(initial=-1) < 0:
+            plp = None  # no prompt logprobs asked for in this step: nothing to copy back
         return StepHandle(tokens, logprobs, plp, bucket)
 
     def collect(self, handle: StepHandle) -> StepResult:
@@ -322,7 +344,8 @@ class ModelRunner:
                 np.full(t, np.nan, np.float32),
             )  # fmt: skip
         plp_full = np.full(t, np.nan, np.float32)
-        plp_full[:handle.bucket] = np.asarray(handle.prompt_logprobs)
+        if handle.prompt_logprobs is not None:  # else all NaN: no copy
+            plp_full[:handle.bucket] = np.asarray(handle.prompt_logprobs)
         return StepResult(np.asarray(handle.tokens), np.asarray(handle.logprobs), plp_full)
 
     def host_mirrors(self) -> list[np.ndarray]:

@@ -25,6 +25,7 @@ class WorkloadConfig:
     max_tokens: int = 24
     temperature: float = 0.0
     seed: int = 0
+    ignore_eos: bool = True  # fixed-length replies (comparable runs); chat text stops at EOS
 
 
 @dataclasses.dataclass
@@ -63,15 +64,19 @@ class WorkloadReport:
 
 
 def run_workload(engine: Engine, cfg: WorkloadConfig, *, vocab: int = 256,
-                 progress: bool = False) -> WorkloadReport:
-    """Serve the workload to completion on `engine`; returns latency/throughput/cache figures."""
+                 progress: bool = False, prompts=None) -> WorkloadReport:
+    """Serve the workload to completion on `engine`; returns latency/throughput/cache figures.
+
+    prompts: None = random token ids below `vocab`; else an object with `first(session)` and
+    `follow(session, turn, history, reply)` returning token ids, and `record(session, turn,
+    reply)` called on every finished request (`chat_workload.ChatPrompts`: chat-templated text)."""
     rng = np.random.default_rng(cfg.seed)
     system = rng.integers(0, vocab, cfg.system_tokens).tolist()
     history: dict[str, list[int]] = {}
     turn_of: dict[str, int] = {}
     session_of: dict[str, int] = {}
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                            ignore_eos=True)
+                            ignore_eos=cfg.ignore_eos)
     total = cfg.sessions * cfg.turns
     bar = None
     if progress:
@@ -86,7 +91,8 @@ def run_workload(engine: Engine, cfg: WorkloadConfig, *, vocab: int = 256,
         session_of[rid] = session
 
     for s in range(cfg.sessions):
-        send(s, 0, system + rng.integers(0, vocab, cfg.user_tokens).tolist())
+        send(s, 0, system + rng.integers(0, vocab, cfg.user_tokens).tolist()
+             if prompts is None else prompts.first(s))
     ttft, tpot = [], []
     prompt_tokens = generated = done = peak = 0
     prefill0 = engine.num_prefill_tokens
@@ -103,10 +109,15 @@ def run_workload(engine: Engine, cfg: WorkloadConfig, *, vocab: int = 256,
             if bar is not None:
                 bar.update(1)
             nxt = turn_of[out.request_id] + 1
+            sid = session_of[out.request_id]
+            if prompts is not None:
+                prompts.record(sid, nxt - 1, out.token_ids)
             if nxt < cfg.turns:
+                if prompts is not None:
+                    send(sid, nxt, prompts.follow(sid, nxt, history[out.request_id], out.token_ids))
+                    continue
                 follow = rng.integers(0, vocab, cfg.user_tokens).tolist()
-                send(session_of[out.request_id], nxt,
-                     history[out.request_id] + out.token_ids + follow)
+                send(sid, nxt, history[out.request_id] + out.token_ids + follow)
         peak = max(peak, engine.scheduler.pool.num_used)
     wall = time.perf_counter() - t0
     if bar is not None:

@@ -1,6 +1,6 @@
-"""Random tiny Hugging Face checkpoints of the five supported families, written by transformers.
+"""Random tiny Hugging Face checkpoints of the seven supported families, written by transformers.
 
-Every checkpoint: hidden 64, 2-4 layers, vocab 384, sliding windows of 10-12 tokens, weights
+Every checkpoint: hidden 64, 2-6 layers, vocab 384, sliding windows of 10-12 tokens, weights
 drawn with a larger-than-default std so the logits are peaked, and every 1-D parameter (norm
 weights, biases, sinks) perturbed away from its 1 / 0 init so a mis-mapped norm or bias shows.
 A small byte-level BPE `tokenizer.json` with a chat template and a generation_config.json with
@@ -56,6 +56,15 @@ def family_configs():
             swiglu_limit=1.5,  # small enough that the clamp really fires on these activations
             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+        # Soft-caps far below the defaults (50 / 30) so that tanh really bends these logits.
+        "gemma2": tr.Gemma2Config(**_common(
+            num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+            final_logit_softcapping=8.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+        # 5 local : 1 global; local RoPE base 100 vs global 1e6 with linear scaling (as Gemma 3 4B+).
+        "gemma3": tr.Gemma3TextConfig(**_common(
+            num_hidden_layers=6, sliding_window=11, query_pre_attn_scalar=32,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
     }  # fmt: skip
 
 

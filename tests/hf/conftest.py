@@ -1,10 +1,10 @@
-"""Session fixture: the five tiny checkpoints, built once into a temp dir (needs torch)."""
+"""Session fixture: the seven tiny checkpoints, built once into a temp dir (needs torch)."""
 
 from __future__ import annotations
 
 import pytest
 
-FAMILIES = ("llama", "qwen3", "mistral", "lfm2", "gpt_oss")
+FAMILIES = ("llama", "qwen3", "mistral", "lfm2", "gpt_oss", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="session")

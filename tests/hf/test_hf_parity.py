@@ -30,7 +30,7 @@ SUFFIXES = (3, 6, 9, 13)
 # Pages shared by all cache groups: enough for any one request, too few for the whole batch of
 # ~50-token requests at once, so the scheduler must retract (checked below). Sliding-only Mistral
 # reclaims slid-out pages, hence needs a much smaller pool to run out.
-NUM_PAGES = {"llama": 22, "qwen3": 30, "mistral": 14, "lfm2": 24, "gpt_oss": 30}
+NUM_PAGES = {"llama": 22, "qwen3": 30, "mistral": 14, "lfm2": 24, "gpt_oss": 30, "gemma2": 30, "gemma3": 30}
 MAX_DELTA: dict[str, float] = {}  # family -> max |dlogprob| seen (printed by the last test)
 
 

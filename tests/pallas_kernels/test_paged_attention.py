@@ -14,6 +14,7 @@ import pytest
 
 from pallas_kernels import (
     PagedAttentionConfig,
+    gpu_compile,
     paged_attention,
     paged_attention_reference,
 )
@@ -278,6 +279,8 @@ def test_config_incompatible_with_shapes_raises() -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("tokens", [64, 1024])  # decode-shaped and prefill-shaped defaults
+@pytest.mark.skipif(gpu_compile.needs_plugin_to_lower() and gpu_compile.missing() is not None,
+                    reason="this jaxlib compiles Triton while lowering: needs the gpu-compile extra")
 def test_lowers_to_triton(dtype: str, tokens: int) -> None:
     """Cross-lower for CUDA on this CPU machine: catches Triton-lowering errors (unsupported ops,
     non-power-of-two tiles) without a GPU. Does not run Triton's own compiler passes."""
@@ -289,8 +292,10 @@ def test_lowers_to_triton(dtype: str, tokens: int) -> None:
               spec((1,), jnp.int32))
     fn = jax.jit(lambda *a: paged_attention(*a, sliding_window=4096, soft_cap=30.0,
                                             sinks=jnp.zeros((hq,), jnp.float32)))
-    text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" in text and "ragged_paged_attention" in text
+    text = gpu_compile.lower_for_cuda(fn, *shapes).as_text()
+    # jaxlib <= 0.10.2: a Triton IR custom call; later: the compiled kernel's FFI call
+    assert "xla.gpu.triton" in text or "triton_kernel_call" in text
+    assert "ragged_paged_attention" in text
 
 
 @pytest.mark.parametrize("name", ["mixed_ps32_g2", "window_small_holes_ps8", "sinks"])

@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import ShortConvConfig, conv_write_indices, short_conv, short_conv_reference
+from pallas_kernels import (
+    ShortConvConfig,
+    conv_write_indices,
+    gpu_compile,
+    short_conv,
+    short_conv_reference,
+)
 
 
 def _kv_bucketed(x, conv_pages, page_table, kv_lens, cu, num_seqs, *args, **kw):
@@ -176,11 +182,14 @@ def test_conv_write_indices_drop_holes_and_padding() -> None:
     assert float(pool.sum()) == 2.0
 
 
+@pytest.mark.skipif(gpu_compile.needs_plugin_to_lower() and gpu_compile.missing() is not None,
+                    reason="this jaxlib compiles Triton while lowering: needs the gpu-compile extra")
 def test_lowers_to_triton() -> None:
     spec = jax.ShapeDtypeStruct
     t, c, p, ps, s, mp = 256, 1024, 512, 16, 64, 64
     shapes = (spec((t, c), jnp.bfloat16), spec((p, ps, c), jnp.bfloat16), spec((s, mp), jnp.int32),
               spec((s,), jnp.int32), spec((s + 1,), jnp.int32), spec((1,), jnp.int32),
               spec((3, c), jnp.bfloat16), spec((c,), jnp.bfloat16))
-    text = jax.jit(short_conv).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" in text and "short_conv_k3" in text
+    text = gpu_compile.lower_for_cuda(short_conv, *shapes).as_text()
+    # jaxlib <= 0.10.2: a Triton IR custom call; later: the compiled kernel's FFI call
+    assert ("xla.gpu.triton" in text or "triton_kernel_call" in text) and "short_conv_k3" in text

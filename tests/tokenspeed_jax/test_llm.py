@@ -141,9 +141,9 @@ def test_warmup_compiles_every_bucket_once_and_changes_nothing():
     prompt = _prompts(1, seed=8)[0]
     sp = SamplingParams(max_tokens=6, logprobs=True, ignore_eos=True)
     runner = llm.engine.runner
-    assert llm.warmup() == len(runner.buckets) and llm.warmup() == 0
+    assert llm.warmup() == len(runner.shape_keys) and llm.warmup() == 0
     out = llm.generate([prompt], sp)[0]
-    assert runner.num_compiles == len(runner.buckets)  # serving compiled nothing new
+    assert runner.num_compiles == len(runner.shape_keys)  # serving compiled nothing new
     cold = LLM("tiny-random", num_pages=64, **SMALL).generate([prompt], sp)[0]
     assert out.token_ids == cold.token_ids
     np.testing.assert_allclose(out.logprobs, cold.logprobs, atol=1e-6)

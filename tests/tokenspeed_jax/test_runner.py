@@ -171,10 +171,13 @@ def dense_logp(dense, ids):
     return np.asarray(jax.nn.log_softmax(dense(jnp.asarray(padded))))[: len(ids)]
 
 
-def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup):
+@pytest.mark.parametrize("min_kv", [256, 8])  # one kv level (full width) | levels 8, 16, 32
+def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup, min_kv):
     sched = MiniScheduler(model_setup[2], r=3, t=32, chunk=9)
-    runner = make_runner(model_setup, sched, min_token_bucket=8)
+    runner = make_runner(model_setup, sched, min_token_bucket=8, min_kv_bucket=min_kv)
     assert runner.buckets == (8, 16, 32)
+    assert [t for t, _ in runner.kv_levels] == ([32] if min_kv == 256 else [8, 16, 32])
+    keys = set()
     rng = np.random.default_rng(1)
     reqs = [sched.add(f"r{i}", rng.integers(0, 256, n), 6) for i, n in enumerate((11, 7, 13))]
     finished, buckets, kinds = [], set(), set()
@@ -188,6 +191,7 @@ def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup):
         )
         kinds.add("decode" if decode.all() else "prefill" if not decode.any() else "mixed")
         buckets.add(runner.bucket_for(ops.num_tokens))
+        keys.add((runner.bucket_for(ops.num_tokens), runner.kv_bucket_for(ops)[0]))
         before = list(sched.reqs)
         sched.update(ops, runner.step(ops))
         finished += [q for q in before if q not in sched.reqs]
@@ -198,8 +202,12 @@ def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup):
     ops = sched.schedule()
     assert ops.num_tokens == 32
     buckets.add(32)
+    keys.add((32, runner.kv_bucket_for(ops)[0]))
     sched.update(ops, runner.step(ops))
-    assert runner.num_compiles == len(buckets) == 3  # one per bucket, none after
+    assert len(buckets) == 3
+    assert runner.num_compiles == len(keys)  # one per (token bucket, kv bucket) met, none after
+    if min_kv == 8:
+        assert {kv for _, kv in keys} == {16, 32}  # short and long rows both ran
 
     _, _, _, _, dense = model_setup
     for req in reqs + full:

@@ -12,6 +12,7 @@ transformers configuration classes (defaults included, since a config.json may o
   `block_ff_dim` / `intermediate_size` with the `block_auto_adjust_ff_dim` rule.
 * GPT-OSS: alternating sliding/full (`layer_types`), attention sinks, q/k/v/o biases, MoE with
   clamped SwiGLU, YaRN RoPE (its default when the config has none).
+* Gemma 2 / Gemma 3 (text): see `hf/gemma.py` (soft-caps, sandwich norms, GeGLU, local RoPE).
 Sliding windows: transformers masks key j for query i unless `i - W < j <= i` (the query sees W
 tokens including itself, and its sliding caches keep W - 1 past tokens); our kernels read
 `[n - W + 1, n]`, the same set, so `sliding_window` is used as is.
@@ -31,10 +32,13 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Lfm2ForCausalLM": "lfm2",
     "GptOssForCausalLM": "gpt_oss",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 # transformers' per-family default rope_theta (used when config.json has none).
-_DEFAULT_THETA = {"llama": 10000.0, "qwen3": 10000.0, "mistral": 10000.0, "lfm2": 1e6, "gpt_oss": 150000.0}
+_DEFAULT_THETA = {"llama": 10000.0, "qwen3": 10000.0, "mistral": 10000.0, "lfm2": 1e6, "gpt_oss": 150000.0,
+                  "gemma2": 10000.0, "gemma3": 1e6}
 _GPT_OSS_DEFAULT_ROPE = {
     "rope_type": "yarn",
     "factor": 32.0,
@@ -104,6 +108,10 @@ def _layer_types(hf: Mapping[str, Any], family: str, n: int) -> tuple[tuple[str,
     given = hf.get("layer_types")
     if family == "llama":
         return ("full_attention",) * n, None
+    if family in ("gemma2", "gemma3") and not given:
+        from tokenspeed_jax.hf.gemma import gemma_layer_types
+
+        given = gemma_layer_types(hf, family, n)
     if family == "mistral":
         return (("sliding_attention" if window else "full_attention"),) * n, window or None
     if family == "qwen3":
@@ -137,14 +145,24 @@ def model_config_from_hf(
     """Builds our `ModelConfig` from a parsed config.json (and generation_config.json, whose
     `eos_token_id` wins over config.json's). Raises ValueError for anything unsupported."""
     family = family_of(hf)
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+    if family in ("gemma2", "gemma3"):
+        from tokenspeed_jax.hf.gemma import gemma_defaults
+
+        hf = {**gemma_defaults(family, hf), **hf}
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    act = "silu" if act == "swish" else act
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ValueError(f"hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
     hidden = int(hf["hidden_size"])
     heads = int(hf.get("num_attention_heads") or hf.get("num_heads"))
     n = int(hf["num_hidden_layers"])
     layer_types, window = _layer_types(hf, family, n)
-    theta, rope_scaling = _rope(hf, family)
+    if family == "gemma3":
+        from tokenspeed_jax.hf.gemma import gemma3_rope
+
+        (theta, rope_scaling), local_rope = gemma3_rope(hf, lambda h: _rope(h, family))
+    else:
+        theta, rope_scaling = _rope(hf, family)
     kv_heads = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim")
     bias = bool(hf.get("attention_bias", family == "gpt_oss"))
@@ -168,6 +186,7 @@ def model_config_from_hf(
         dtype=resolve_dtype(dtype, hf),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=_eos(hf, generation_config),
+        hidden_act=act,
     )
     if family == "qwen3":
         kw["qk_norm"] = True
@@ -180,6 +199,12 @@ def model_config_from_hf(
             rms_norm_eps=float(hf.get("norm_eps", 1e-5)),
             tie_word_embeddings=bool(hf.get("tie_embedding", hf.get("tie_word_embeddings", True))),
         )
+    elif family in ("gemma2", "gemma3"):
+        from tokenspeed_jax.hf.gemma import gemma_kwargs
+
+        kw.update(gemma_kwargs(hf, family))
+        if family == "gemma3":
+            kw.update(rope_local_theta=local_rope[0], rope_local_scaling=local_rope[1])
     elif family == "gpt_oss":
         kw.update(
             attention_sinks=True,

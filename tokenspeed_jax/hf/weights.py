@@ -162,7 +162,14 @@ def map_checkpoint(
 
 
 def load_model(cfg: ModelConfig, family: str, files: dict[str, str]) -> CausalLM:
-    """Builds the `CausalLM` of `cfg` with every parameter taken from the checkpoint.
+    """Builds the `CausalLM` of `cfg` with every parameter taken from the checkpoint files."""
+    return load_model_from_tensors(cfg, family, iter_tensors(files))
+
+
+def load_model_from_tensors(
+    cfg: ModelConfig, family: str, tensors: Iterator[tuple[str, jax.Array]]
+) -> CausalLM:
+    """Builds the `CausalLM` of `cfg` from (HF name, array) pairs (safetensors or GGUF).
 
     The model is created abstractly (no random init of real-size weights); non-parameter
     variables (RoPE tables) come from a jitted construction whose parameter init XLA discards.
@@ -171,7 +178,7 @@ def load_model(cfg: ModelConfig, family: str, files: dict[str, str]) -> CausalLM
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     flat = list(nnx.to_flat_state(params))
     targets = {path: var.get_value().shape for path, var in flat}
-    loaded = map_checkpoint(cfg, family, iter_tensors(files), targets)
+    loaded = map_checkpoint(cfg, family, tensors, targets)
     missing = [".".join(map(str, p)) for p in targets if p not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing parameters of the {family} model: {missing[:20]}")

@@ -7,15 +7,18 @@ from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.models.registry import (
     BUILTIN_MODELS,
+    MODEL_ALIASES,
     build_model,
     cache_group_specs,
     layer_groups,
     load_builtin,
+    resolve_alias,
     tiny_random_config,
 )
 
 __all__ = [
     "BUILTIN_MODELS",
+    "MODEL_ALIASES",
     "CausalLM",
     "ModelConfig",
     "PagedBatch",
@@ -23,5 +26,6 @@ __all__ = [
     "cache_group_specs",
     "layer_groups",
     "load_builtin",
+    "resolve_alias",
     "tiny_random_config",
 ]

@@ -1,4 +1,5 @@
-"""`ModelConfig`: one frozen config for the generic decoder (Llama, Qwen3, Mistral, LFM2, GPT-OSS).
+"""`ModelConfig`: one frozen config for the generic decoder (Llama, Qwen3, Mistral, LFM2, GPT-OSS,
+Gemma 2, Gemma 3).
 
 Field names follow Hugging Face `config.json` where one exists, so a loader can build a
 `ModelConfig` mostly by copying keys (`tokenspeed_jax.hf.config` does, per architecture).
@@ -11,6 +12,7 @@ import dataclasses
 from typing import Any
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "conv")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +41,15 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (GPT-OSS, Qwen2)
     o_proj_bias: bool = False  # bias on o_proj (GPT-OSS)
     attention_sinks: bool = False  # GPT-OSS: learned per-head logit in the softmax denominator
-    attn_logit_softcapping: float | None = None
-    sm_scale: float | None = None  # None = head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(scores / cap)
+    sm_scale: float | None = None  # None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    final_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(logits / cap)
+    hidden_act: str = "silu"  # gated MLP activation: "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU)
+    norm_weight_offset: float = 0.0  # RMSNorm scale = offset + weight (Gemma: 1.0, weights init 0)
+    sandwich_norms: bool = False  # Gemma 2/3: norm the mixer / MLP outputs too (4 norms per layer)
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), in the model dtype
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of sliding layers (None = rope_theta)
+    rope_local_scaling: Any = dataclasses.field(default=None, compare=False, hash=False)
     mlp_bias: bool = False
     num_local_experts: int = 0  # MoE (GPT-OSS, models/moe.py); 0 = dense SwiGLU MLP
     num_experts_per_tok: int = 0
@@ -63,6 +72,8 @@ class ModelConfig:
             raise ValueError("sliding_attention layers need a positive sliding_window")
         if "conv" in self.layer_types and self.conv_L_cache < 1:
             raise ValueError(f"conv_L_cache must be >= 1, got {self.conv_L_cache}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported: {HIDDEN_ACTS})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -76,6 +87,12 @@ class ModelConfig:
     @property
     def scale(self) -> float:
         return self.sm_scale if self.sm_scale is not None else self.head_dim**-0.5
+
+    def rope_of(self, layer: int) -> tuple[float, Any]:
+        """(theta, scaling) of layer `layer`'s RoPE: sliding layers use the local base if set."""
+        if self.rope_local_theta is not None and self.layer_types[layer] == "sliding_attention":
+            return self.rope_local_theta, self.rope_local_scaling
+        return self.rope_theta, self.rope_scaling
 
     def window_of(self, layer: int) -> int | None:
         """Attention window of layer `layer` (None = full history); conv layers: None."""

@@ -1,4 +1,5 @@
-"""The generic decoder (Flax NNX): attention / conv token mixers, SwiGLU MLP, RMSNorm, RoPE.
+"""The generic decoder (Flax NNX): attention / conv token mixers, gated MLP, RMSNorm, RoPE
+(Gemma switches: sandwich norms, scaled embeddings, attention and final logit soft-caps).
 
 Parameter names follow Hugging Face Llama/Qwen3 (`embed_tokens`, `layers[i].self_attn.q_proj`,
 `input_layernorm`, `post_attention_layernorm`, `mlp.gate_proj`, `norm`, `lm_head`); conv layers
@@ -59,8 +60,8 @@ class Attention(nnx.Module):
         self.sliding_window = cfg.window_of(layer)
         self.soft_cap = cfg.attn_logit_softcapping
         # YaRN scales cos/sin, i.e. both q and k, by f: the same as scaling the logits by f^2.
-        self.sm_scale = cfg.scale * rope_attention_factor(cfg) ** 2
-        self.inv_freq = nnx.Variable(rope_inv_freq(cfg))  # not a Param: never trained/loaded
+        self.sm_scale = cfg.scale * rope_attention_factor(cfg, layer) ** 2
+        self.inv_freq = nnx.Variable(rope_inv_freq(cfg, layer))  # not a Param: never trained/loaded
 
     def _qkv(self, x: jax.Array, positions: jax.Array):
         t = x.shape[0]
@@ -114,22 +115,37 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block.
 
     h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h)).
+    With `sandwich_norms` (Gemma 2/3) the outputs are normed too:
+    h = x + post_attention_layernorm(mixer(input_layernorm(x)));
+    out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         self.layer_type = cfg.layer_types[layer]
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
+        norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
+        self.input_layernorm = norm()
         if self.layer_type == "conv":
             self.conv = ShortConv(cfg, rngs=rngs)
         else:
             self.self_attn = Attention(cfg, layer, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
+        self.post_attention_layernorm = norm()
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = make_mlp(cfg, rngs=rngs)
+
+    def _residuals(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        """x: the block input, y: the mixer's output -> the block output."""
+        if not self.sandwich:
+            h = x + y
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(y)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
     def dense(self, x: jax.Array) -> jax.Array:
         mixer = self.conv if self.layer_type == "conv" else self.self_attn
-        h = x + mixer.dense(self.input_layernorm(x))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self._residuals(x, mixer.dense(self.input_layernorm(x)))
 
     def paged(self, x, cache, batch: PagedBatch, group: int, attn_fn: AttnFn, conv_fn=None):
         y = self.input_layernorm(x)
@@ -137,8 +153,7 @@ class DecoderLayer(nnx.Module):
             y, cache = self.conv.paged(y, cache, batch, group, conv_fn)
         else:
             y, cache = self.self_attn.paged(y, cache, batch, group, attn_fn)
-        h = x + y
-        return h + self.mlp(self.post_attention_layernorm(h)), cache
+        return self._residuals(x, y), cache
 
 
 class CausalLM(nnx.Module):
@@ -154,14 +169,24 @@ class CausalLM(nnx.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
         )
+        self.embed_scale = cfg.embed_scale
+        self.final_softcap = cfg.final_logit_softcapping
+
+    def embed(self, token_ids: jax.Array) -> jax.Array:
+        """i32[T] -> f[T, H]; Gemma scales by sqrt(H) rounded to the model dtype, as HF does."""
+        x = self.embed_tokens[...][token_ids]
+        return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Final-normed hidden f[..., H] -> float32 logits f32[..., V]."""
+        """Final-normed hidden f[..., H] -> float32 logits f32[..., V] (soft-capped for Gemma 2)."""
         if self.lm_head is None:
             out = hidden @ self.embed_tokens[...].T
         else:
             out = self.lm_head(hidden)
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        if self.final_softcap is not None:
+            out = self.final_softcap * jnp.tanh(out / self.final_softcap)
+        return out
 
     def __call__(
         self,
@@ -176,7 +201,7 @@ class CausalLM(nnx.Module):
         attn_fn: SPEC.md `paged_attention` signature; conv_fn: `short_conv` signature or None
         (jnp taps).
         """
-        x = self.embed_tokens[...][token_ids]
+        x = self.embed(token_ids)
         new_caches = []
         for i, layer in enumerate(self.layers):
             x, c = layer.paged(x, caches[i], batch, batch.layer_groups[i], attn_fn, conv_fn)
@@ -185,7 +210,7 @@ class CausalLM(nnx.Module):
 
     def dense(self, token_ids: jax.Array) -> jax.Array:
         """One whole sequence i32[S] -> logits f32[S, V] (plain masks; test oracle)."""
-        x = self.embed_tokens[...][token_ids]
+        x = self.embed(token_ids)
         for layer in self.layers:
             x = layer.dense(x)
         return self.logits(self.norm(x))

@@ -30,27 +30,35 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * weight over the last axis; statistics in float32. weight f[dim]."""
+    """x / rms(x) * (offset + weight) over the last axis, all in float32, cast back at the end.
+
+    weight f[dim]; offset = cfg.norm_weight_offset (0 for Llama-style, 1 for Gemma, whose
+    weights are stored zero-centred and initialised to 0).
+    """
 
     def __init__(self, dim: int, *, eps: float, cfg: ModelConfig):
-        self.weight = nnx.Param(jnp.ones((dim,), cfg.dtype))
+        self.offset = float(cfg.norm_weight_offset)
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - self.offset, cfg.dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """f32[head_dim // 2] inverse frequencies, `cfg.rope_scaling` applied (models/rope.py)."""
-    inv_freq, _ = rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+def rope_inv_freq(cfg: ModelConfig, layer: int = 0) -> jax.Array:
+    """f32[head_dim // 2] inverse frequencies of layer `layer` (its theta and scaling, see
+    `ModelConfig.rope_of`; models/rope.py)."""
+    theta, scaling = cfg.rope_of(layer)
+    inv_freq, _ = rope_parameters(cfg.head_dim, theta, scaling, cfg.max_position_embeddings)
     return jnp.asarray(inv_freq)
 
 
-def rope_attention_factor(cfg: ModelConfig) -> float:
+def rope_attention_factor(cfg: ModelConfig, layer: int = 0) -> float:
     """Factor the RoPE variant multiplies cos/sin by (YaRN mscale; 1.0 for most variants)."""
-    return rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)[1]
+    theta, scaling = cfg.rope_of(layer)
+    return rope_parameters(cfg.head_dim, theta, scaling, cfg.max_position_embeddings)[1]
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -64,17 +72,27 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
+def activation(name: str):
+    """Gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, tanh-approximated GELU)."""
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    raise ValueError(f"unsupported activation {name!r}")
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+    """Gated MLP: down_proj(act(gate_proj(x)) * up_proj(x)), act = SiLU or tanh-GELU."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = Linear(h, i, bias=b, cfg=cfg, rngs=rngs)
         self.up_proj = Linear(h, i, bias=b, cfg=cfg, rngs=rngs)
         self.down_proj = Linear(i, h, bias=b, cfg=cfg, rngs=rngs)
+        self.act = activation(cfg.hidden_act)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 def make_mlp(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:

