@@ -1,6 +1,7 @@
-"""Overlapped scheduling on every real-checkpoint family: `async_scheduling=True` == the
-synchronous loop (greedy tokens, logprobs, finish reasons with eos stop ids), under chunked
-prefill, shared prefixes and a pool tight enough to retract, with debug mirror checks each step.
+"""Overlapped scheduling on every real-checkpoint family (tests/hf/conftest.py FAMILIES):
+`async_scheduling=True` == the synchronous loop (greedy tokens, logprobs, finish reasons with
+eos stop ids), under chunked prefill, shared prefixes and a pool tight enough to retract, with
+debug mirror checks each step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from tokenspeed_jax import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-NUM_PAGES = {"llama": 22, "qwen3": 30, "mistral": 14, "lfm2": 24, "gpt_oss": 30}
+# the pools of test_hf_parity.py (tight enough to retract)
+NUM_PAGES = {"llama": 22, "qwen3": 30, "mistral": 14, "lfm2": 24, "gpt_oss": 30, "gemma2": 30,
+             "gemma3": 30}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
