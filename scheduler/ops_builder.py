@@ -8,7 +8,13 @@ import numpy as np
 
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
-from scheduler.step_ops import PLACEHOLDER_TOKEN, GroupLayout, GroupStepOps, StepOps
+from scheduler.step_ops import (
+    PLACEHOLDER_TOKEN,
+    GroupLayout,
+    GroupStepOps,
+    StepOps,
+    sampling_padding,
+)
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,6 +39,7 @@ class OpsBuilder:
         self.R = config.max_batch_requests
         self.T = config.max_scheduled_tokens
         self.layouts = config.group_layouts()
+        self._sampling_pad = sampling_padding(self.R)
         self._row_index = np.arange(self.R, dtype=np.int32)
         # padding-valued templates: copying one is cheaper than np.full / np.ones each step
         R, T, i32 = self.R, self.T, np.int32
@@ -66,6 +73,7 @@ class OpsBuilder:
         prompt_targets = self._minus1_T.copy()
         query_start = np.zeros(R + 1, i32)
         groups = [self._empty_group(g, lay) for g, lay in enumerate(self.layouts)]
+        extra = {k: v.copy() for k, v in self._sampling_pad.items()}
         q = sum(lens)
         if n:
             req_slots[:n] = [r.slot for r in reqs]
@@ -78,6 +86,8 @@ class OpsBuilder:
             seeds[:n] = [r.seed for r in reqs]
             # tokens generated before the one this row samples (pending ones included)
             sample_index[:n] = [len(r.tokens) + r.num_pending - r.prompt_len for r in reqs]
+            extra["prompt_lens"][:n] = [r.prompt_len for r in reqs]
+            self._fill_extras(extra, reqs)
             np.cumsum(lens, out=query_start[1:n + 1])
             query_start[n + 1:] = q
             if q == n:  # every row has one token (decodes)
@@ -139,8 +149,25 @@ class OpsBuilder:
             token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
             positions=positions, token_rows=token_rows,
             prompt_targets=prompt_targets, temperature=temperature, top_p=top_p, top_k=top_k,
-            seeds=seeds, sample_index=sample_index,
+            seeds=seeds, sample_index=sample_index, **extra,
             groups=tuple(GroupStepOps(*arrays) for arrays in groups))
+
+    @staticmethod
+    def _fill_extras(extra: dict, reqs: list[Request]) -> None:
+        """Penalties, logit_bias and top-k logprobs: only rows that use them differ from padding."""
+        for i, req in enumerate(reqs):
+            if not req.needs_extras:
+                continue
+            if req.has_penalties:
+                extra["presence_penalty"][i] = req.presence_penalty
+                extra["frequency_penalty"][i] = req.frequency_penalty
+                extra["repetition_penalty"][i] = req.repetition_penalty
+            if req.logit_bias:
+                k = len(req.logit_bias)
+                extra["logit_bias_ids"][i, :k] = [t for t, _ in req.logit_bias]
+                extra["logit_bias_values"][i, :k] = [b for _, b in req.logit_bias]
+            if req.top_logprobs:
+                extra["top_logprobs"][i] = req.top_logprobs
 
     def _empty_group(self, g: int, lay: GroupLayout) -> list[np.ndarray]:
         R = self.R

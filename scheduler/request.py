@@ -49,6 +49,8 @@ class Request:
                  "hasher", "status", "tables", "slot", "num_computed", "reserved",
                  "prefill_done", "num_decode_rows", "needs_refresh", "num_cached_tokens",
                  "num_retractions", "finish_reason", "published_base_pages", "admitted_once",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                 "top_logprobs", "has_penalties", "needs_extras",
                  "num_inflight", "num_pending", "epoch")
 
     def __init__(self, request_id: str, prompt: list[int], max_new_tokens: int, *,
@@ -81,6 +83,16 @@ class Request:
         self.finish_reason: str | None = None
         self.published_base_pages = 0
         self.admitted_once = False
+        # penalties / logit_bias / top-k logprobs (StepOps per-request sampling fields)
+        self.presence_penalty = 0.0
+        self.frequency_penalty = 0.0
+        self.repetition_penalty = 1.0
+        self.logit_bias: tuple[tuple[int, float], ...] = ()
+        self.top_logprobs = 0
+        # the device must count this request's tokens (such requests skip the prefix cache so
+        # that every token they hold passes through a step; see tokenspeed_jax/sampling.py)
+        self.has_penalties = False
+        self.needs_extras = False  # any non-padding penalty / logit_bias / top_logprobs field
         self.num_inflight = 0  # tokens scheduled in steps not yet fed back by `update`
         self.num_pending = 0  # sampled tokens still on the device (placeholders on the host)
         self.epoch = 0  # bumped by every release; a step row whose epoch differs is stale
@@ -91,9 +103,11 @@ class Request:
         """Validate the per-request options (ValueError naming the option) and build the request.
 
         Options: stop_token_ids, temperature (0 = greedy), top_p, top_k, seed (None = derived
-        from the request id, so reruns reproduce), prompt_logprobs, cache_salt (str | bytes)."""
+        from the request id, so reruns reproduce), prompt_logprobs, cache_salt (str | bytes),
+        presence_penalty, frequency_penalty (floats, 0 = off), repetition_penalty (> 0, 1 = off),
+        logit_bias ({token id: bias}), top_logprobs (int in [0, 20])."""
         unknown = set(options) - {"stop_token_ids", "temperature", "top_p", "top_k", "seed",
-                                  "prompt_logprobs", "cache_salt"}
+                                  "prompt_logprobs", "cache_salt", *_EXTRA_OPTIONS}
         if unknown:
             raise ValueError(f"request {request_id!r}: unknown options {sorted(unknown)}")
         temperature = float(options.get("temperature", 0.0))
@@ -111,11 +125,13 @@ class Request:
         salt = options.get("cache_salt") or b""
         if isinstance(salt, str):
             salt = salt.encode()
-        return cls(request_id, prompt, max_new_tokens,
-                   stop_token_ids=frozenset(int(t) for t in options.get("stop_token_ids", ())),
-                   temperature=temperature, top_p=top_p, top_k=top_k, seed=int(seed) & 0xFFFFFFFF,
-                   prompt_logprobs=bool(options.get("prompt_logprobs", False)), arrival=arrival,
-                   hash_base=hash_base, cache_salt=salt)
+        req = cls(request_id, prompt, max_new_tokens,
+                  stop_token_ids=frozenset(int(t) for t in options.get("stop_token_ids", ())),
+                  temperature=temperature, top_p=top_p, top_k=top_k, seed=int(seed) & 0xFFFFFFFF,
+                  prompt_logprobs=bool(options.get("prompt_logprobs", False)), arrival=arrival,
+                  hash_base=hash_base, cache_salt=salt)
+        _set_extra_options(req, options)
+        return req
 
     @property
     def num_generated(self) -> int:
@@ -141,3 +157,34 @@ class Request:
         return RequestOutput(self.request_id, self.tokens[:self.prompt_len],
                              self.tokens[self.prompt_len:], self.finish_reason or "abort",
                              self.num_cached_tokens, self.num_retractions)
+
+
+_EXTRA_OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                  "top_logprobs", "has_penalties", "needs_extras")
+
+
+def _set_extra_options(req: Request, options: dict) -> None:
+    """Validate and set the penalty / logit_bias / top_logprobs options (ValueError naming them)."""
+    rid = req.request_id
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = float(options.get(name) or 0.0)
+        if not -2.0 <= value <= 2.0:
+            raise ValueError(f"request {rid!r}: {name} must be in [-2, 2], got {value}")
+        setattr(req, name, value)
+    rep = float(options.get("repetition_penalty") or 1.0)
+    if not 0.0 < rep <= 1e4:
+        raise ValueError(f"request {rid!r}: repetition_penalty must be > 0, got {rep}")
+    req.repetition_penalty = rep
+    bias = options.get("logit_bias") or {}
+    items = tuple(sorted((int(t), float(b)) for t, b in dict(bias).items()))
+    if any(t < 0 for t, _ in items) or any(not -100.0 <= b <= 100.0 for _, b in items):
+        raise ValueError(f"request {rid!r}: logit_bias needs token ids >= 0 and biases in "
+                         f"[-100, 100], got {dict(items)}")
+    req.logit_bias = items
+    top = int(options.get("top_logprobs") or 0)
+    if not 0 <= top <= 20:
+        raise ValueError(f"request {rid!r}: top_logprobs must be in [0, 20], got {top}")
+    req.top_logprobs = top
+    req.has_penalties = (req.presence_penalty != 0.0 or req.frequency_penalty != 0.0
+                         or req.repetition_penalty != 1.0)
+    req.needs_extras = req.has_penalties or bool(items) or top > 0

@@ -32,10 +32,11 @@ import numpy as np
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.coordinator import CacheCoordinator
+from scheduler.hashing import PrefixHasher
 from scheduler.invariants import check_scheduler_invariants
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
-from scheduler.step_ops import StepOps
+from scheduler.step_ops import LOGIT_BIAS_WIDTH, StepOps
 from scheduler.tail_mirror import MirrorChecker
 
 
@@ -73,7 +74,8 @@ class Scheduler:
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_new_tokens: int,
                     **options) -> None:
         """Queue a request. Options: stop_token_ids, temperature (0 = greedy), top_p, top_k,
-        seed, prompt_logprobs (bool), cache_salt (str | bytes). Raises ValueError on bad input
+        seed, prompt_logprobs (bool), cache_salt (str | bytes), presence_penalty,
+        frequency_penalty, repetition_penalty, logit_bias, top_logprobs. Raises ValueError on bad input
         (nothing changes then)."""
         cfg = self.config
         if not isinstance(request_id, str) or not request_id:
@@ -99,6 +101,9 @@ class Scheduler:
                              f"pool has {self.pool.num_pages - 1}")
         req = Request.from_options(request_id, prompt, max_new_tokens, options,
                                    arrival=next(self._arrival), hash_base=self.coord.base)
+        if len(req.logit_bias) > LOGIT_BIAS_WIDTH:
+            raise ValueError(f"request {request_id!r}: {len(req.logit_bias)} logit_bias entries, "
+                             f"at most {LOGIT_BIAS_WIDTH}")
         self._requests[request_id] = req
         self._waiting.append(req)
 
@@ -131,6 +136,21 @@ class Scheduler:
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Running + waiting requests (a replica's load, for routing)."""
+        return len(self._running) + len(self._waiting)
+
+    def prefix_match_tokens(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> int:
+        """Prompt tokens a new request would take from the prefix cache right now (read-only;
+        data-parallel routing sends a request to the replica with the longest match)."""
+        if not self.config.enable_prefix_cache or len(prompt_token_ids) < 2:
+            return 0
+        hasher = PrefixHasher(self.coord.base, cache_salt)
+        hasher.extend(list(prompt_token_ids))
+        hit, _ = self.coord.match_prefix(hasher.hashes, len(prompt_token_ids) - 1)
+        return hit
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> StepOps:
@@ -232,14 +252,18 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, headroom: int) -> ScheduledRow | None:
         cfg, coord = self.config, self.coord
         hit, hit_rows = 0, None
-        if cfg.enable_prefix_cache and not req.prompt_logprobs:
+        if cfg.enable_prefix_cache and not req.prompt_logprobs and not req.has_penalties:
             hit, hit_rows = coord.match_prefix(req.hasher.hashes, len(req.tokens) - 1)
         tables = coord.new_tables()
         if hit:
             for t, row in zip(tables, hit_rows):
                 t.pages = list(row)  # shape only: demand math needs the table length
         n = min(len(req.tokens) - hit, budget, self._chunk_cap)
-        extra = cfg.decode_reserve_tokens if n == len(req.tokens) - hit else 0
+        # Reserve decode room only for tokens the request can still generate: the fit check in
+        # add_request sizes a request by prompt + max_new_tokens, so reserving more than that
+        # could make a request that fits alone unadmittable forever (a liveness bug).
+        left = req.max_new_tokens - req.num_generated
+        extra = min(cfg.decode_reserve_tokens, left) if n == len(req.tokens) - hit else 0
         chunk_need = coord.blocks_needed_for(tables, n)
         reserve = coord.blocks_needed_for_sequential(tables, n, extra) - chunk_need
         pulled = coord.prefix_pages_in_free_list(hit_rows) if hit else 0

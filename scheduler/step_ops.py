@@ -7,6 +7,7 @@ jitted device step compiles once per shape bucket. Notation used in the field co
   T   = config.max_scheduled_tokens query tokens of a step, packed row after row
   W_g = GroupLayout.width           max logical pages of one request in group g
   N_g = GroupLayout.delta_width     max tail-delta pages of one row in one step, group g
+  B   = LOGIT_BIAS_WIDTH (64)         logit_bias entries of one row (a request may carry at most B)
 
 Device slots (`req_slots`) index the rows of the device page-table mirrors
 (`i32[max_live_requests, W_g]` per group); batch row i of a step lives in slot `req_slots[i]`.
@@ -16,7 +17,7 @@ Schema: every field that goes to the device carries `metadata={"axis": ..., "dty
 into one int32 and one float32 buffer) and a new field needs no runner edit. Axes:
   "row" [R], "row+1" [R+1], "token" [T] (the runner cuts it to the step's token bucket),
   "row,delta" [R, N_g], "row,width" [R, W_g] (the runner cuts it to the step's kv bucket: only
-  columns below the longest row of the step can hold a page).
+  columns below the longest row of the step can hold a page), "row,bias" [R, B].
 dtypes: "i32", "bool" and "u32" travel in the int32 buffer (bit-exact), "f32" in the float32 one.
 Fields without an axis (num_reqs, num_tokens, request_ids) stay on the host.
 """
@@ -27,7 +28,8 @@ import dataclasses
 
 import numpy as np
 
-AXES = ("row", "row+1", "token", "row,delta", "row,width")
+AXES = ("row", "row+1", "token", "row,delta", "row,width", "row,bias")
+LOGIT_BIAS_WIDTH = 64  # B: logit_bias entries per row (fixed, so it is no shape-key dimension)
 DTYPES = ("i32", "bool", "u32", "f32")
 
 
@@ -102,6 +104,20 @@ class StepOps:
     top_k: np.ndarray = _dev("row", "i32")  # i32[R] keep the k most likely tokens, -1 = all; -1 padding
     seeds: np.ndarray = _dev("row", "u32")  # u32[R] per-request sampling seed; 0 padding
     sample_index: np.ndarray = _dev("row", "i32")  # i32[R] tokens generated so far (PRNG fold-in); 0 padding
+    # i32[R] prompt length (inputs at positions >= it count as output); 0 padding
+    prompt_lens: np.ndarray = _dev("row", "i32")
+    # f32[R] subtracted once from the logit of every token already generated; 0 padding
+    presence_penalty: np.ndarray = _dev("row", "f32")
+    # f32[R] subtracted per occurrence of the token in the output; 0 padding
+    frequency_penalty: np.ndarray = _dev("row", "f32")
+    # f32[R] divides (> 0) / multiplies (< 0) logits of tokens seen in prompt or output; 1 padding
+    repetition_penalty: np.ndarray = _dev("row", "f32")
+    # i32[R, B] token ids whose logits get a bias; -1 padding (the device drops them)
+    logit_bias_ids: np.ndarray = _dev("row,bias", "i32")
+    # f32[R, B] bias added to those logits; 0 padding
+    logit_bias_values: np.ndarray = _dev("row,bias", "f32")
+    # i32[R] most likely tokens to report with logprobs (<= 20); 0 padding
+    top_logprobs: np.ndarray = _dev("row", "i32")
     groups: tuple[GroupStepOps, ...]  # one per cache group, in config.groups order
 
     def row_of(self, request_id: str) -> int:
@@ -119,3 +135,20 @@ def device_schema(cls: type) -> tuple[tuple[str, str, str], ...]:
     """(name, axis, dtype) of every device field of `StepOps` or `GroupStepOps`, in field order."""
     return tuple((f.name, f.metadata["axis"], f.metadata["dtype"])
                  for f in dataclasses.fields(cls) if "axis" in f.metadata)
+
+
+SAMPLING_PADDING = {  # field -> (dtype, padding value, extra trailing dims: "B" = LOGIT_BIAS_WIDTH)
+    "prompt_lens": (np.int32, 0, ()), "presence_penalty": (np.float32, 0.0, ()),
+    "frequency_penalty": (np.float32, 0.0, ()), "repetition_penalty": (np.float32, 1.0, ()),
+    "logit_bias_ids": (np.int32, -1, ("B",)), "logit_bias_values": (np.float32, 0.0, ("B",)),
+    "top_logprobs": (np.int32, 0, ()),
+}
+
+
+def sampling_padding(num_rows: int) -> dict[str, np.ndarray]:
+    """All-padding arrays of the per-request penalty / logprob fields (R rows, B bias slots)."""
+    out = {}
+    for name, (dtype, value, dims) in SAMPLING_PADDING.items():
+        shape = (num_rows, *(LOGIT_BIAS_WIDTH for _ in dims))
+        out[name] = np.full(shape, value, dtype)
+    return out

@@ -30,13 +30,14 @@ from tokenspeed_jax.step_clock import StepClock
 class _Track:
     """Engine-side state of one live request."""
 
-    __slots__ = ("params", "metrics", "logprobs", "prompt_logprobs", "prompt")
+    __slots__ = ("params", "metrics", "logprobs", "prompt_logprobs", "prompt", "top")
 
     def __init__(self, prompt: list[int], params: SamplingParams) -> None:
         self.prompt = prompt
         self.params = params
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []  # top-k (id, logprob) per generated token
         self.prompt_logprobs: list[float | None] | None = (
             [None] * len(prompt) if params.prompt_logprobs else None)
 
@@ -94,6 +95,9 @@ class Engine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         cfg = self.scheduler.config
         if len(ids) + params.max_tokens > cfg.max_context_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -111,7 +115,10 @@ class Engine:
         self.scheduler.add_request(
             rid, ids, params.max_tokens, stop_token_ids=sorted(stops),
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            seed=params.seed, prompt_logprobs=params.prompt_logprobs)
+            seed=params.seed, prompt_logprobs=params.prompt_logprobs,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
+            top_logprobs=params.top_logprobs)
         self._tracks[rid] = _Track(ids, params)
         return rid
 
@@ -124,6 +131,12 @@ class Engine:
         self.scheduler.abort(request_id)
         track.metrics.finish_time = time.perf_counter()
         return self._output(request_id, track, generated, "abort")
+
+    def logprobs_so_far(self, request_id: str) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """(token logprobs, top-k lists) of a live request's generated tokens so far (empty
+        lists when it did not ask for them or is unknown); the server streams them."""
+        track = self._tracks.get(request_id)
+        return ([], []) if track is None else (track.logprobs, track.top)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -223,14 +236,19 @@ class Engine:
         sampled_rows = [i for i in np.flatnonzero(ops.sample_mask[:ops.num_reqs]) if applied[i]]
         self.num_generated_tokens += len(sampled_rows)
         logprobs = np.asarray(result.logprobs)
+        top_ids = getattr(result, "top_ids", None)
+        top_lp = getattr(result, "top_logprobs", None)
         for i in sampled_rows:
             track = self._tracks.get(ops.request_ids[i])
             if track is None:
                 continue
             if track.metrics.first_token_time is None:
                 track.metrics.first_token_time = now
-            if track.params.logprobs:
+            if track.params.logprobs or track.params.top_logprobs:
                 track.logprobs.append(float(logprobs[i]))
+            k = track.params.top_logprobs
+            if k and top_ids is not None:
+                track.top.append(list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
         targets = np.flatnonzero(ops.prompt_targets[:ops.num_tokens] >= 0)
         if len(targets):
             plp = np.asarray(result.prompt_logprobs)
@@ -249,8 +267,10 @@ class Engine:
         return CompletionOutput(
             request_id=rid, prompt_token_ids=list(track.prompt), token_ids=list(token_ids),
             finish_reason=reason, text=text,
-            logprobs=track.logprobs[:len(token_ids)] if track.params.logprobs else None,
-            prompt_logprobs=track.prompt_logprobs, metrics=track.metrics)
+            logprobs=(track.logprobs[:len(token_ids)]
+                      if track.params.logprobs or track.params.top_logprobs else None),
+            prompt_logprobs=track.prompt_logprobs, metrics=track.metrics,
+            top_logprobs=track.top[:len(token_ids)] if track.params.top_logprobs else None)
 
     def warmup(self, max_kv_len: int | None = None) -> int:
         """Compile the runner's shape keys now (`ModelRunner.warmup`: every (token, kv) bucket

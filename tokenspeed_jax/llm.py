@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
+import numpy as np
+
 from scheduler import SchedulerConfig
+from tokenspeed_jax import distributed as dist
 from tokenspeed_jax.engine import Engine
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -65,6 +71,13 @@ class LLM:
     tokens (prompt + max_tokens of this LLM's unfinished requests; ties -> lowest index) and steps
     every busy replica once per round, in threads (device work of different replicas overlaps).
     `engines` lists the replicas; `engine` is replica 0 (what the CLI workload and the server drive).
+
+    distributed: a `tokenspeed_jax.distributed.DistributedConfig` (or a dict of its fields, or
+    "env") runs on JAX's multi-controller runtime, one process per host: every process constructs
+    the same LLM; process 0 (the leader, `is_leader`) schedules and calls `generate` / serves
+    HTTP, and broadcasts each step to the others, which call `run_follower()` (blocks until the
+    leader's `shutdown()`, also run at exit). Replicas span every process (tensor_parallel_size
+    a multiple of the process count); see docs/distributed.md.
     """
 
     def __init__(self, model: str = "tiny-random", *, page_size: int = 16,
@@ -72,12 +85,18 @@ class LLM:
                  max_scheduled_tokens: int = 2048, max_context_len: int | None = None,
                  enable_prefix_cache: bool = True, dtype: str = "float32",
                  attention_backend: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, **more_options) -> None:
+                 data_parallel_size: int = 1, distributed=None, **more_options) -> None:
         from tokenspeed_jax import sharding
 
+        self.distributed = dist.resolve(distributed)
+        multi = self.distributed is not None and self.distributed.num_processes > 1
+        self.is_leader = not multi or self.distributed.is_leader
+        self._group = None
+        if multi:  # before anything touches jax.devices()
+            dist.initialize(self.distributed)
         tp, dp = tensor_parallel_size, data_parallel_size
         # one mesh per replica; None keeps the single-device path exactly as it was
-        meshes = [None] if tp == dp == 1 else sharding.replica_meshes(tp, dp)
+        meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
         known = {"conv_page_size", "enable_adoption", "max_live_requests", "debug_checks",
                  "honor_full_refresh", "decode_reserve_tokens", "max_prefill_chunk_tokens",
                  "min_kv_bucket", "async_scheduling"}
@@ -90,8 +109,14 @@ class LLM:
         from tokenspeed_jax.models.registry import cache_group_specs, layer_groups
         from tokenspeed_jax.runner import DEFAULT_MIN_KV_BUCKET, ModelRunner
 
-        self.model_config, net, self.tokenizer = _load(model, dtype, seed)
-        sharding.validate(self.model_config, tp)
+        # Multi-process: the whole model is built / read into host memory only; each process
+        # then copies just its own shards onto its accelerators (`sharding.place`).
+        with sharding.host_staging() if multi else contextlib.nullcontext():
+            self.model_config, net, self.tokenizer = _load(model, dtype, seed)
+            sharding.validate(self.model_config, tp)
+            # tp > kv heads: k/v projections widened to one KV head per shard (runtime config)
+            runtime_config = sharding.replicate_kv_heads(net, self.model_config, tp)
+        self.dtype = dtype
         if max_context_len is None:
             limit = getattr(self.model_config, "max_position_embeddings", None)
             default = DEFAULT_TINY_CONTEXT if model == "tiny-random" else DEFAULT_HF_CONTEXT
@@ -103,9 +128,14 @@ class LLM:
         if num_pages is None:
             from tokenspeed_jax.state import pages_from_memory
 
-            device = None if meshes[0] is None else meshes[0].devices.flat[0]
-            num_pages = pages_from_memory(self.model_config, groups, block_sizes, device=device,
+            device = None if meshes[0] is None else next(
+                d for d in meshes[0].devices.flat if d.process_index == jax.process_index())
+            num_pages = pages_from_memory(runtime_config, groups, block_sizes, device=device,
                                           shards=tp)
+            if multi:  # every process must build the same shapes: the smallest fit wins
+                from jax.experimental import multihost_utils
+
+                num_pages = int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
         sched_cfg = SchedulerConfig(
             num_pages=num_pages, page_size=page_size, max_batch_requests=max_batch_requests,
             max_scheduled_tokens=max_scheduled_tokens, max_context_len=max_context_len,
@@ -124,8 +154,8 @@ class LLM:
             device = jax.devices()[0] if meshes[0] is None else meshes[0].devices.flat[0]
             overlap = device.platform != "cpu"
         self.engines: list[Engine] = []
-        for mesh in meshes:
-            runner = ModelRunner(self.model_config, net, sched_cfg.group_layouts(),
+        for r, mesh in enumerate(meshes):
+            runner = ModelRunner(runtime_config, net, sched_cfg.group_layouts(),
                                  num_pages=num_pages, max_live_requests=sched_cfg.num_live_slots,
                                  max_batch_requests=max_batch_requests,
                                  max_scheduled_tokens=max_scheduled_tokens, layer_groups=groups,
@@ -134,6 +164,8 @@ class LLM:
                                  min_kv_bucket=more_options.get("min_kv_bucket",
                                                                 DEFAULT_MIN_KV_BUCKET),
                                  mesh=mesh)
+            if multi:
+                runner = self._distribute(runner, r)
             self.engines.append(Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
                                        eos_token_ids=eos_ids, tokenizer=self.tokenizer,
                                        async_scheduling=bool(overlap)))
@@ -141,6 +173,45 @@ class LLM:
         self._load = [0] * len(self.engines)  # outstanding tokens per replica (see docstring)
         self._pool: ThreadPoolExecutor | None = None
         self._gen_ids = itertools.count()
+        if multi and self.is_leader:
+            atexit.register(self.shutdown)  # releases the followers however the leader ends
+
+    # ------------------------------------------------------------------ multi-process
+    def _distribute(self, runner, replica: int):
+        from tokenspeed_jax.distributed_runner import DistributedGroup, DistributedRunner
+
+        if self._group is None:
+            self._group = DistributedGroup(self.distributed, DistributedRunner.message_words(runner))
+        return DistributedRunner(runner, self._group, replica)
+
+    def _leader_only(self, what: str) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"{what} runs on the leader (process 0); process "
+                               f"{self.distributed.process_id} is a follower: call run_follower()")
+
+    def run_follower(self, leave_runtime: bool = True) -> int:
+        """Follower processes: replay the leader's steps until it shuts down, then leave the
+        distributed runtime (unless `leave_runtime=False`: another LLM will follow on the same
+        processes). Returns the number of steps replayed."""
+        if self.is_leader:
+            raise RuntimeError("run_follower() is for processes other than 0")
+        from tokenspeed_jax.distributed_runner import follow
+
+        steps = follow(self._group, [e.runner for e in self.engines])
+        if leave_runtime:
+            dist.leave(self.distributed)
+        return steps
+
+    def shutdown(self, leave_runtime: bool = True) -> None:
+        """Leader of a multi-process run: release the followers (they exit their loop) and leave
+        the distributed runtime (unless `leave_runtime=False`, to build another LLM on the same
+        processes). Idempotent; a no-op in a single-process run."""
+        if self._group is None or not self.is_leader or self._group.closed:
+            return
+        broken = self._group.broken
+        self._group.shutdown()
+        if leave_runtime and not broken:  # with a follower gone the barrier could only time out
+            dist.leave(self.distributed)
 
     # ------------------------------------------------------------------ API
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str] | str,
@@ -150,6 +221,7 @@ class LLM:
 
         prompts: token-id lists or strings (tokenized with the model's tokenizer). Invalid
         prompts or params raise ValueError before anything is queued."""
+        self._leader_only("generate")
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -222,7 +294,9 @@ class LLM:
     def warmup(self, max_kv_len: int | None = None) -> int:
         """Compile every shape key (token bucket x kv bucket) of every replica now, so serving
         never stalls on XLA; `max_kv_len` limits it to the kv buckets up to that many tokens
-        (longer steps compile on first use, once). Returns the compilations it ran (0 when warm)."""
+        (longer steps compile on first use, once). Returns the compilations it ran (0 when warm).
+        Multi-process: the leader's warm-up compiles on every process."""
+        self._leader_only("warmup")
         return sum(e.warmup(max_kv_len) for e in self.engines)
 
     def stats(self) -> dict:

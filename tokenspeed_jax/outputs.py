@@ -29,6 +29,8 @@ class CompletionOutput:
     text: str | None = None
     logprobs: list[float] | None = None  # log-probability of each generated token
     prompt_logprobs: list[float | None] | None = None  # of prompt token j given < j; None at j=0
+    # per generated token: the k most likely (token id, logprob) pairs, when top_logprobs = k > 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     metrics: RequestMetrics | None = None
 
     @property

@@ -45,8 +45,15 @@ from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.page_table import clamped_rows, update_rows
-from tokenspeed_jax.sampling import prompt_logprobs, sample
-from tokenspeed_jax.sharding import TensorParallel, prepare_model
+from tokenspeed_jax.sampling import (
+    MAX_TOP_LOGPROBS,
+    init_penalty_state,
+    penalize_step,
+    prompt_logprobs,
+    sample,
+    top_logprobs,
+)
+from tokenspeed_jax.sharding import TensorParallel, place, prepare_model
 from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
 from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, unpack
 
@@ -64,11 +71,16 @@ class StepResult:
     sampled i32[R]: token of each row whose `sample_mask` is set, -1 elsewhere.
     logprobs f32[R]: log-probability of that token (unmodified log-softmax); NaN where no token.
     prompt_logprobs f32[T]: logprob of `prompt_targets[t]` after token t; NaN where target -1.
+    top_ids i32[R, K], top_logprobs f32[R, K] (K = sampling.MAX_TOP_LOGPROBS): each sampling
+    row's K most likely tokens under the unmodified log-softmax, descending; None on steps where
+    no row asked for them (`StepOps.top_logprobs`), -1 / NaN on rows that sample nothing.
     """
 
     sampled: np.ndarray
     logprobs: np.ndarray
     prompt_logprobs: np.ndarray
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +91,7 @@ class StepHandle:
     logprobs: jax.Array | None
     prompt_logprobs: jax.Array | None
     bucket: int
+    top: tuple[jax.Array, jax.Array] | None = None  # (top ids, top logprobs) when asked for
 
     def is_ready(self) -> bool:
         """True once the device has finished the step (never blocks)."""
@@ -165,25 +178,31 @@ class ModelRunner:
         )  # fmt: skip
         self._attn = get_paged_attention(self.backend)
         self._conv = get_short_conv(self.backend)
+        # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
+        make_penalties = functools.partial(init_penalty_state, max_live_requests,
+                                           model_config.vocab_size)
         if self._tp is None:
             self.state = make_state()
-            self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnums=(4,))
+            self.penalties = make_penalties()
+            self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnums=(5,))
         else:
             tp = self._tp
             param_sh = tp.param_shardings(self.params)
-            self.params = jax.device_put(self.params, param_sh)
+            self.params = place(self.params, param_sh)  # per shard across processes
             state_sh = tp.state_shardings(jax.eval_shape(make_state))
             # built sharded in place: the full pools never sit on one device
             self.state = jax.jit(make_state, out_shardings=state_sh)()
             self._attn, self._conv = tp.wrap_attention(self._attn), tp.wrap_conv(self._conv)
             rep = tp.replicated
+            self.penalties = jax.jit(make_penalties, out_shardings=rep)()
             self._step = jax.jit(
-                self._step_impl, donate_argnums=(1,), static_argnums=(4,),
-                in_shardings=(param_sh, state_sh, rep, rep), out_shardings=(state_sh, rep, rep, rep),
+                self._step_impl, donate_argnums=(1, 2), static_argnums=(5,),
+                in_shardings=(param_sh, state_sh, rep, rep, rep),
+                out_shardings=(state_sh, rep, rep, rep, rep, rep),
             )  # fmt: skip
 
     # ------------------------------------------------------------------ device side
-    def _step_impl(self, params, state: DeviceState, i32: jax.Array, f32: jax.Array,
+    def _step_impl(self, params, state: DeviceState, penalties, i32: jax.Array, f32: jax.Array,
                    layout: StepLayout):
         self.num_compiles += 1  # Python body runs once per trace = once per compile
         ops = unpack(i32, f32, layout)
@@ -220,9 +239,10 @@ class ModelRunner:
         logits = model.logits(hidden[last])
         if self._tp is not None:  # vocab-sharded under TP: the sort / argmax want whole rows
             logits = self._tp.gather_logits(logits)
+        penalties, processed = penalize_step(penalties, logits, ops)
         tokens, logprobs = sample(
-            logits, rows["temperature"], rows["top_k"], rows["top_p"],
-            rows["seeds"], rows["sample_index"],
+            processed, rows["temperature"], rows["top_k"], rows["top_p"],
+            rows["seeds"], rows["sample_index"], raw_logits=logits,
         )  # fmt: skip
         pad = self.max_batch_requests - n
         mask = rows["sample_mask"]
@@ -230,6 +250,16 @@ class ModelRunner:
         last_tokens = state.last_tokens.at[keep].set(tokens, mode="drop")
         tokens = jnp.pad(jnp.where(mask, tokens, -1), (0, pad), constant_values=-1)
         logprobs = jnp.pad(jnp.where(mask, logprobs, jnp.nan), (0, pad), constant_values=jnp.nan)
+        k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+        top_ids, top_lp = jax.lax.cond(  # the [n, V] top-k only on steps that report it
+            jnp.any(rows["top_logprobs"] > 0), top_logprobs,
+            lambda _: (jnp.full((n, k), -1, jnp.int32), jnp.full((n, k), jnp.nan, jnp.float32)),
+            logits,
+        )  # fmt: skip
+        top_ids = jnp.pad(jnp.where(mask[:, None], top_ids, -1), ((0, pad), (0, 0)),
+                          constant_values=-1)
+        top_lp = jnp.pad(jnp.where(mask[:, None], top_lp, jnp.nan), ((0, pad), (0, 0)),
+                         constant_values=jnp.nan)
         targets = ops["prompt_targets"]
         # Full [T, V] logits only on steps that want prompt logprobs (lax.cond skips them else).
         plp = jax.lax.cond(
@@ -238,7 +268,8 @@ class ModelRunner:
             lambda h: jnp.full((t,), jnp.nan, jnp.float32),
             hidden,
         )
-        return DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens), tokens, logprobs, plp
+        return (DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens), penalties,
+                tokens, logprobs, plp, (top_ids, top_lp))
 
     # ------------------------------------------------------------------ host side
     def bucket_for(self, num_tokens: int) -> int:
@@ -275,8 +306,9 @@ class ModelRunner:
         i32, f32 = pack(ops, layout)
         target = None if self._tp is None else self._tp.replicated
         i32, f32 = jax.device_put((i32, f32), target)
-        self.state, tokens, logprobs, plp = self._step(self.params, self.state, i32, f32, layout)
-        return tokens, logprobs, plp
+        self.state, self.penalties, tokens, logprobs, plp, top = self._step(
+            self.params, self.state, self.penalties, i32, f32, layout)
+        return tokens, logprobs, plp, top
 
     def _warn_clamped(self, ops) -> None:
         for g, (lay, grp) in enumerate(zip(self.layouts, ops.groups, strict=True)):
@@ -328,12 +360,14 @@ class ModelRunner:
         self._warn_clamped(ops)
         bucket = self.bucket_for(int(ops.num_tokens))
         _, cols = self.kv_bucket_for(ops)
-        tokens, logprobs, plp = self._run(ops, bucket, cols)
+        tokens, logprobs, plp, top = self._run(ops, bucket, cols)
         for x in (tokens, logprobs):  # start the device->host copies now, not when collected
             x.copy_to_host_async()
         if ops.prompt_targets[: ops.num_tokens].max(initial=-1) < 0:
             plp = None  # no prompt logprobs asked for in this step: nothing to copy back
-        return StepHandle(tokens, logprobs, plp, bucket)
+        if not np.asarray(ops.top_logprobs).any():
+            top = None  # copy the [R, K] top-k back only when asked for
+        return StepHandle(tokens, logprobs, plp, bucket, top)
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Block until a dispatched step is done; its host results."""
@@ -346,7 +380,11 @@ class ModelRunner:
         plp_full = np.full(t, np.nan, np.float32)
         if handle.prompt_logprobs is not None:  # else all NaN: no copy
             plp_full[:handle.bucket] = np.asarray(handle.prompt_logprobs)
-        return StepResult(np.asarray(handle.tokens), np.asarray(handle.logprobs), plp_full)
+        top_ids = top_lp = None
+        if handle.top is not None:
+            top_ids, top_lp = np.asarray(handle.top[0]), np.asarray(handle.top[1])
+        return StepResult(np.asarray(handle.tokens), np.asarray(handle.logprobs), plp_full,
+                          top_ids, top_lp)
 
     def host_mirrors(self) -> list[np.ndarray]:
         """The device page-table mirrors after the last dispatched step (blocks; debug checks)."""

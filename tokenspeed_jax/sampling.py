@@ -1,17 +1,30 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""On-device sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs, penalties.
 
 A row's random key is `fold_in(PRNGKey(seed), sample_index)`: it depends only on the request's
 seed and how many tokens it has generated, so a seed reproduces the same tokens whatever else is
 in the batch (and after retraction / resume). Logprobs come from the unmodified log-softmax of
-the model's logits (before temperature / top-k / top-p), as vLLM reports them.
+the model's logits (before penalties / bias / temperature / top-k / top-p), as vLLM reports them.
+
+Penalties (OpenAI / vLLM semantics, applied before temperature): logit_bias is added first; then
+repetition_penalty r divides positive logits by r and multiplies negative ones by r for every token
+seen in the prompt or the output; then `logit -= frequency * count + presence * (count > 0)` with
+`count` = occurrences of the token in the generated output. The per-slot counts live on the device
+(`PenaltyState`) and are rebuilt from the step's own input tokens (see `update_penalty_state`).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["prompt_logprobs", "sample"]
+__all__ = [
+    "MAX_TOP_LOGPROBS", "PenaltyState", "apply_penalties", "init_penalty_state", "penalize_step",
+    "prompt_logprobs", "sample", "top_logprobs", "update_penalty_state",
+]
+
+MAX_TOP_LOGPROBS = 20  # K of the on-device top-k logprobs (OpenAI's top_logprobs limit)
 
 
 def _filtered_logits(logits, temperature, top_k, top_p):
@@ -42,12 +55,15 @@ def sample(
     top_p: jax.Array,
     seeds: jax.Array,
     sample_index: jax.Array,
+    raw_logits: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row.
 
     logits f32[R, V]; temperature f32[R] (0 = greedy); top_k i32[R] (-1 = all); top_p f32[R] in
     (0, 1]; seeds u32[R]; sample_index i32[R] (tokens generated so far).
-    Returns (tokens i32[R], logprobs f32[R] = log_softmax(logits)[token]).
+    raw_logits f32[R, V] (optional): the logits before penalties / bias; logprobs come from these
+    when given (else from `logits`).
+    Returns (tokens i32[R], logprobs f32[R] = log_softmax(raw_logits)[token]).
     The sort-based filtering runs only on steps where some row samples (lax.cond), so all-greedy
     steps pay for an argmax alone.
     """
@@ -63,7 +79,7 @@ def sample(
         return jnp.where(temperature > 0, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = jax.nn.log_softmax((logits if raw_logits is None else raw_logits).astype(jnp.float32), axis=-1)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
@@ -75,3 +91,108 @@ def prompt_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
     return jnp.where(targets >= 0, picked, jnp.nan)
+
+
+def top_logprobs(logits: jax.Array, k: int = MAX_TOP_LOGPROBS) -> tuple[jax.Array, jax.Array]:
+    """The k most likely tokens of each row and their log-softmax values, descending.
+
+    logits f32[R, V]. Returns (ids i32[R, k], logprobs f32[R, k]); k is static (one compile)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    values, ids = jax.lax.top_k(logp, min(k, logits.shape[-1]))
+    return ids.astype(jnp.int32), values
+
+
+class PenaltyState(NamedTuple):
+    """Per device slot token statistics for the penalties (S = max_live_requests, V = vocab).
+
+    counts i32[S, V]: occurrences of each token among the request's generated tokens so far.
+    seen bool[S, V]: the token occurs in the request's prompt (repetition penalty)."""
+
+    counts: jax.Array
+    seen: jax.Array
+
+
+def init_penalty_state(num_slots: int, vocab_size: int) -> PenaltyState:
+    return PenaltyState(jnp.zeros((num_slots, vocab_size), jnp.int32),
+                        jnp.zeros((num_slots, vocab_size), bool))
+
+
+def update_penalty_state(state: PenaltyState, req_slots, kv_lens, query_start, prompt_lens,
+                         token_ids, positions, token_rows) -> PenaltyState:
+    """Fold one step's input tokens into the slots' statistics.
+
+    Requests with penalties never take a prefix-cache hit, so every token they hold passes
+    through a step as an input (a sampled token is the next step's input): a row whose first
+    query token sits at position 0 starts its slot afresh, then each input token counts as
+    generated (position >= prompt_lens[row]) or marks the prompt set. Everything before a row's
+    sampling point is therefore counted exactly when that row samples. Padding rows (slot -1)
+    and padding tokens (row R) are dropped (scatter index = dimension size, mode="drop").
+
+    req_slots i32[R]; kv_lens i32[R]; query_start i32[R+1]; prompt_lens i32[R];
+    token_ids, positions, token_rows i32[T].
+    """
+    s, v = state.counts.shape
+    r = req_slots.shape[0]
+    starts_fresh = (req_slots >= 0) & (kv_lens - (query_start[1:] - query_start[:-1]) == 0)
+    reset = jnp.where(starts_fresh, req_slots, s)
+    counts = state.counts.at[reset].set(0, mode="drop")
+    seen = state.seen.at[reset].set(False, mode="drop")
+    valid = token_rows < r
+    row = jnp.minimum(token_rows, r - 1)
+    slot = jnp.where(valid, req_slots[row], -1)
+    slot = jnp.where(slot >= 0, slot, s)  # padding -> out of range, dropped
+    generated = positions >= prompt_lens[row]
+    counts = counts.at[jnp.where(generated, slot, s), token_ids].add(1, mode="drop")
+    seen = seen.at[jnp.where(generated, s, slot), token_ids].set(True, mode="drop")
+    return PenaltyState(counts, seen)
+
+
+def apply_penalties(logits, counts, seen, presence, frequency, repetition, bias_ids, bias_values):
+    """Logits after logit_bias, repetition, frequency and presence penalties (module docstring).
+
+    logits f32[R, V]; counts i32[R, V] (generated-token counts of each row's request); seen
+    bool[R, V] (token in the prompt); presence, frequency f32[R] (0 = off); repetition f32[R]
+    (1 = off); bias_ids i32[R, B] (-1 padding); bias_values f32[R, B]. Returns f32[R, V].
+    """
+    r, v = logits.shape
+    logits = logits.astype(jnp.float32)
+    rows = jnp.broadcast_to(jnp.arange(r)[:, None], bias_ids.shape)
+    logits = logits.at[rows, jnp.where(bias_ids >= 0, bias_ids, v)].add(bias_values, mode="drop")
+    occurred = counts > 0
+    rep = repetition[:, None]
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(occurred | seen, penalized, logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * occurred
+
+
+def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: dict):
+    """One step's penalty work: (state after this step's inputs, logits f32[n, V] after bias and
+    penalties; logits are the first n <= R rows). `ops` holds the step's StepOps arrays
+    (req_slots, kv_lens, query_start, prompt_lens, token_ids, positions, token_rows and the
+    penalty / logit_bias fields). Both
+    parts run under lax.cond, so steps without penalties or logit_bias pay nothing for them."""
+    use = ((ops["presence_penalty"] != 0) | (ops["frequency_penalty"] != 0)
+           | (ops["repetition_penalty"] != 1))
+    penalties = jax.lax.cond(
+        jnp.any(use),
+        lambda p: update_penalty_state(
+            p, ops["req_slots"], ops["kv_lens"], ops["query_start"], ops["prompt_lens"],
+            ops["token_ids"], ops["positions"], ops["token_rows"]),
+        lambda p: p, penalties,
+    )
+    if penalties.counts.shape[-1] != logits.shape[-1]:
+        raise ValueError(f"penalty state vocab {penalties.counts.shape[-1]} != logits "
+                         f"{logits.shape[-1]}")
+
+    n = logits.shape[0]  # the runner may run the LM head on the first n <= R rows only
+
+    def modify(x):
+        slots = jnp.maximum(ops["req_slots"][:n], 0)
+        counts = jnp.where(use[:n, None], penalties.counts[slots], 0)
+        seen = use[:n, None] & penalties.seen[slots]
+        return apply_penalties(
+            x, counts, seen, ops["presence_penalty"][:n], ops["frequency_penalty"][:n],
+            ops["repetition_penalty"][:n], ops["logit_bias_ids"][:n], ops["logit_bias_values"][:n])
+
+    active = jnp.any(use) | jnp.any(ops["logit_bias_ids"] >= 0)
+    return penalties, jax.lax.cond(active, modify, lambda x: x.astype(jnp.float32), logits)

@@ -15,6 +15,11 @@ class SamplingParams:
     request id). stop_token_ids: generation ends on one of these (it is the last token returned);
     the model's EOS is added unless `ignore_eos`. logprobs: return the log-probability of each
     generated token; prompt_logprobs: of each prompt token given the tokens before it.
+    top_logprobs: also return the k (<= 20) most likely tokens and their logprobs at each step.
+    presence_penalty / frequency_penalty in [-2, 2] (0 = off), repetition_penalty > 0 (1 = off)
+    and logit_bias ({token id: bias in [-100, 100]}) modify the logits before sampling, on the
+    device (OpenAI / vLLM semantics, see `tokenspeed_jax.sampling`); requests using a penalty do
+    not take prefix-cache hits (their token counts are rebuilt from their own inputs).
     """
 
     max_tokens: int = 16
@@ -26,6 +31,11 @@ class SamplingParams:
     logprobs: bool = False
     prompt_logprobs: bool = False
     ignore_eos: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
@@ -45,3 +55,24 @@ class SamplingParams:
         if any(not isinstance(s, int) or s < 0 for s in stops):
             raise ValueError(f"SamplingParams.stop_token_ids must be ints >= 0, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", stops)
+        k = self.top_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:
+            raise ValueError(f"SamplingParams.top_logprobs must be an int in [0, 20], got {k!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or not 0.0 < r <= 1e4 or math.isinf(r):
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {r!r}")
+        if self.logit_bias is not None:
+            try:
+                bias = {int(t): float(b) for t, b in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"SamplingParams.logit_bias must map token ids to numbers, got "
+                                 f"{self.logit_bias!r:.80}") from None
+            bad = [t for t, b in bias.items() if t < 0 or not -100.0 <= b <= 100.0]
+            if bad:
+                raise ValueError(f"SamplingParams.logit_bias: token {bad[0]} needs an id >= 0 and "
+                                 f"a bias in [-100, 100]")
+            object.__setattr__(self, "logit_bias", bias)

@@ -26,16 +26,30 @@ Pallas kernels (and the jnp reference attention) run under `shard_map` over the 
 axis: each shard runs the unmodified kernel on its local heads or channels (attention and the
 depthwise conv never mix heads or channels).
 
-Data parallel: `replica_meshes(tp, dp)` gives replica r the devices `[r*tp, (r+1)*tp)`.
+KV-head replication (tp > num_key_value_heads, tp a multiple of it; as vLLM): every shard needs
+the one KV head its query heads read, so `replicate_kv_heads` widens k/v_proj to tp heads (KV
+head j repeated tp/Hkv times, consecutively) and the runtime config says `num_key_value_heads =
+tp`: shard s holds KV head s // (tp/Hkv), exactly the head its query heads
+[s*Hq/tp, (s+1)*Hq/tp) map to under GQA, and each pool shard holds one KV head. Mathematically
+the forward is unchanged (duplicated heads, same GQA mapping).
+
+Data parallel: `replica_meshes(tp, dp)` gives replica r the devices `[r*tp, (r+1)*tp)`. In a
+multi-process run (`jax.process_count() > 1`) every replica spans every process instead (the
+leader schedules all replicas, so each replica's step must run on every process): replica r
+takes local devices `[r*tp/N, (r+1)*tp/N)` of each of the N processes, process-major on the
+"tp" axis; `global_device_grid` is that `[dp, tp]` device grid (the global mesh).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -70,11 +84,14 @@ _VOCAB_RULES: tuple[tuple[str, P], ...] = (
 
 def validate(config: ModelConfig, tp: int) -> None:
     """ValueError naming the size that `tp` does not divide (heads, kv heads, intermediate,
-    conv channels)."""
+    conv channels). tp a multiple of num_key_value_heads is fine (KV-head replication)."""
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    hkv = config.num_key_value_heads
+    if hkv % tp and tp % hkv:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide num_key_value_heads={hkv} "
+                         f"(nor is it a multiple of it, which would replicate KV heads)")
     checks = [
-        ("num_key_value_heads", config.num_key_value_heads),
         ("num_attention_heads", config.num_attention_heads),
         ("intermediate_size", config.intermediate_size),
     ]
@@ -86,14 +103,83 @@ def validate(config: ModelConfig, tp: int) -> None:
 
 
 def replica_meshes(tp: int, dp: int, devices: Sequence | None = None) -> list[Mesh]:
-    """One 1-D "tp" mesh per data-parallel replica; replica r owns devices [r*tp, (r+1)*tp)."""
-    devices = list(jax.devices() if devices is None else devices)
+    """One 1-D "tp" mesh per data-parallel replica; replica r owns devices [r*tp, (r+1)*tp)
+    (multi-process: row r of `global_device_grid`)."""
     if tp < 1 or dp < 1:
         raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+    if devices is None and jax.process_count() > 1:
+        return [Mesh(row, (AXIS,)) for row in global_device_grid(tp, dp)]
+    devices = list(jax.devices() if devices is None else devices)
     if tp * dp > len(devices):
         raise ValueError(f"tensor_parallel_size * data_parallel_size = {tp} * {dp} = {tp * dp} "
                          f"exceeds the {len(devices)} available device(s)")
     return [Mesh(np.array(devices[r * tp:(r + 1) * tp]), (AXIS,)) for r in range(dp)]
+
+
+def global_device_grid(tp: int, dp: int) -> np.ndarray:
+    """Devices [dp, tp] of a multi-process run: each replica (row) takes tp/N local devices of
+    every one of the N processes (see the module docstring)."""
+    nproc = jax.process_count()
+    local = [sorted((d for d in jax.devices() if d.process_index == k), key=lambda d: d.id)
+             for k in range(nproc)]
+    if tp % nproc:
+        raise ValueError(f"tensor_parallel_size={tp} must be a multiple of the {nproc} processes: "
+                         f"every replica spans every process (the leader schedules them all)")
+    per = tp // nproc
+    have = min(len(x) for x in local)
+    if per * dp > have:
+        raise ValueError(f"tensor_parallel_size * data_parallel_size = {tp} * {dp} = {tp * dp} "
+                         f"exceeds the {nproc * have} available device(s) of {nproc} processes")
+    return np.array([[d for k in range(nproc) for d in local[k][r * per:(r + 1) * per]]
+                     for r in range(dp)])
+
+
+def replicate_kv_heads(model, config: ModelConfig, tp: int) -> ModelConfig:
+    """KV-head replication for tp > num_key_value_heads (in place, idempotent): widens every
+    attention layer's k/v projections from Hkv to tp heads (head j repeated tp/Hkv times) and
+    returns the runtime config (num_key_value_heads = tp; pools are sized from it). A no-op
+    returning `config` when tp <= Hkv."""
+    hkv = config.num_key_value_heads
+    if tp <= hkv:
+        return config
+    validate(config, tp)
+    rep, d = tp // hkv, config.head_dim
+    for layer in model.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or attn.num_kv_heads == tp:
+            continue
+        for proj in (attn.k_proj, attn.v_proj):
+            w = proj.kernel[...]
+            proj.kernel.set_value(jnp.repeat(w.reshape(w.shape[0], hkv, d), rep, axis=1).reshape(
+                w.shape[0], tp * d))
+            if proj.bias is not None:
+                proj.bias.set_value(jnp.repeat(proj.bias[...].reshape(hkv, d), rep, axis=0).reshape(-1))
+        attn.num_kv_heads = tp
+    return dataclasses.replace(config, num_key_value_heads=tp)
+
+
+def host_staging():
+    """Context that makes new arrays land on this process's first CPU device (host memory), so a
+    model built or loaded inside it never sits whole on an accelerator; a no-op context when no
+    CPU backend is available."""
+    try:
+        return jax.default_device(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:
+        return contextlib.nullcontext()
+
+
+def place(tree, shardings):
+    """`jax.device_put(tree, shardings)`, except that leaves whose sharding spans several
+    processes are assembled per shard with `jax.make_array_from_callback`: each process copies
+    only the shards its devices hold, and no cross-process equality check (which would broadcast
+    and compare every weight) runs."""
+    def one(x, sh):
+        if sh.is_fully_addressable:
+            return jax.device_put(x, sh)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def _path_str(path) -> str:

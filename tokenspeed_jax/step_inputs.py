@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scheduler.step_ops import GroupStepOps, StepOps, device_schema
+from scheduler.step_ops import LOGIT_BIAS_WIDTH, GroupStepOps, StepOps, device_schema
 
 _STEP_SCHEMA = device_schema(StepOps)
 _GROUP_SCHEMA = device_schema(GroupStepOps)
@@ -56,7 +56,7 @@ class StepLayout:
 
 def _shape(axis: str, rows: int, bucket: int, delta: int, cols: int) -> tuple[int, ...]:
     return {"row": (rows,), "row+1": (rows + 1,), "token": (bucket,), "row,delta": (rows, delta),
-            "row,width": (rows, cols)}[axis]
+            "row,width": (rows, cols), "row,bias": (rows, LOGIT_BIAS_WIDTH)}[axis]
 
 
 def layout_for(rows: int, bucket: int, deltas: tuple[int, ...], cols: tuple[int, ...]) -> StepLayout:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from tokenspeed_jax.engine import Engine
+from tokenspeed_jax.routing import pick_replica
 from tokenspeed_jax.sampling_params import SamplingParams
 
 
@@ -63,13 +66,17 @@ class WorkloadReport:
         }
 
 
-def run_workload(engine: Engine, cfg: WorkloadConfig, *, vocab: int = 256,
+def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, vocab: int = 256,
                  progress: bool = False, prompts=None) -> WorkloadReport:
-    """Serve the workload to completion on `engine`; returns latency/throughput/cache figures.
+    """Serve the workload to completion on `engine` (or on every data-parallel replica of a
+    list: each request goes to the replica with the longest prefix-cache match, ties to the least
+    loaded, and every busy replica steps once per round, in threads); returns latency /
+    throughput / cache figures.
 
     prompts: None = random token ids below `vocab`; else an object with `first(session)` and
     `follow(session, turn, history, reply)` returning token ids, and `record(session, turn,
     reply)` called on every finished request (`chat_workload.ChatPrompts`: chat-templated text)."""
+    engines = [engine] if isinstance(engine, Engine) else list(engine)
     rng = np.random.default_rng(cfg.seed)
     system = rng.integers(0, vocab, cfg.system_tokens).tolist()
     history: dict[str, list[int]] = {}
@@ -85,7 +92,8 @@ def run_workload(engine: Engine, cfg: WorkloadConfig, *, vocab: int = 256,
         bar = tqdm(total=total, desc="requests", unit="req")
 
     def send(session: int, turn: int, prompt: list[int]) -> None:
-        rid = engine.add_request(prompt, params, request_id=f"s{session:03d}-t{turn}")
+        e = engines[pick_replica(engines, prompt)]
+        rid = e.add_request(prompt, params, request_id=f"s{session:03d}-t{turn}")
         history[rid] = prompt
         turn_of[rid] = turn
         session_of[rid] = session
@@ -95,10 +103,15 @@ def run_workload(engine: Engine, cfg: WorkloadConfig, *, vocab: int = 256,
              if prompts is None else prompts.first(s))
     ttft, tpot = [], []
     prompt_tokens = generated = done = peak = 0
-    prefill0 = engine.num_prefill_tokens
+    prefill0 = sum(e.num_prefill_tokens for e in engines)
+    steps0 = sum(e.num_steps for e in engines)
+    pool = ThreadPoolExecutor(len(engines)) if len(engines) > 1 else None
     t0 = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
+    while any(e.has_unfinished() for e in engines):
+        busy = [e for e in engines if e.has_unfinished()]
+        outs = (busy[0].step() if pool is None
+                else [o for os_ in pool.map(Engine.step, busy) for o in os_])
+        for out in outs:
             done += 1
             prompt_tokens += len(out.prompt_token_ids)
             generated += len(out.token_ids)
@@ -118,15 +131,23 @@ def run_workload(engine: Engine, cfg: WorkloadConfig, *, vocab: int = 256,
                     continue
                 follow = rng.integers(0, vocab, cfg.user_tokens).tolist()
                 send(sid, nxt, history[out.request_id] + out.token_ids + follow)
-        peak = max(peak, engine.scheduler.pool.num_used)
+        peak = max(peak, sum(e.scheduler.pool.num_used for e in engines))
     wall = time.perf_counter() - t0
+    if pool is not None:
+        pool.shutdown()
     if bar is not None:
         bar.close()
-    stats = engine.stats()
+    per = [e.stats() for e in engines]
+    if len(per) == 1:
+        stats = per[0]
+    else:
+        from tokenspeed_jax.llm import _aggregate_stats
+
+        stats = _aggregate_stats(per)
     return WorkloadReport(
         requests=done, prompt_tokens=prompt_tokens,
-        computed_prompt_tokens=engine.num_prefill_tokens - prefill0, generated_tokens=generated,
-        wall_s=wall,
-        steps=engine.num_steps, ttft_s=ttft, tpot_s=tpot,
+        computed_prompt_tokens=sum(e.num_prefill_tokens for e in engines) - prefill0,
+        generated_tokens=generated, wall_s=wall,
+        steps=sum(e.num_steps for e in engines) - steps0, ttft_s=ttft, tpot_s=tpot,
         prefix_hit_rate=stats["prefix_hit_rate"], retractions=stats["num_retractions"],
         peak_pages=peak, total_pages=stats["total_pages"], compiles=stats.get("num_compiles", 0))

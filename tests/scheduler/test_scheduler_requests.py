@@ -130,3 +130,22 @@ def test_prefill_chunk_cap_leaves_budget_for_others():
     assert [ops.num_query_tokens(i) for i in range(2)] == [5, 3]
     with pytest.raises(ValueError, match="max_prefill_chunk_tokens"):
         SchedulerConfig(num_pages=8, max_prefill_chunk_tokens=0)
+
+
+@pytest.mark.parametrize("max_new", [1, 3])
+def test_decode_reserve_never_blocks_a_request_that_fits_alone(max_new):
+    """Regression (issue 13): admission reserved decode_reserve_tokens even when the request can
+    generate fewer, while add_request's fit check sized it by prompt + max_new_tokens; a request
+    that fit alone then waited forever. Now both agree: min(decode_reserve_tokens, tokens left)."""
+    s = Scheduler(SchedulerConfig(num_pages=11, page_size=4, max_batch_requests=2,
+                                  max_scheduled_tokens=64, max_context_len=64,
+                                  decode_reserve_tokens=8, debug_checks=True))
+    s.add_request("a", list(range(36 - max_new + 1)), max_new)
+    for _ in range(max_new + 1):
+        ops = s.schedule()
+        assert ops.num_reqs == 1
+        out = s.update(ops, np.full(2, 7, np.int32))
+        if out:
+            break
+    assert out and out[0].finish_reason == "length" and len(out[0].token_ids) == max_new
+    assert s.stats()["free_pages"] == 10

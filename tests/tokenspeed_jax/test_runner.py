@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from scheduler import GroupLayout, GroupStepOps, StepOps
+from scheduler.step_ops import sampling_padding
 from tokenspeed_jax.models import build_model, cache_group_specs, layer_groups, tiny_random_config
 from tokenspeed_jax.runner import ModelRunner
 
@@ -92,7 +93,7 @@ class MiniScheduler:
                  token_from_prev=f(t, False, bool), positions=f(t, 0, np.int32), token_rows=f(t, r, np.int32),
                  prompt_targets=f(t, -1, np.int32), temperature=f(r, 0, np.float32),
                  top_p=f(r, 1, np.float32), top_k=f(r, -1, np.int32), seeds=f(r, 0, np.uint32),
-                 sample_index=f(r, 0, np.int32))  # fmt: skip
+                 sample_index=f(r, 0, np.int32), **sampling_padding(r))  # fmt: skip
         groups = [
             dict(begins=f(r, 0, np.int32), sizes=f(r, 0, np.int32),
                  new_pages=f((r, lay.delta_width), 0, np.int32),

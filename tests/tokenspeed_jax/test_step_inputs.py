@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from scheduler import Scheduler, SchedulerConfig
-from scheduler.step_ops import GroupStepOps, StepOps, device_schema
+from scheduler.step_ops import LOGIT_BIAS_WIDTH, GroupStepOps, StepOps, device_schema
 from tokenspeed_jax.step_inputs import kv_levels, layout_for, pack, unpack
 
 
@@ -17,7 +17,7 @@ def _random_ops(rng, r=5, t=24, layouts=((16, 8, 2), (8, 12, 3))) -> StepOps:
     """A StepOps with random values in every device field (u32 seeds above 2^31, bools)."""
     def arr(axis, dtype, width=0, delta=0):
         shape = {"row": (r,), "row+1": (r + 1,), "token": (t,), "row,delta": (r, delta),
-                 "row,width": (r, width)}[axis]
+                 "row,width": (r, width), "row,bias": (r, LOGIT_BIAS_WIDTH)}[axis]
         if dtype == "f32":
             return rng.standard_normal(shape).astype(np.float32)
         if dtype == "bool":
@@ -48,7 +48,8 @@ def test_pack_unpack_roundtrip_exact(bucket, cols):
     layout = layout_for(5, bucket, (2, 3), cols)
     i32, f32 = pack(ops, layout)
     assert i32.dtype == np.int32 and f32.dtype == np.float32
-    assert f32.size == 2 * 5  # temperature + top_p: the only float fields
+    # temperature, top_p and the three penalties per row + the [R, B] logit_bias values
+    assert f32.size == 5 * 5 + 5 * LOGIT_BIAS_WIDTH
     got = jax.jit(unpack, static_argnums=2)(i32, f32, layout)
     for name, axis, _ in device_schema(StepOps):
         want = getattr(ops, name)[:bucket] if axis == "token" else getattr(ops, name)

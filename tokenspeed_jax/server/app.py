@@ -1,30 +1,44 @@
 """FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (streaming via SSE), /health,
-/stats. Bad requests get HTTP 400 with an OpenAI-style error body; a client that disconnects
-mid-stream has its request aborted (its pages come back at once)."""
+/stats, /metrics.
+
+OpenAI conformance: n samples, stop strings, logprobs / top_logprobs, penalties, logit_bias,
+seed, stream_options.include_usage; unsupported or unknown fields, bad values and malformed JSON
+get HTTP 400 and an unknown model 404 (`model_not_found`), all in OpenAI's error body. A client
+that disconnects (streaming or not) has its requests aborted: their pages come back at once.
+`/health` answers 503 until every replica has compiled its step shapes.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenspeed_jax.server.async_engine import AsyncEngine
-from tokenspeed_jax.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenspeed_jax.server.choice import ChoiceState
+from tokenspeed_jax.server.errors import error_response, install_error_handlers
+from tokenspeed_jax.server.metrics import ServerMetrics
+from tokenspeed_jax.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedField,
+)
+
+log = logging.getLogger("tokenspeed_jax.server")
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message, "type": "invalid_request_error", "code": status}},
-    )
+class _Disconnected(Exception):
+    pass
 
 
 def _chat_prompt(tokenizer, messages) -> str:
-    msgs = [{"role": m.role, "content": m.content} for m in messages]
+    msgs = [{"role": m.role, "content": m.text()} for m in messages]
     apply = getattr(tokenizer, "apply_chat_template", None)
     if apply is not None:
         try:
@@ -35,165 +49,241 @@ def _chat_prompt(tokenizer, messages) -> str:
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
 
 
-def build_app(llm, model_name: str = "tiny-random") -> FastAPI:
-    engine = AsyncEngine(llm.engine)
+def describe(llm, model_name: str) -> str:
+    """The one startup line: model, dtype, pages, page size, max context, buckets, backend."""
+    e = llm.engines[0]
+    cfg, runner = e.scheduler.config, e.runner
+    return (f"model={model_name} dtype={getattr(llm, 'dtype', '?')} replicas={len(llm.engines)} "
+            f"pages={cfg.num_pages - 1} page_size={cfg.page_size} "
+            f"max_context={cfg.max_context_len} max_batch={cfg.max_batch_requests} "
+            f"buckets={list(getattr(runner, 'buckets', ()))} "
+            f"backend={getattr(runner, 'backend', '?')}")
+
+
+def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True) -> FastAPI:
+    """The server app over every data-parallel replica of `llm` (`llm.engines`)."""
     tokenizer = llm.tokenizer
-    default_max = 16
+    max_context = llm.engine.scheduler.config.max_context_len
+    holder: dict = {}
+    metrics = ServerMetrics(lambda: holder["engine"].stats())
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        engine = AsyncEngine(llm.engines, warmup=warmup, on_finish=metrics.observe)
+        holder["engine"] = engine
+        _app.state.engine = engine
+        log.info("tokenspeed-jax serving: %s (warming up)", describe(llm, model_name))
         yield
         engine.shutdown()
 
     app = FastAPI(title="tokenspeed-jax", lifespan=lifespan)
-    app.state.engine = engine
+    install_error_handlers(app)
+
+    def engine() -> AsyncEngine:
+        return holder["engine"]
 
     @app.get("/health")
     def health():
+        if "engine" not in holder or not engine().ready:
+            return JSONResponse(status_code=503, content={"status": "warming up"})
         return {"status": "ok"}
 
     @app.get("/stats")
     def stats():
-        return engine.stats()
+        from tokenspeed_jax.llm import _aggregate_stats
+
+        per = engine().stats()
+        return per[0] if len(per) == 1 else _aggregate_stats(per)
+
+    @app.get("/metrics")
+    def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     def models():
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tokenspeed-jax"}],
-        }
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": 0, "owned_by": "tokenspeed-jax",
+            "max_model_len": max_context}]}
 
     def _encode(prompt) -> list[int]:
-        if tokenizer is None and not (prompt and all(isinstance(p, int) for p in prompt)):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            return list(prompt)
+        if tokenizer is None:
             raise ValueError("this model has no tokenizer (no tokenizer.json): send token ids")
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)
-        if prompt and all(isinstance(p, int) for p in prompt):
-            return list(prompt)
-        if len(prompt) == 1 and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             return tokenizer.encode(prompt[0])
         raise ValueError("prompt must be a string, a list of token ids, or a list of one string")
 
+    async def _next(queue: asyncio.Queue, http: Request, clock: list[float]):
+        """The next engine event; raises _Disconnected within ~0.2 s of the client leaving
+        (checked on that period whether or not events keep arriving)."""
+        while True:
+            now = time.monotonic()
+            if now - clock[0] >= 0.2:
+                clock[0] = now
+                if await http.is_disconnected():
+                    raise _Disconnected()
+            try:
+                return await asyncio.wait_for(queue.get(), timeout=0.2)
+            except TimeoutError:
+                continue
+
+    async def _events(queue, choices: list[ChoiceState], rids: list[str], http: Request):
+        """(choice, Delta, finish_reason or None) as tokens arrive, until every choice ends."""
+        done: set[int] = set()
+        clock = [time.monotonic()]
+        while len(done) < len(choices):
+            j, event = await _next(queue, http, clock)
+            if j in done:
+                continue
+            ch = choices[j]
+            if event[0] == "error":
+                raise RuntimeError(event[1])
+            if event[0] == "delta":
+                d = ch.feed(event[1], event[2], event[3])
+                if ch.stopped:  # a stop string: end this choice now, free its pages
+                    engine().abort(rids[j], finish_reason="stop")
+                    ch.finish_reason = "stop"
+                    done.add(j)
+                    yield ch, d, "stop"
+                elif d.text or d.token_ids:
+                    yield ch, d, None
+            else:
+                d = ch.feed([], None, None, final=True)
+                ch.finish_reason = "stop" if ch.stopped else event[1].finish_reason
+                done.add(j)
+                yield ch, d, ch.finish_reason
+
     async def _run(http: Request, body, prompt_ids: list[int], chat: bool):
         try:
-            max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-            body.max_tokens = max_tokens
-            params = body.to_params(default_max)
-            rid, queue = engine.submit(prompt_ids, params)
+            body.check_supported()
+            if body.model is not None and body.model != model_name:
+                return error_response(404, f"The model '{body.model}' does not exist (this server "
+                                      f"serves '{model_name}')", param="model",
+                                      code="model_not_found")
+            wanted = body.requested_max_tokens()
+            max_tokens = wanted if wanted is not None else max_context - len(prompt_ids)
+            if max_tokens < 1 and wanted is None:
+                raise ValueError(f"prompt ({len(prompt_ids)} tokens) leaves no room to generate "
+                                 f"within max_context_len {max_context}")
+            params = [body.to_params(max_tokens, j) for j in range(body.n)]
+            rids, queue = engine().submit(prompt_ids, params)
+        except UnsupportedField as e:
+            return error_response(400, str(e), param=e.field)
         except ValueError as e:
-            return _error(400, str(e))
+            return error_response(400, str(e))
         stops = body.stop_strings()
-        created = int(time.time())
-        oid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
-        kind = "chat.completion" if chat else "text_completion"
+        choices = [ChoiceState(j, tokenizer, stops) for j in range(body.n)]
+        echo = ""
+        if not chat and getattr(body, "echo", False) and tokenizer is not None:
+            echo = tokenizer.decode(prompt_ids)
+        for ch in choices:
+            ch.text_offset = len(echo)
+        top_k = body.num_top_logprobs()
+        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
+                "created": int(time.time()), "model": model_name}
 
-        async def events():
-            tokens: list[int] = []
-            text = ""
-            reason = None
-            logprobs = None
-            while reason is None:
-                kind_, item = await queue.get()
-                if kind_ == "error":
-                    raise RuntimeError(item)
-                if kind_ == "delta":
-                    tokens += item
-                    new_text = tokenizer.decode(tokens) if tokenizer is not None else ""
-                    hit = min((new_text.find(s) for s in stops if s in new_text), default=-1)
-                    if hit >= 0:
-                        engine.abort(rid)
-                        new_text, reason = new_text[:hit], "stop"
-                    else:
-                        # hold back a trailing partial UTF-8 character until it completes
-                        new_text = new_text.rstrip("\ufffd")
-                    delta = new_text[len(text):] if new_text.startswith(text) else ""
-                    text = text + delta
-                    if delta:
-                        yield delta, None, None
-                else:
-                    reason = item.finish_reason
-                    logprobs = item.logprobs
-                    final = tokenizer.decode(tokens) if tokenizer is not None else ""
-                    if final.startswith(text) and len(final) > len(text):
-                        yield final[len(text):], None, None
-            yield "", reason, (tokens, logprobs)
+        def usage() -> dict:
+            done = sum(len(c.tokens) for c in choices)
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": done,
+                    "total_tokens": len(prompt_ids) + done}
+
+        def logprobs_of(ch: ChoiceState, ids, lps, tops):
+            if not body.wants_logprobs():
+                return None
+            if chat:
+                return ch.chat_logprobs(ids, lps, tops)
+            return ch.completion_logprobs(ids, lps, tops, want_top=top_k > 0)
 
         if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            obj = "chat.completion.chunk" if chat else "text_completion"
+
+            def chunk(choice_list: list, use=None) -> str:
+                c = {**meta, "object": obj, "choices": choice_list}
+                if include_usage:
+                    c["usage"] = use
+                return f"data: {json.dumps(c)}\n\n"
 
             async def sse():
                 try:
-                    async for delta, reason, _ in events():
-                        if await http.is_disconnected():
-                            engine.abort(rid)
-                            return
-                        choice = (
-                            {
-                                "index": 0,
-                                "delta": {"content": delta} if delta else {},
-                                "finish_reason": reason,
-                            }
-                            if chat
-                            else {"index": 0, "text": delta, "finish_reason": reason}
-                        )
-                        chunk = {
-                            "id": oid,
-                            "object": f"{kind}.chunk" if chat else kind,
-                            "created": created,
-                            "model": model_name,
-                            "choices": [choice],
-                        }
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                    if chat:  # the first chunk of every choice carries the role
+                        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None} for c in choices])
+                    elif echo:
+                        yield chunk([{"index": c.index, "text": echo, "logprobs": None,
+                                      "finish_reason": None} for c in choices])
+                    async for ch, d, reason in _events(queue, choices, rids, http):
+                        lp = logprobs_of(ch, d.token_ids, d.logprobs, d.top) if d.token_ids else None
+                        if chat:
+                            delta = {"content": d.text} if d.text else {}
+                            one = {"index": ch.index, "delta": delta, "logprobs": lp,
+                                   "finish_reason": reason}
+                        else:
+                            one = {"index": ch.index, "text": d.text, "logprobs": lp,
+                                   "finish_reason": reason, "token_ids": d.token_ids}
+                        yield chunk([one])
+                    if include_usage:
+                        yield chunk([], usage())
                     yield "data: [DONE]\n\n"
+                except _Disconnected:
+                    return
+                except RuntimeError as e:
+                    err = {"error": {"message": str(e), "type": "internal_server_error",
+                                     "param": None, "code": None}}
+                    yield f"data: {json.dumps(err)}\n\n"
                 finally:
-                    engine.abort(rid)  # no-op once finished; frees pages on disconnect
+                    for rid in rids:  # no-op once finished; frees pages on disconnect
+                        engine().abort(rid)
 
             return StreamingResponse(sse(), media_type="text/event-stream")
 
-        text, reason, final = "", None, ([], None)
         try:
-            async for delta, r, f in events():
-                text += delta
-                if r is not None:
-                    reason, final = r, f
+            async for _ in _events(queue, choices, rids, http):
+                pass
+        except _Disconnected:
+            for rid in rids:
+                engine().abort(rid)
+            return Response(status_code=499)
         except RuntimeError as e:
-            return _error(500, str(e))
-        tokens, logprobs = final
-        usage = {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(tokens),
-            "total_tokens": len(prompt_ids) + len(tokens),
-        }
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-        else:
-            echo = (tokenizer.decode(prompt_ids)
-                    if getattr(body, "echo", False) and tokenizer is not None else "")
-            choice = {"index": 0, "text": echo + text, "finish_reason": reason, "token_ids": tokens}
-            if logprobs is not None:
-                choice["logprobs"] = {"token_logprobs": logprobs}
-        return {
-            "id": oid,
-            "object": kind,
-            "created": created,
-            "model": model_name,
-            "choices": [choice],
-            "usage": usage,
-        }
+            return error_response(500, str(e))
+        finally:
+            for rid in rids:
+                engine().abort(rid)
+        out = []
+        for ch in choices:
+            lp = logprobs_of(ch, ch.tokens, ch.logprobs, ch.top)
+            text = ch.text(final=True)
+            if chat:
+                out.append({"index": ch.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": lp, "finish_reason": ch.finish_reason})
+            else:
+                out.append({"index": ch.index, "text": echo + text, "logprobs": lp,
+                            "finish_reason": ch.finish_reason, "token_ids": ch.tokens})
+        return {**meta, "object": "chat.completion" if chat else "text_completion",
+                "choices": out, "usage": usage()}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         try:
             prompt_ids = _encode(body.prompt)
         except ValueError as e:
-            return _error(400, str(e))
+            return error_response(400, str(e), param="prompt")
         return await _run(http, body, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         if not body.messages:
-            return _error(400, "messages is empty")
+            return error_response(400, "messages is empty", param="messages")
         if tokenizer is None:
-            return _error(400, "this model has no tokenizer (no tokenizer.json): chat needs one")
-        return await _run(http, body, tokenizer.encode(_chat_prompt(tokenizer, body.messages)), chat=True)
+            return error_response(400, "this model has no tokenizer (no tokenizer.json): chat "
+                                  "needs one", param="messages")
+        try:
+            prompt = _chat_prompt(tokenizer, body.messages)
+        except UnsupportedField as e:
+            return error_response(400, str(e), param=e.field)
+        return await _run(http, body, tokenizer.encode(prompt), chat=True)
 
     return app

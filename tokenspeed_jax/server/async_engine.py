@@ -1,109 +1,231 @@
-"""`AsyncEngine`: one background thread steps the engine; asyncio handlers await results.
+"""`AsyncEngine`: background threads step the engines (one per data-parallel replica); asyncio
+handlers await results.
 
-The engine is not thread-safe, so every call into it (add, abort, step) holds one lock. The
-thread sleeps while nothing is queued. After each step it pushes, to every subscribed request,
-the tokens generated since the last push (streaming) and the final output once it finishes. A
+An engine is not thread-safe, so every call into one (add, abort, step) holds that replica's
+lock. A replica's thread first compiles every step shape (`Engine.warmup`), then sleeps while
+nothing is queued. After each step it pushes, to every subscribed request, the tokens generated
+since the last push with their logprobs (streaming) and the final output once it finishes. A
 failing step fails (and aborts) the requests in flight; the server keeps accepting new ones.
+
+Routing: a request goes to the replica whose prefix cache holds the longest prefix of its prompt;
+ties go to the least loaded (running + waiting requests). The n samples of one request stay on one
+replica and the 2nd..n-th are queued only once the first has computed its prompt, so they share
+its prompt pages through the prefix cache instead of each computing the prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import threading
+import time
+from collections.abc import Callable, Sequence
 
 from tokenspeed_jax.engine import Engine
 from tokenspeed_jax.outputs import CompletionOutput
+from tokenspeed_jax.routing import pick_replica
 from tokenspeed_jax.sampling_params import SamplingParams
 
 log = logging.getLogger("tokenspeed_jax.server")
 
 
 class _Subscriber:
-    __slots__ = ("loop", "queue", "sent")
+    """One sample's feed into the queue its request shares with its siblings (items are tagged
+    with the sample's index)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    __slots__ = ("loop", "queue", "sent", "index")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = queue
+        self.index = index
         self.sent = 0
 
     def push(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
+
+
+class _Replica:
+    """One engine, its lock, its stepping thread and its deferred sibling samples."""
+
+    def __init__(self, index: int, engine: Engine) -> None:
+        self.index = index
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.subs: dict[str, _Subscriber] = {}
+        # first sample's request id -> [(request id, prompt, params)] queued once it has prefilled
+        self.deferred: dict[str, list[tuple[str, list[int], SamplingParams]]] = {}
+        self.ready = False
+        self.warmup_s = 0.0
+        self.compiled = 0
 
 
 class AsyncEngine:
-    """Queue items are ("delta", list[int]), ("done", CompletionOutput) or ("error", str)."""
+    """Queue items are (sample index, event) with event ("delta", ids, logprobs, top),
+    ("done", CompletionOutput) or ("error", str).
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._subs: dict[str, _Subscriber] = {}
+    engines: the data-parallel replicas. warmup: compile every step shape before serving
+    (`ready` turns True after). on_finish(output): called on the stepping thread for each
+    finished request (metrics)."""
+
+    def __init__(self, engines: Engine | Sequence[Engine], *, warmup: bool = True,
+                 on_finish: Callable[[CompletionOutput], None] | None = None) -> None:
+        engines = [engines] if isinstance(engines, Engine) else list(engines)
+        self.replicas = [_Replica(i, e) for i, e in enumerate(engines)]
+        self.engine = engines[0]
+        self._on_finish = on_finish
+        self._warmup = warmup
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="tokenspeed-engine", daemon=True)
-        self._thread.start()
+        self._owner: dict[str, _Replica] = {}
+        self._threads = [threading.Thread(target=self._loop, args=(r,), daemon=True,
+                                          name=f"tokenspeed-engine-{r.index}")
+                         for r in self.replicas]
+        for t in self._threads:
+            t.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
-        """Queue a request (ValueError on bad input, nothing queued) and subscribe to it."""
-        sub = _Subscriber(asyncio.get_running_loop())
-        with self._lock:
-            rid = self.engine.add_request(prompt, params)
-            self._subs[rid] = sub
-        self._wake.set()
-        return rid, sub.queue
+    @property
+    def ready(self) -> bool:
+        return all(r.ready for r in self.replicas)
 
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._subs.pop(request_id, None)
-            self.engine.abort(request_id)
+    # ------------------------------------------------------------------ requests
+    def _route(self, prompt: list[int]) -> _Replica:
+        if len(self.replicas) == 1:
+            return self.replicas[0]
+        locks = [r.lock for r in self.replicas]
+        with contextlib.ExitStack() as stack:  # a consistent view of every replica
+            for lock in locks:
+                stack.enter_context(lock)
+            i = pick_replica([r.engine for r in self.replicas], prompt,
+                             lambda k: sum(map(len, self.replicas[k].deferred.values())))
+        return self.replicas[i]
 
-    def stats(self) -> dict:
-        with self._lock:
-            return self.engine.stats()
+    def submit(self, prompt: list[int], params: SamplingParams | Sequence[SamplingParams]
+               ) -> tuple[list[str], asyncio.Queue]:
+        """Queue one request per params entry (the n samples of one prompt) on one replica and
+        subscribe to them: returns their request ids and the queue of their events. ValueError
+        on bad input: then nothing is queued."""
+        plist = [params] if isinstance(params, SamplingParams) else list(params)
+        loop = asyncio.get_running_loop()
+        for p in plist:  # all-or-nothing: validate every sample first
+            self.engine.validate(prompt, p)
+        rep = self._route(prompt)
+        queue: asyncio.Queue = asyncio.Queue()
+        with rep.lock:
+            rid = rep.engine.add_request(prompt, plist[0])
+            rids = [rid] + [f"{rid}-n{j}" for j in range(1, len(plist))]
+            if len(plist) > 1:
+                rep.deferred[rid] = [(sib, list(prompt), p) for sib, p in zip(rids[1:], plist[1:])]
+            for j, r_id in enumerate(rids):
+                rep.subs[r_id] = _Subscriber(loop, queue, j)
+                self._owner[r_id] = rep
+        rep.wake.set()
+        return rids, queue
+
+    def abort(self, request_id: str, finish_reason: str | None = None) -> None:
+        """Drop a request (its pages come back at once). finish_reason: the request ended
+        normally from the client's view (a stop string: "stop"), so it is reported to
+        `on_finish` with that reason; None = a real abort (client gone)."""
+        rep = self._owner.pop(request_id, None)
+        if rep is None:
+            return
+        with rep.lock:
+            rep.subs.pop(request_id, None)
+            for first, rest in list(rep.deferred.items()):
+                rest[:] = [x for x in rest if x[0] != request_id]
+                if not rest:
+                    del rep.deferred[first]
+            out = rep.engine.abort(request_id)
+        if out is not None and finish_reason is not None and self._on_finish is not None:
+            self._on_finish(dataclasses.replace(out, finish_reason=finish_reason))
+
+    def stats(self) -> list[dict]:
+        out = []
+        for r in self.replicas:
+            with r.lock:
+                out.append(r.engine.stats())
+        return out
 
     def shutdown(self) -> None:
         self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=5)
+        for r in self.replicas:
+            r.wake.set()
+        for t in self._threads:
+            t.join(timeout=5)
 
-    def _loop(self) -> None:
+    # ------------------------------------------------------------------ stepping thread
+    def _loop(self, rep: _Replica) -> None:
+        if self._warmup:
+            t0 = time.perf_counter()
+            with rep.lock:
+                rep.compiled = rep.engine.warmup()
+            rep.warmup_s = time.perf_counter() - t0
+            log.info("replica %d ready: compiled %d step shapes in %.1fs", rep.index, rep.compiled,
+                     rep.warmup_s)
+        rep.ready = True
         while not self._stopped:
-            with self._lock:
-                busy = self.engine.has_unfinished()
+            with rep.lock:
+                busy = rep.engine.has_unfinished()
             if not busy:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+                rep.wake.wait(timeout=0.5)
+                rep.wake.clear()
                 continue
-            with self._lock:
+            with rep.lock:
                 try:
-                    finished = self.engine.step()
+                    finished = rep.engine.step()
                 except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
                     log.exception("engine step failed")
-                    self._fail_all(f"engine step failed: {e}")
+                    self._fail_all(rep, f"engine step failed: {e}")
                     continue
-                self._publish(finished)
+                self._publish(rep, finished)
+                self._release_siblings(rep)
 
-    def _publish(self, finished: list[CompletionOutput]) -> None:
-        sched = self.engine.scheduler
-        for rid, sub in self._subs.items():
+    def _release_siblings(self, rep: _Replica) -> None:
+        """Queue the deferred samples of every first sample that has computed its prompt."""
+        sched = rep.engine.scheduler
+        for first in list(rep.deferred):
+            req = sched.get_request(first)
+            if req is None or req.num_generated > 0:
+                for rid, prompt, params in rep.deferred.pop(first):
+                    try:
+                        rep.engine.add_request(prompt, params, rid)
+                    except ValueError as e:  # validated at submit; defensive
+                        sub = rep.subs.pop(rid, None)
+                        if sub is not None:
+                            sub.push(("error", str(e)))
+
+    def _publish(self, rep: _Replica, finished: list[CompletionOutput]) -> None:
+        engine = rep.engine
+        sched = engine.scheduler
+        for rid, sub in rep.subs.items():
             req = sched.get_request(rid)
             if req is None:
                 continue
-            new = req.tokens[req.prompt_len + sub.sent :]
+            new = req.tokens[req.prompt_len + sub.sent:]
             if new:
+                lps, tops = engine.logprobs_so_far(rid)
+                sub.push(("delta", list(new), lps[sub.sent:sub.sent + len(new)],
+                          tops[sub.sent:sub.sent + len(new)]))
                 sub.sent += len(new)
-                sub.push(("delta", list(new)))
         for out in finished:
-            sub = self._subs.pop(out.request_id, None)
+            if self._on_finish is not None:
+                self._on_finish(out)
+            sub = rep.subs.pop(out.request_id, None)
+            self._owner.pop(out.request_id, None)
             if sub is None:
                 continue
-            tail = out.token_ids[sub.sent :]
+            tail = out.token_ids[sub.sent:]
             if tail:
-                sub.push(("delta", list(tail)))
+                sub.push(("delta", list(tail), (out.logprobs or [])[sub.sent:],
+                          (out.top_logprobs or [])[sub.sent:]))
             sub.push(("done", out))
 
-    def _fail_all(self, message: str) -> None:
-        for rid, sub in list(self._subs.items()):
-            self.engine.abort(rid)
+    def _fail_all(self, rep: _Replica, message: str) -> None:
+        for rid, sub in list(rep.subs.items()):
+            rep.engine.abort(rid)
+            self._owner.pop(rid, None)
             sub.push(("error", message))
-        self._subs.clear()
+        rep.subs.clear()
+        rep.deferred.clear()

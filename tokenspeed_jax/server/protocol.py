@@ -1,54 +1,174 @@
-"""Request bodies of the OpenAI-compatible endpoints (pydantic) and their mapping to params."""
+"""Request bodies of the OpenAI-compatible endpoints (pydantic) and their mapping to params.
+
+Unknown fields are rejected (HTTP 400 naming the field) rather than silently ignored, and so
+are OpenAI fields this server does not implement (`UNSUPPORTED`) when they carry a value.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from tokenspeed_jax.sampling_params import SamplingParams
 
+# OpenAI request fields that exist but are not implemented here: a non-null value is a 400.
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+               "response_format", "suffix", "audio", "modalities", "prediction",
+               "web_search_options", "reasoning_effort", "guided_json", "guided_regex")
+
+
+class UnsupportedField(ValueError):
+    """A request field this server knows but does not implement (HTTP 400, param = field)."""
+
+    def __init__(self, field: str, message: str | None = None) -> None:
+        super().__init__(message or f"'{field}' is not supported by this server")
+        self.field = field
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
 
 class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     model: str | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # None = up to the context limit
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    seed: int | None = None
+    n: int = Field(1, ge=1, le=64)
+    seed: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     stream: bool = False
-    logprobs: bool | int | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # declared so that a value is reported as unsupported, not as an unknown field
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+    audio: dict | None = None
+    modalities: list | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+    reasoning_effort: str | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+
+    def check_supported(self) -> None:
+        for name in UNSUPPORTED:
+            value = getattr(self, name, None)
+            if value is not None and not (name == "tool_choice" and value == "none"):
+                raise UnsupportedField(name)
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedField("stream_options", "stream_options needs stream=true")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
-    def to_params(self, default_max_tokens: int) -> SamplingParams:
-        """ValueError (-> HTTP 400) on bad values, naming the field."""
+    def num_top_logprobs(self) -> int:
+        raise NotImplementedError
+
+    def wants_logprobs(self) -> bool:
+        raise NotImplementedError
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_params(self, max_tokens: int, index: int = 0) -> SamplingParams:
+        """Params of sample `index` of this request (seed + index, so n samples differ).
+        ValueError (-> HTTP 400) on bad values, naming the field."""
+        seed = None if self.seed is None else (self.seed + index) & 0xFFFFFFFF
+        try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise UnsupportedField("logit_bias", "logit_bias keys must be token ids") from None
         return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop_token_ids=tuple(self.stop_token_ids),
-            logprobs=bool(self.logprobs),
-            ignore_eos=self.ignore_eos,
-        )
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, seed=seed, stop_token_ids=tuple(self.stop_token_ids),
+            logprobs=self.wants_logprobs(), top_logprobs=self.num_top_logprobs(),
+            ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=bias or None)
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedField("best_of", "best_of other than n is not supported")
+
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: str
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise UnsupportedField("messages", f"message content of type {part.type!r} is not "
+                                                   f"supported (text only)")
+            out.append(part.text)
+        return "".join(out)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    store: bool | None = None
+    metadata: dict | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs=true")
+
+    def num_top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

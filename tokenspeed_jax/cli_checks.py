@@ -1,0 +1,107 @@
+"""Command-line argument checks that run before anything heavy loads.
+
+argparse `type=` validators (one clear message each) and `preflight`, which checks the numbers
+that depend on the model's cache layout (pages for the largest request, context length) from
+the model's config alone: no weights are read and nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    parse.__name__ = f"int>={lo}"
+    return parse
+
+
+def float_at_least(lo: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value >= lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    parse.__name__ = f"float>={lo}"
+    return parse
+
+
+def port(text: str) -> int:
+    value = int_at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be <= 65535, got {value}")
+    return value
+
+
+def _model_config(model: str, dtype: str):
+    """The model's config without its weights; None when that needs the full loader."""
+    from tokenspeed_jax.models import registry
+
+    if model in registry.BUILTIN_MODELS:
+        return registry.tiny_random_config()
+    if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        from tokenspeed_jax.hf import load_config
+
+        return load_config(model, dtype=dtype)
+    return None
+
+
+def preflight(args, *, longest_request: int | None) -> str | None:
+    """An error message for arguments that cannot work with this model, else None.
+
+    longest_request: tokens (prompt + output) of the longest request the command will send
+    (`run` knows it from the workload); None = one request of the full context (`serve`)."""
+    from tokenspeed_jax.models import registry
+
+    model = args.model
+    aliases = getattr(registry, "MODEL_ALIASES", {})
+    if model not in registry.BUILTIN_MODELS and model not in aliases and not os.path.exists(model):
+        known = ", ".join((*registry.BUILTIN_MODELS, *aliases))
+        return f"--model {model!r}: not a built-in model ({known}) nor an existing path"
+    if args.dtype not in DTYPES:
+        return f"--dtype {args.dtype!r}: expected one of {', '.join(DTYPES)}"
+    try:
+        cfg = _model_config(model, args.dtype)
+    except ValueError as e:
+        return f"--model {model!r}: {e}"
+    if cfg is None:
+        return None
+    from scheduler import Scheduler, SchedulerConfig
+    from tokenspeed_jax.llm import DEFAULT_HF_CONTEXT, DEFAULT_TINY_CONTEXT
+
+    ctx = args.max_context_len
+    if ctx is None:
+        default = DEFAULT_TINY_CONTEXT if model in registry.BUILTIN_MODELS else DEFAULT_HF_CONTEXT
+        limit = getattr(cfg, "max_position_embeddings", None)
+        ctx = min(limit, default) if limit else default
+    total = ctx if longest_request is None else longest_request
+    if total > ctx:
+        return (f"the longest request ({total} tokens) exceeds --max-context-len {ctx}: raise it "
+                f"or shorten the workload")
+    if args.num_pages is None:
+        return None
+    specs = registry.cache_group_specs(cfg, page_size=args.page_size)
+    sched = Scheduler(SchedulerConfig(num_pages=args.num_pages, page_size=args.page_size,
+                                      max_batch_requests=args.max_batch_requests,
+                                      max_scheduled_tokens=args.max_scheduled_tokens,
+                                      max_context_len=ctx, groups=specs))
+    need = sched.coord.solo_peak_pages(total, args.max_scheduled_tokens)
+    if need > args.num_pages - 1:
+        return (f"--num-pages {args.num_pages}: a {total}-token request needs {need + 1} pages "
+                f"(page 0 is reserved); raise --num-pages or lower --max-context-len")
+    return None

@@ -1,0 +1,47 @@
+"""OpenAI-shaped error bodies: `{"error": {"message", "type", "param", "code"}}` for every error,
+including request-validation errors (HTTP 400, never FastAPI's 422 `{"detail": [...]}`)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+          503: "service_unavailable", 500: "internal_server_error"}
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   code: str | None = None, type_: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": type_ or _TYPES.get(status, "invalid_request_error"),
+        "param": param, "code": code}})
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    err = errs[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return f"malformed JSON body: {err.get('msg', '')}", None
+    if err.get("type") == "extra_forbidden":
+        field = ".".join(loc)
+        return f"unknown field '{field}' (not an OpenAI request field this server accepts)", field
+    field = ".".join(loc) or None
+    where = f"'{field}': " if field else ""
+    return f"{where}{err.get('msg', 'invalid value')}", (loc[0] if loc else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(exc.status_code, str(exc.detail), code=code)
