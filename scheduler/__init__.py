@@ -14,11 +14,11 @@ from scheduler.group_spec import (
 )
 from scheduler.manager_base import CacheGroupManager, FullHistoryManager
 from scheduler.sliding_window import SlidingWindowManager, StateManager
-from scheduler.step_ops import GroupLayout, GroupStepOps, StepOps
+from scheduler.step_ops import PLACEHOLDER_TOKEN, GroupLayout, GroupStepOps, StepOps
 
 __all__ = [
     "NULL_PAGE", "BlockPool", "BlockTable", "CacheCoordinator", "CacheGroupManager",
-    "FullHistoryManager", "GroupLayout", "GroupStepOps", "PagedCacheGroupSpec",
+    "FullHistoryManager", "GroupLayout", "GroupStepOps", "PLACEHOLDER_TOKEN", "PagedCacheGroupSpec",
     "SlidingWindowManager", "StateManager", "StepOps", "compute_max_logical_pages_for_capture",
     "compute_paged_cache_group_page_counts", "group_specs_from_layer_types", "layer_group_indices",
 ]

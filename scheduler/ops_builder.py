@@ -8,7 +8,13 @@ import numpy as np
 
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
-from scheduler.step_ops import GroupLayout, GroupStepOps, StepOps, sampling_padding
+from scheduler.step_ops import (
+    PLACEHOLDER_TOKEN,
+    GroupLayout,
+    GroupStepOps,
+    StepOps,
+    sampling_padding,
+)
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,13 +84,16 @@ class OpsBuilder:
             top_p[:n] = [r.top_p for r in reqs]
             top_k[:n] = [r.top_k for r in reqs]
             seeds[:n] = [r.seed for r in reqs]
-            sample_index[:n] = [len(r.tokens) - r.prompt_len for r in reqs]
+            # tokens generated before the one this row samples (pending ones included)
+            sample_index[:n] = [len(r.tokens) + r.num_pending - r.prompt_len for r in reqs]
             extra["prompt_lens"][:n] = [r.prompt_len for r in reqs]
             self._fill_extras(extra, reqs)
             np.cumsum(lens, out=query_start[1:n + 1])
             query_start[n + 1:] = q
             if q == n:  # every row has one token (decodes)
-                token_ids[:n] = [r.tokens[s] for r, s in zip(reqs, starts)]
+                # a start past the known tokens is the pending token of the step in flight
+                token_ids[:n] = [r.tokens[s] if s < len(r.tokens) else PLACEHOLDER_TOKEN
+                                 for r, s in zip(reqs, starts)]
                 positions[:n] = starts
                 token_rows[:n] = self._row_index[:n]
             else:
@@ -94,11 +103,14 @@ class OpsBuilder:
                                                                    lens)
                 off = 0
                 for req, s, k in zip(reqs, starts, lens):
-                    if k == 1:
+                    known = min(k, len(req.tokens) - s)
+                    if known == 1:
                         token_ids[off] = req.tokens[s]
-                    else:
-                        token_ids[off:off + k] = req.tokens[s:s + k]
+                    elif known > 0:
+                        token_ids[off:off + known] = req.tokens[s:s + known]
                     off += k
+                    if known < k:  # pending tokens (only the last one, at depth 1)
+                        token_ids[off - k + max(known, 0):off] = PLACEHOLDER_TOKEN
             off = 0
             for req, s, k in zip(reqs, starts, lens) if any(r.prompt_logprobs for r in reqs) else ():
                 if req.prompt_logprobs and s < req.prompt_len - 1:
@@ -134,7 +146,8 @@ class OpsBuilder:
             request_ids=tuple(r.request_id for r in reqs),
             req_slots=req_slots, full_refresh=full_refresh,
             query_start=query_start, kv_lens=kv_lens, sample_mask=sample_mask,
-            token_ids=token_ids, positions=positions, token_rows=token_rows,
+            token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
+            positions=positions, token_rows=token_rows,
             prompt_targets=prompt_targets, temperature=temperature, top_p=top_p, top_k=top_k,
             seeds=seeds, sample_index=sample_index, **extra,
             groups=tuple(GroupStepOps(*arrays) for arrays in groups))

@@ -29,10 +29,18 @@ class RequestOutput:
 
 
 class Request:
-    """A request's host state. `tokens` = prompt + generated; `num_computed` of them have KV.
+    """A request's host state. `tokens` = prompt + the generated ids known on the host;
+    `num_computed` of them have KV.
 
-    Each step schedules `tokens[num_computed : num_computed + n]`; the row samples iff that
-    reaches the end of `tokens`. A decode is simply n = 1 with one token pending. A retracted
+    Overlapped scheduling (one step in flight while the next is planned) adds two counters:
+    `num_inflight` tokens are scheduled in steps whose results have not come back yet (their KV
+    is being written), and `num_pending` sampled tokens exist only on the device so far (their
+    ids arrive with `update`). The request's virtual stream is `tokens` + `num_pending`
+    placeholders. Each step schedules virtual positions `[num_scheduled, num_scheduled + n)`;
+    the row samples iff that reaches the end of the virtual stream. A decode is n = 1 with one
+    token (possibly a placeholder) left. In the synchronous loop both counters are 0 whenever
+    `schedule()` runs. `epoch` counts releases (retraction, abort, finish): a step row records
+    it so `update` can tell that the pages it wrote were given back meanwhile. A retracted
     request keeps `tokens` (its output folded in) and resumes with a fresh prefix match.
     """
 
@@ -42,7 +50,8 @@ class Request:
                  "prefill_done", "num_decode_rows", "needs_refresh", "num_cached_tokens",
                  "num_retractions", "finish_reason", "published_base_pages", "admitted_once",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                 "top_logprobs", "has_penalties", "needs_extras")
+                 "top_logprobs", "has_penalties", "needs_extras",
+                 "num_inflight", "num_pending", "epoch")
 
     def __init__(self, request_id: str, prompt: list[int], max_new_tokens: int, *,
                  stop_token_ids: frozenset[int], temperature: float, top_p: float, top_k: int,
@@ -84,6 +93,9 @@ class Request:
         # that every token they hold passes through a step; see tokenspeed_jax/sampling.py)
         self.has_penalties = False
         self.needs_extras = False  # any non-padding penalty / logit_bias / top_logprobs field
+        self.num_inflight = 0  # tokens scheduled in steps not yet fed back by `update`
+        self.num_pending = 0  # sampled tokens still on the device (placeholders on the host)
+        self.epoch = 0  # bumped by every release; a step row whose epoch differs is stale
 
     @classmethod
     def from_options(cls, request_id: str, prompt: list[int], max_new_tokens: int, options: dict,
@@ -126,8 +138,20 @@ class Request:
         return len(self.tokens) - self.prompt_len
 
     @property
+    def num_scheduled(self) -> int:
+        """Tokens whose KV is computed or being computed by a step in flight."""
+        return self.num_computed + self.num_inflight
+
+    @property
     def remaining(self) -> int:
-        return len(self.tokens) - self.num_computed
+        """Virtual tokens (known + pending) not yet scheduled."""
+        return len(self.tokens) + self.num_pending - self.num_scheduled
+
+    def finishes_by_length(self, max_context_len: int) -> bool:
+        """True when the pending tokens will certainly end the request ("length"): then it is
+        not planned again (a stop token can never be predicted, a length limit can)."""
+        total = len(self.tokens) + self.num_pending
+        return total - self.prompt_len >= self.max_new_tokens or total >= max_context_len
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.tokens[:self.prompt_len],

@@ -5,10 +5,26 @@ waiting ones), applying per request the transition order publish -> reclaim -> a
 runs the returned `StepOps`; `update(ops, sampled)` appends tokens, finishes requests and publishes
 completed pages (adopting canonical copies). Retraction victim policy: the most recently admitted
 running request (LIFO), so the oldest requests always make progress.
+
+Overlapped scheduling (plan ahead): `schedule()` may be called again before the previous step's
+`update()` (one step in flight; `update` must then come in schedule order). A row whose input is
+the token sampled by the step in flight carries a placeholder (`PLACEHOLDER_TOKEN`) with
+`token_from_prev` set, and the device reads the id it kept for that slot. A request that may
+finish in the step in flight (stop token) is planned again; if it does finish, `update` drops
+the extra row's token (never returned) and frees the request's pages at once. That is exact: the
+freed pages can only be handed out by a later `schedule()`, whose step the device runs after the
+step still using them (steps execute in dispatch order). A request whose pending token certainly
+ends it (max_new_tokens / context limit) is not planned again. Retraction and abort of a request
+with a row in flight bump its `epoch`: `update` then ignores that row's KV (its pages are gone)
+but still appends a sampled token (it is real output); a retracted request re-enters only once
+its pending token has landed (its slot's device copy is no longer its own). Sliding-window
+reclaim runs at the computed extent (not the scheduled one), so pages are published before
+reclaim can punch them, as in the synchronous loop.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import numpy as np
@@ -44,7 +60,14 @@ class Scheduler:
         self._no_holes = [[] for _ in range(self._num_groups)]
         self._stats = {"num_retractions": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0,
                        "adopted_pages": 0, "num_steps": 0, "num_aborted": 0,
-                       "num_full_refresh_rows": 0}
+                       "num_full_refresh_rows": 0, "num_dropped_tokens": 0}
+        # steps scheduled but not yet fed back: (ops, [(request, epoch) per row]), oldest first
+        self._flights: collections.deque[tuple[StepOps, list[tuple[Request, int]]]] = (
+            collections.deque())
+        # after each update: per row of that step, whether its result was applied (False for
+        # rows of requests that had finished or been aborted meanwhile); the engine routes
+        # logprobs by it
+        self.last_update_rows: list[bool] = []
         self.mirror_checker = MirrorChecker(self) if config.debug_checks else None
 
     # ------------------------------------------------------------------ requests
@@ -94,6 +117,7 @@ class Scheduler:
             self._running.remove(req)
         elif req in self._waiting:
             self._waiting.remove(req)
+            req.epoch += 1
         req.status = Status.FINISHED
         req.finish_reason = "abort"
         self._stats["num_aborted"] += 1
@@ -104,6 +128,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps scheduled whose `update` has not come yet (0 in the synchronous loop)."""
+        return len(self._flights)
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -132,16 +161,20 @@ class Scheduler:
         i = 0
         running, pool, coord = self._running, self.pool, self.coord
         no_sizes, no_holes = self._no_sizes, self._no_holes
+        max_len = cfg.max_context_len
         while i < len(running) and len(rows) < max_rows and budget > 0:
             req = running[i]
+            if req.num_pending and req.finishes_by_length(max_len):
+                i += 1  # its token in flight ends it: `update` finishes it, nothing to plan
+                continue
             # Decode fast path: one token, no refresh, room in every tail, nothing to reclaim
             # and no reservation shortfall. Exactly what the general path below would decide.
             if (req.num_decode_rows and not req.needs_refresh and not req.reserved
-                    and req.prefill_done and len(req.tokens) - req.num_computed == 1
+                    and req.prefill_done and req.remaining == 1
                     and pool.num_free >= self._reserved_total
                     and coord.grow_in_tail(req.tables, req.num_computed)):
                 req.num_decode_rows += 1
-                rows.append(ScheduledRow(req, req.num_computed, 1, False, True, None, no_sizes,
+                rows.append(ScheduledRow(req, req.num_scheduled, 1, False, True, None, no_sizes,
                                          no_holes, True))
                 budget -= 1
                 i += 1
@@ -154,13 +187,23 @@ class Scheduler:
             i += 1
         headroom = self._pending_decode_growth() if self._waiting else 0
         while self._waiting and len(rows) < max_rows and budget > 0 and self._free_slots:
-            row = self._admit(self._waiting[0], budget, headroom)
+            head = self._waiting[0]
+            if head.num_pending:
+                break  # retracted with a token in flight: it resumes once the token has landed
+            row = self._admit(head, budget, headroom)
             if row is None:
                 break  # FCFS: the head waits for memory, nobody overtakes it
             self._waiting.pop(0)
             rows.append(row)
             budget -= row.num_tokens
         ops = self._builder.build(rows)
+        for row in rows:  # after build: the builder reads the pre-step counters
+            req = row.req
+            req.num_inflight += row.num_tokens
+            if row.samples:
+                req.num_pending += 1
+        if rows:
+            self._flights.append((ops, [(row.req, row.req.epoch) for row in rows]))
         self._stats["num_steps"] += 1
         self._stats["num_full_refresh_rows"] += int(ops.full_refresh.sum())
         if self.mirror_checker is not None:
@@ -172,6 +215,8 @@ class Scheduler:
         coord = self.coord
         n = min(req.remaining, budget, self._chunk_cap)
         tables = req.tables
+        # reclaim at the computed extent: pages the step in flight completes are published by
+        # its update before a later step may punch them (same hashes as the synchronous loop)
         holes = coord.reclaim(tables, req.num_computed)
         need = coord.blocks_needed_for(tables, n)
         while need > self._available_for(req):
@@ -202,7 +247,7 @@ class Scheduler:
         if not refresh and any(len(h) > lay.delta_width for h, lay in zip(holes, self.layouts)):
             refresh = True
         req.needs_refresh = False
-        return ScheduledRow(req, req.num_computed, n, refresh, samples, begins, sizes, holes)
+        return ScheduledRow(req, req.num_scheduled, n, refresh, samples, begins, sizes, holes)
 
     def _admit(self, req: Request, budget: int, headroom: int) -> ScheduledRow | None:
         cfg, coord = self.config, self.coord
@@ -253,7 +298,10 @@ class Scheduler:
         keeps them free so a new request does not force a retraction one step later."""
         coord = self.coord
         total = 0
+        max_len = self.config.max_context_len
         for r in self._running:
+            if r.num_pending and r.finishes_by_length(max_len):
+                continue  # planned no more
             if r.prefill_done and r.reserved == 0:
                 for t in r.tables:
                     if t.tail_avail < 1:  # only then can one more token need a page
@@ -286,15 +334,25 @@ class Scheduler:
         req.needs_refresh = True
         req.prefill_done = False
         req.num_decode_rows = 0
+        req.num_inflight = 0  # whatever a step in flight computes for it is void now
+        req.epoch += 1
 
     # ------------------------------------------------------------------ update
     def update(self, ops: StepOps, sampled_token_ids: np.ndarray) -> list[RequestOutput]:
         """Feed back one step: `sampled_token_ids` i32[max_batch_requests], entry i for row i.
 
+        Steps must be fed back in the order they were scheduled (at most the in-flight ones).
         Returns the requests that finished in this step."""
         sampled = np.asarray(sampled_token_ids)
         if sampled.shape[0] < ops.num_reqs:
             raise ValueError(f"{sampled.shape=} has fewer entries than the step's {ops.num_reqs} rows")
+        if ops.num_reqs == 0:
+            self.last_update_rows = []
+            return []  # an empty step is never recorded (nothing ran)
+        if not self._flights or self._flights[0][0] is not ops:
+            raise ValueError("update() must get the oldest scheduled, not yet updated StepOps "
+                             f"({len(self._flights)} in flight)")
+        _, row_reqs = self._flights.popleft()
         finished: list[RequestOutput] = []
         coord, base = self.coord, self.coord.base
         adopt = self.config.enable_adoption
@@ -304,15 +362,22 @@ class Scheduler:
         sample_mask = ops.sample_mask[:n].tolist()
         qs = ops.query_start[:n + 1].tolist()
         sampled_list = sampled[:n].tolist()
-        requests = self._requests
-        running = Status.RUNNING
-        done_any = False
-        for i, rid in enumerate(ops.request_ids):
-            req = requests.get(rid)
-            if req is None or req.status is not running:
-                continue  # aborted (or retracted) while the step ran
-            req.num_computed += qs[i + 1] - qs[i]
+        running, done = Status.RUNNING, Status.FINISHED
+        applied = [True] * n
+        done_running = False
+        for i, (req, epoch) in enumerate(row_reqs):
+            if req.status is done:
+                # finished by an earlier step's token or aborted: this row's token is dropped
+                applied[i] = False
+                self._stats["num_dropped_tokens"] += sample_mask[i]
+                continue
+            live = req.epoch == epoch  # else retracted meanwhile: the KV it wrote is void
+            if live:
+                k = qs[i + 1] - qs[i]
+                req.num_inflight -= k
+                req.num_computed += k
             if sample_mask[i]:
+                req.num_pending -= 1
                 tok = int(sampled_list[i])
                 tokens = req.tokens
                 tokens.append(tok)
@@ -321,7 +386,7 @@ class Scheduler:
                 elif (len(tokens) - req.prompt_len >= req.max_new_tokens
                       or len(tokens) >= max_len):
                     req.finish_reason = "length"
-            if req.num_computed // base > req.published_base_pages:
+            if live and req.num_computed // base > req.published_base_pages:
                 req.hasher.extend(req.tokens)
                 moved = coord.publish(req.tables, req.hasher.hashes, req.num_computed, adopt=adopt,
                                       chunk_end=True)
@@ -330,13 +395,18 @@ class Scheduler:
                     req.needs_refresh = True
                     self._stats["adopted_pages"] += sum(len(m) for m in moved)
             if req.finish_reason is not None:
-                self._release(req)
-                req.status = Status.FINISHED
-                del self._requests[rid]
+                if req.status is running:
+                    self._release(req)
+                    done_running = True
+                else:  # retracted while its last token was in flight
+                    assert not live, "a waiting request cannot own a live row"
+                    self._waiting.remove(req)
+                req.status = done
+                del self._requests[req.request_id]
                 finished.append(req.output())
-                done_any = True
-        if done_any:
-            self._running = [r for r in self._running if r.status is Status.RUNNING]
+        if done_running:
+            self._running = [r for r in self._running if r.status is running]
+        self.last_update_rows = applied
         if self.mirror_checker is not None:
             self.check_invariants()
         return finished

@@ -38,6 +38,10 @@ def _dev(axis: str, dtype: str = "i32"):
     assert axis in AXES and dtype in DTYPES, (axis, dtype)
     return dataclasses.field(metadata={"axis": axis, "dtype": dtype})
 
+# Host-side id of an input token that only the device knows yet (sampled by the step in flight);
+# `StepOps.token_from_prev` marks it and the device substitutes its slot's last sampled token.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupLayout:
@@ -85,7 +89,11 @@ class StepOps:
     kv_lens: np.ndarray = _dev("row", "i32")
     # bool[R] the row's last token yields a sampled token; False padding
     sample_mask: np.ndarray = _dev("row", "bool")
-    token_ids: np.ndarray = _dev("token", "i32")  # i32[T] input token ids; 0 padding
+    # i32[T] input token ids; PLACEHOLDER_TOKEN where token_from_prev; 0 padding
+    token_ids: np.ndarray = _dev("token", "i32")
+    # bool[T] the token is the one the previous step sampled for this row's slot: the device
+    # reads it from its per-slot copy (overlapped scheduling); False padding
+    token_from_prev: np.ndarray = _dev("token", "bool")
     positions: np.ndarray = _dev("token", "i32")  # i32[T] absolute position of each token; 0 padding
     # i32[T] batch row of each token; R padding (out of range, dropped)
     token_rows: np.ndarray = _dev("token", "i32")

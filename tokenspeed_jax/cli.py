@@ -17,7 +17,7 @@ import time
 from tokenspeed_jax.cli_checks import DTYPES, float_at_least, int_at_least, port, preflight
 from tokenspeed_jax.distributed import add_cli_args, config_from_args, follow_cli
 
-BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve")
+BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,6 +67,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> No
                    help="independent replicas (each with its own page pool); requests go to the "
                         "best prefix-cache match, ties to the least loaded")
     add_cli_args(p)  # multi-process launch flags (see docs/distributed.md)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 on the host while the device runs step N (same outputs; "
+                        "default: on for accelerators, off on CPU)")
 
 
 def _make_llm(args):
@@ -79,7 +82,7 @@ def _make_llm(args):
                dtype=args.dtype, attention_backend=args.attention_backend, seed=args.seed,
                tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=args.data_parallel_size,
-               distributed=config_from_args(args))
+               distributed=config_from_args(args), async_scheduling=args.async_scheduling)
 
 
 def _checked_llm(args, longest_request: int | None):

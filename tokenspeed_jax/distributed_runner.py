@@ -239,16 +239,22 @@ class DistributedRunner:
                     raise RuntimeError(lost) from e
                 raise
 
-    def step(self, ops) -> StepResult:
-        """Leader: broadcast `ops` and run it everywhere; returns host results (as ModelRunner)."""
+    def dispatch(self, ops):
+        """Leader: broadcast `ops` and run it everywhere (blocks until every process ran it, so a
+        dead follower surfaces here); returns the runner's `StepHandle`. Defined here, not left
+        to the wrapped runner, so the overlapped engine loop broadcasts too."""
         r = self.runner
         if ops.num_reqs == 0:
-            return r.step(ops)  # empty steps never reach the device (nor the followers)
+            return r.dispatch(ops)  # empty steps never reach the device (nor the followers)
         r._warn_clamped(ops)
         bucket = r.bucket_for(int(ops.num_tokens))
         _, cols = r.kv_bucket_for(ops)
         level = [c for _, c in r.kv_levels].index(cols)
-        return r.host_result(ops, bucket, *self._lead(ops, bucket, level))
+        return r.handle_for(ops, bucket, *self._lead(ops, bucket, level))
+
+    def step(self, ops) -> StepResult:
+        """Leader: one step on every process; host results as `ModelRunner.step`."""
+        return self.runner.collect(self.dispatch(ops))
 
     def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
         """Leader: compile the shape keys on every process with all-padding steps (the same

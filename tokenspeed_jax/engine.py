@@ -3,6 +3,14 @@
 The scheduler decides everything; the runner applies StepOps on the device and returns sampled
 ids and logprobs; the engine validates input, routes logprobs to requests, times them, and turns
 finished scheduler outputs into `CompletionOutput`s. One engine = one model + one cache.
+
+Two loops (`async_scheduling`):
+  - synchronous (the reference): schedule N -> dispatch N -> wait for N -> update N;
+  - overlapped: schedule N+1 -> dispatch N+1 (queued behind N on the device) -> wait for N ->
+    update N. The host plans while the device computes; decode inputs sampled by step N reach
+    step N+1 on the device (`StepOps.token_from_prev`), and the scheduler's plan-ahead rules
+    keep pages, finishes and aborts exact (scheduler/scheduler.py).
+`StepClock` (stats) shows the overlap: host, wait and critical-path time per step.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import numpy as np
 from scheduler import Scheduler, SchedulerConfig, StepOps
 from tokenspeed_jax.outputs import CompletionOutput, RequestMetrics
 from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.step_clock import StepClock
 
 
 class _Track:
@@ -36,14 +45,26 @@ class _Track:
 class Engine:
     """Continuous-batching engine over one `Scheduler` and one model runner.
 
-    runner: an object with `step(ops: StepOps) -> result` where result has numpy fields
-    `sampled` i32[R], `logprobs` f32[R] and `prompt_logprobs` f32[T] (NaN where none).
+    runner: an object with `dispatch(ops: StepOps) -> handle` (enqueue, return at once),
+    `collect(handle) -> result` (block) where result has numpy fields `sampled` i32[R],
+    `logprobs` f32[R] and `prompt_logprobs` f32[T] (NaN where none); a runner with only
+    `step(ops) -> result` runs the synchronous loop.
+    async_scheduling: overlap planning step N+1 with the device running step N.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, runner, *, vocab_size: int,
-                 eos_token_ids: tuple[int, ...] = (), tokenizer=None) -> None:
+                 eos_token_ids: tuple[int, ...] = (), tokenizer=None,
+                 async_scheduling: bool = False) -> None:
         self.scheduler = Scheduler(scheduler_config)
         self.runner = runner
+        if not hasattr(runner, "dispatch"):  # a plain `step` runner: wrap it, synchronous only
+            if async_scheduling:
+                raise ValueError("async_scheduling needs a runner with dispatch/collect")
+            runner = _SyncRunner(runner)
+        self._runner = runner
+        self.async_scheduling = bool(async_scheduling)
+        self._inflight: tuple[StepOps, object] | None = None  # overlapped: step N, not collected
+        self.clock = StepClock()
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = tokenizer
@@ -131,18 +152,73 @@ class Engine:
             self._stepping.release()
 
     def _step(self) -> list[CompletionOutput]:
+        t0 = time.perf_counter()
+        clock = self.clock
+        clock.probe()
         ops = self.scheduler.schedule()
-        if ops.num_reqs == 0:
-            if self.scheduler.has_unfinished():
-                # nothing runs and the queue head cannot be admitted: no later step can differ,
-                # so fail loudly instead of spinning (add_request's fit check should prevent it)
-                raise RuntimeError(f"scheduler made no progress with waiting requests: "
-                                   f"{self.scheduler.stats()}")
-            return []
-        result = self.runner.step(ops)  # the runner logs clamped rows by request id
+        clock.probe()
+        handle = self._dispatch(ops, self._inflight is not None) if ops.num_reqs else None
+        prev, outs = self._inflight, []
+        if self.async_scheduling:
+            self._inflight = None if handle is None else (ops, handle)
+        else:
+            prev = None if handle is None else (ops, handle)
+        if prev is not None:
+            outs = self._finish(*prev)
+            if handle is None and self.async_scheduling and self.scheduler.has_unfinished():
+                # nothing could be planned behind the step in flight (its requests all end in
+                # it): now that it has freed their slots and pages, refill the device at once,
+                # as the synchronous loop would, instead of idling through the caller's turn
+                ops = self.scheduler.schedule()
+                if ops.num_reqs:
+                    self._inflight = (ops, self._dispatch(ops, False))
+        elif handle is None and self.scheduler.has_unfinished():
+            # nothing runs, nothing is in flight and the queue head cannot be admitted: no
+            # later step can differ, so fail loudly instead of spinning
+            raise RuntimeError(f"scheduler made no progress with waiting requests: "
+                               f"{self.scheduler.stats()}")
+        clock.call_done(time.perf_counter() - t0)
+        return outs
+
+    def drain(self) -> list[CompletionOutput]:
+        """Overlapped loop: finish the step in flight (if any) without dispatching another.
+        Afterwards every dispatched step is fed back and `stats()` is exact."""
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("Engine.drain called while another thread steps the engine")
+        try:
+            prev, self._inflight = self._inflight, None
+            return [] if prev is None else self._finish(*prev)
+        finally:
+            self._stepping.release()
+
+    def _dispatch(self, ops: StepOps, pipelined: bool):
+        handle = self._runner.dispatch(ops)  # the runner logs clamped rows by request id
+        self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_reqs, pipelined=pipelined)
+        checker = self.scheduler.mirror_checker
+        if checker is not None and hasattr(self._runner, "host_mirrors"):
+            self._check_device_mirrors(checker)
+        return handle
+
+    def _check_device_mirrors(self, checker) -> None:
+        """Debug mode: the device page tables after the step just dispatched must equal the
+        scheduler's numpy twin (itself checked against the authoritative rows) in every slot."""
+        honor = getattr(self._runner, "honor_full_refresh", True)
+        twins = checker.exact if honor else checker.tail_only
+        for g, (dev, twin) in enumerate(zip(self._runner.host_mirrors(), twins, strict=True)):
+            if not np.array_equal(dev, twin):
+                bad = np.flatnonzero((dev != twin).any(axis=1)).tolist()
+                raise AssertionError(f"device page-table mirror of group {g} differs from the "
+                                     f"scheduler's in slots {bad}")
+
+    def _finish(self, ops: StepOps, handle) -> list[CompletionOutput]:
+        """Wait for a dispatched step, feed it back, and turn finished requests into outputs."""
+        blocked = not handle.is_ready()
+        t = time.perf_counter()
+        result = self._runner.collect(handle)
         now = time.perf_counter()
-        self._route_logprobs(ops, result, now)
+        self.clock.waited(now - t, blocked)
         finished = self.scheduler.update(ops, result.sampled)
+        self._route_logprobs(ops, result, now, self.scheduler.last_update_rows)
         self.num_steps += 1
         self.num_prefill_tokens += int(ops.num_tokens - ops.sample_mask[:ops.num_reqs].sum())
         outs = []
@@ -154,8 +230,10 @@ class Engine:
             outs.append(self._output(fin.request_id, track, fin.token_ids, fin.finish_reason))
         return outs
 
-    def _route_logprobs(self, ops: StepOps, result, now: float) -> None:
-        sampled_rows = np.flatnonzero(ops.sample_mask[:ops.num_reqs])
+    def _route_logprobs(self, ops: StepOps, result, now: float, applied: list[bool]) -> None:
+        """Logprobs of the rows whose results the scheduler applied (a row planned behind a
+        request that finished or was aborted meanwhile produced nothing for anyone)."""
+        sampled_rows = [i for i in np.flatnonzero(ops.sample_mask[:ops.num_reqs]) if applied[i]]
         self.num_generated_tokens += len(sampled_rows)
         logprobs = np.asarray(result.logprobs)
         top_ids = getattr(result, "top_ids", None)
@@ -176,6 +254,8 @@ class Engine:
             plp = np.asarray(result.prompt_logprobs)
             for t in targets:
                 row = int(ops.token_rows[t])
+                if not applied[row]:
+                    continue
                 track = self._tracks.get(ops.request_ids[row])
                 if track is not None and track.prompt_logprobs is not None:
                     track.prompt_logprobs[int(ops.positions[t]) + 1] = float(plp[t])
@@ -201,9 +281,32 @@ class Engine:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
+        """Scheduler counters + engine counters + the loop timing of `StepClock.summary`."""
         out = self.scheduler.stats()
         out["num_engine_steps"] = self.num_steps
         out["num_generated_tokens"] = self.num_generated_tokens
+        out["async_scheduling"] = self.async_scheduling
+        out.update(self.clock.summary())
         if hasattr(self.runner, "num_compiles"):
             out["num_compiles"] = self.runner.num_compiles
         return out
+
+
+class _SyncRunner:
+    """dispatch/collect over a runner that only has `step` (the step runs inside dispatch)."""
+
+    class _Done:
+        def __init__(self, result) -> None:
+            self.result = result
+
+        def is_ready(self) -> bool:
+            return True
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def dispatch(self, ops: StepOps) -> _SyncRunner._Done:
+        return self._Done(self.runner.step(ops))
+
+    def collect(self, handle: _SyncRunner._Done):
+        return handle.result

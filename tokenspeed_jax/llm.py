@@ -59,7 +59,10 @@ class LLM:
     num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory).
     More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
-    min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`).
+    min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`),
+    async_scheduling (None = on for accelerators, off on CPU; True plans step N+1 on the host
+    while the device runs step N, same outputs: see tokenspeed_jax/engine.py. On CPU the host
+    and XLA share the cores, so the overlap has nothing to hide behind: benchmarks/README.md).
 
     tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
     intermediate, conv channels, vocab; `tokenspeed_jax.sharding`). data_parallel_size = D: D
@@ -96,7 +99,7 @@ class LLM:
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
         known = {"conv_page_size", "enable_adoption", "max_live_requests", "debug_checks",
                  "honor_full_refresh", "decode_reserve_tokens", "max_prefill_chunk_tokens",
-                 "min_kv_bucket"}
+                 "min_kv_bucket", "async_scheduling"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
@@ -144,6 +147,12 @@ class LLM:
             debug_checks=more_options.get("debug_checks", False))
         eos = self.model_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        overlap = more_options.get("async_scheduling")
+        if overlap is None:
+            import jax
+
+            device = jax.devices()[0] if meshes[0] is None else meshes[0].devices.flat[0]
+            overlap = device.platform != "cpu"
         self.engines: list[Engine] = []
         for r, mesh in enumerate(meshes):
             runner = ModelRunner(runtime_config, net, sched_cfg.group_layouts(),
@@ -158,7 +167,8 @@ class LLM:
             if multi:
                 runner = self._distribute(runner, r)
             self.engines.append(Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
-                                       eos_token_ids=eos_ids, tokenizer=self.tokenizer))
+                                       eos_token_ids=eos_ids, tokenizer=self.tokenizer,
+                                       async_scheduling=bool(overlap)))
         self.engine = self.engines[0]
         self._load = [0] * len(self.engines)  # outstanding tokens per replica (see docstring)
         self._pool: ThreadPoolExecutor | None = None
@@ -274,6 +284,9 @@ class LLM:
                     results[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
+        for e in self.engines:  # overlapped loop: collect a last step planned behind a stop
+            if not e.has_unfinished():
+                e.drain()
         if bar is not None:
             bar.close()
         return results

@@ -1,8 +1,14 @@
 """`ModelRunner`: applies one `StepOps` on the device in a single jitted, donated step.
 
-step(params, state, ops) = page-table update (every group) -> write locations from the updated
-mirrors -> paged forward (K/V + conv writes, attention through the page tables) -> sampling
-(+ prompt logprobs when the step asks for any).
+step(params, state, ops) = page-table update (every group) -> input tokens (placeholders flagged
+`token_from_prev` read the slot's last sampled token from the state) -> write locations from the
+updated mirrors -> paged forward (K/V + conv writes, attention through the page tables) ->
+sampling (+ prompt logprobs when the step asks for any) -> each sampling row's token is kept as
+its slot's last token.
+
+`dispatch(ops)` only enqueues the step (JAX dispatch is asynchronous) and returns a handle;
+`collect(handle)` blocks for its host results; `step = collect(dispatch(ops))`. The overlapped
+engine dispatches step N+1 before collecting step N.
 
 Shapes: rows are fixed at `max_batch_requests`. A step's shape key is (token bucket, kv bucket):
 * token bucket: the token dimension is padded up to the smallest of the powers of two from
@@ -75,6 +81,21 @@ class StepResult:
     prompt_logprobs: np.ndarray
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHandle:
+    """A dispatched step: device futures of its outputs (None for an empty step)."""
+
+    tokens: jax.Array | None
+    logprobs: jax.Array | None
+    prompt_logprobs: jax.Array | None
+    bucket: int
+    top: tuple[jax.Array, jax.Array] | None = None  # (top ids, top logprobs) when asked for
+
+    def is_ready(self) -> bool:
+        """True once the device has finished the step (never blocks)."""
+        return self.tokens is None or self.tokens.is_ready()
 
 
 def token_buckets(max_scheduled_tokens: int, min_bucket: int = 16) -> tuple[int, ...]:
@@ -199,6 +220,14 @@ class ModelRunner:
             ops["token_rows"], block_sizes=self.block_sizes, num_pages=self.num_pages,
             layer_groups=self.layer_groups, kv_cols=layout.cols,
         )  # fmt: skip
+        slots = ops["req_slots"]
+        num_slots = state.last_tokens.shape[0]
+        # overlapped scheduling: a flagged token is the one the previous step sampled for the
+        # row's slot; it never travelled to the host and back
+        token_slots = jnp.take(slots, ops["token_rows"], mode="clip")
+        prev_tokens = jnp.take(state.last_tokens, token_slots, mode="clip")
+        # resolved in place: everything below that reads the input ids sees the real tokens
+        ops["token_ids"] = jnp.where(ops["token_from_prev"], prev_tokens, ops["token_ids"])
         hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
 
         t = hidden.shape[0]
@@ -217,6 +246,8 @@ class ModelRunner:
         )  # fmt: skip
         pad = self.max_batch_requests - n
         mask = rows["sample_mask"]
+        keep = jnp.where(mask, slots[:n], num_slots)  # each sampling row's slot; others dropped
+        last_tokens = state.last_tokens.at[keep].set(tokens, mode="drop")
         tokens = jnp.pad(jnp.where(mask, tokens, -1), (0, pad), constant_values=-1)
         logprobs = jnp.pad(jnp.where(mask, logprobs, jnp.nan), (0, pad), constant_values=jnp.nan)
         k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
@@ -237,8 +268,8 @@ class ModelRunner:
             lambda h: jnp.full((t,), jnp.nan, jnp.float32),
             hidden,
         )
-        return (DeviceState(mirrors=mirrors, caches=caches), penalties, tokens, logprobs, plp,
-                (top_ids, top_lp))
+        return (DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens), penalties,
+                tokens, logprobs, plp, (top_ids, top_lp))
 
     # ------------------------------------------------------------------ host side
     def bucket_for(self, num_tokens: int) -> int:
@@ -319,24 +350,45 @@ class ModelRunner:
 
     def step(self, ops) -> StepResult:
         """Applies one `StepOps`; returns the sampled tokens (numpy). Empty steps skip the device."""
-        r, t = self.max_batch_requests, self.max_scheduled_tokens
+        return self.collect(self.dispatch(ops))
+
+    def dispatch(self, ops) -> StepHandle:
+        """Enqueue one `StepOps` on the device and return at once (the state advances to the
+        step's output futures, so the next dispatch queues behind this one)."""
         if ops.num_reqs == 0:
+            return StepHandle(None, None, None, 0)
+        self._warn_clamped(ops)
+        bucket = self.bucket_for(int(ops.num_tokens))
+        _, cols = self.kv_bucket_for(ops)
+        return self.handle_for(ops, bucket, *self._run(ops, bucket, cols))
+
+    def handle_for(self, ops, bucket: int, tokens, logprobs, plp, top) -> StepHandle:
+        """Wrap one dispatched step's device outputs; copies back only what the step asked for."""
+        for x in (tokens, logprobs):  # start the device->host copies now, not when collected
+            x.copy_to_host_async()
+        if ops.prompt_targets[: ops.num_tokens].max(initial=-1) < 0:
+            plp = None  # no prompt logprobs asked for in this step: nothing to copy back
+        if not np.asarray(ops.top_logprobs).any():
+            top = None  # copy the [R, K] top-k back only when asked for
+        return StepHandle(tokens, logprobs, plp, bucket, top)
+
+    def collect(self, handle: StepHandle) -> StepResult:
+        """Block until a dispatched step is done; its host results."""
+        r, t = self.max_batch_requests, self.max_scheduled_tokens
+        if handle.tokens is None:
             return StepResult(
                 np.full(r, -1, np.int32), np.full(r, np.nan, np.float32),
                 np.full(t, np.nan, np.float32),
             )  # fmt: skip
-        self._warn_clamped(ops)
-        bucket = self.bucket_for(int(ops.num_tokens))
-        _, cols = self.kv_bucket_for(ops)
-        return self.host_result(ops, bucket, *self._run(ops, bucket, cols))
-
-    def host_result(self, ops, bucket: int, tokens, logprobs, plp, top) -> StepResult:
-        """The host copy of one step's device outputs (prompt logprobs and the top-k only when
-        the step asked for them)."""
-        plp_full = np.full(self.max_scheduled_tokens, np.nan, np.float32)
-        if ops.prompt_targets[: ops.num_tokens].max(initial=-1) >= 0:  # else all NaN: no copy
-            plp_full[:bucket] = np.asarray(plp)
+        plp_full = np.full(t, np.nan, np.float32)
+        if handle.prompt_logprobs is not None:  # else all NaN: no copy
+            plp_full[:handle.bucket] = np.asarray(handle.prompt_logprobs)
         top_ids = top_lp = None
-        if np.asarray(ops.top_logprobs).any():  # copy the [R, K] top-k back only when asked for
-            top_ids, top_lp = np.asarray(top[0]), np.asarray(top[1])
-        return StepResult(np.asarray(tokens), np.asarray(logprobs), plp_full, top_ids, top_lp)
+        if handle.top is not None:
+            top_ids, top_lp = np.asarray(handle.top[0]), np.asarray(handle.top[1])
+        return StepResult(np.asarray(handle.tokens), np.asarray(handle.logprobs), plp_full,
+                          top_ids, top_lp)
+
+    def host_mirrors(self) -> list[np.ndarray]:
+        """The device page-table mirrors after the last dispatched step (blocks; debug checks)."""
+        return [np.asarray(m) for m in self.state.mirrors]

@@ -4,6 +4,8 @@
   mirrors[g]  i32[max_live_requests, W_g]           the scheduler rows of group g (0 = hole)
   caches[l]   attention layer: {"k", "v": f[num_pages, B_g, Hkv, D]}
               conv layer:      {"conv": f[num_pages, B_g, hidden]} (per-token conv input)
+  last_tokens i32[max_live_requests]                the last token sampled for each slot: a
+              step reads it for input tokens flagged `token_from_prev` (overlapped scheduling)
 Page id p means the same index in every layer of every group (one shared BlockPool). Page 0 is
 the null page: all zeros, and the write path never targets it (holes drop their writes).
 """
@@ -29,6 +31,7 @@ GPU_MEMORY_FRACTION = 0.85  # of the free device memory (bytes_limit - bytes_in_
 class DeviceState:
     mirrors: tuple[jax.Array, ...]
     caches: tuple[dict, ...]
+    last_tokens: jax.Array
 
 
 def layer_cache_shapes(
@@ -119,4 +122,5 @@ def init_state(
         {k: jnp.zeros(s, dtype) for k, s in c.items()}
         for c in layer_cache_shapes(config, layer_groups, block_sizes, num_pages)
     )
-    return DeviceState(mirrors=mirrors, caches=caches)
+    last_tokens = jnp.zeros((max_live_requests,), jnp.int32)
+    return DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens)

@@ -90,7 +90,7 @@ class MiniScheduler:
         a = dict(req_slots=f(r, -1, np.int32), full_refresh=f(r, False, bool),
                  query_start=f(r + 1, 0, np.int32), kv_lens=f(r, 0, np.int32),
                  sample_mask=f(r, False, bool), token_ids=f(t, 0, np.int32),
-                 positions=f(t, 0, np.int32), token_rows=f(t, r, np.int32),
+                 token_from_prev=f(t, False, bool), positions=f(t, 0, np.int32), token_rows=f(t, r, np.int32),
                  prompt_targets=f(t, -1, np.int32), temperature=f(r, 0, np.float32),
                  top_p=f(r, 1, np.float32), top_k=f(r, -1, np.int32), seeds=f(r, 0, np.uint32),
                  sample_index=f(r, 0, np.int32), **sampling_padding(r))  # fmt: skip
