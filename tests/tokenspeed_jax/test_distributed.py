@@ -192,8 +192,9 @@ def _leader_main(port: int, hf_path: str) -> dict:
     out["tp4_shape_keys"] = len(runner.shape_keys)
     llm.shutdown(leave_runtime=False)  # the follower builds the next LLM too
 
+    # the overlapped engine loop on the leader: its dispatches must reach the followers too
     llm = LLM("tiny-random", tensor_parallel_size=2, data_parallel_size=2,
-              distributed=_dist(0, port), **SMALL)
+              distributed=_dist(0, port), async_scheduling=True, **SMALL)
     out["tp2dp2"] = _generate(llm)
     out["tp2dp2_abort"] = _abort_midflight(llm)
     out["tp2dp2_steps"] = [e.num_steps for e in llm.engines]
