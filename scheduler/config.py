@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from scheduler.group_spec import PagedCacheGroupSpec
 from scheduler.step_ops import GroupLayout
@@ -76,4 +77,5 @@ class SchedulerConfig:
     def group_layouts(self) -> tuple[GroupLayout, ...]:
         """Static shape facts (block size, mirror width, delta width) of every group."""
         return tuple(GroupLayout(spec.group_id, spec.page_tokens, self.group_width(spec),
-                                 self.group_delta_width(spec)) for spec in self.groups)
+                                 self.group_delta_width(spec))
+                     for spec in cast("list[PagedCacheGroupSpec]", self.groups))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import reduce
+from typing import cast
 
 from scheduler.block_pool import NULL_PAGE, BlockPool
 from scheduler.block_table import BlockTable
@@ -39,7 +41,7 @@ class CacheCoordinator:
             return StateManager(b)
         if spec.retention == "full_history":
             return FullHistoryManager(b)
-        return SlidingWindowManager(b, spec.sliding_window_tokens,
+        return SlidingWindowManager(b, cast(int, spec.sliding_window_tokens),
                                     live_tail_alignment=self.lcm if spec.live_tail_alloc else 0)
 
     # ------------------------------------------------------------------ growth
@@ -111,7 +113,7 @@ class CacheCoordinator:
                    for m, t in zip(self.managers, tables))
 
     # ------------------------------------------------------------------ prefix cache
-    def _lookup(self, g: int, base_hashes: list[bytes]):
+    def _lookup(self, g: int, base_hashes: list[bytes]) -> Callable[[int], int | None]:
         k = self._base_per_page[g]
         pool = self.pool
 
@@ -158,7 +160,7 @@ class CacheCoordinator:
         return sum(1 for row in rows for p in set(row) if p != NULL_PAGE and self.pool.is_free(p))
 
     def publish(self, tables: list[BlockTable], base_hashes: list[bytes], num_tokens: int,
-                adopt: bool = True, chunk_end: bool = True) -> list[int]:
+                adopt: bool = True, chunk_end: bool = True) -> list[list[int]]:
         """Register completed pages (computed tokens < num_tokens) under their hashes.
 
         Holes and already-hashed pages are skipped. With `adopt`, a page whose hash already has a

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, cast
 
 Retention = Literal["full_history", "sliding_window"]
 Family = Literal["history", "state"]
@@ -155,7 +155,7 @@ def compute_paged_cache_group_page_counts(
         elif spec.retention == "full_history":
             core = _ceil_div(t, p) + r
         else:
-            w = spec.sliding_window_tokens
+            w = cast(int, spec.sliding_window_tokens)  # set for every sliding group
             core = r * _ceil_div(min(w - 1, c), p) + _ceil_div(min(s, t), p) + r
         out[spec.group_id] = core + protected + 1 + safety_margin
     return out
@@ -172,4 +172,5 @@ def compute_max_logical_pages_for_capture(spec: PagedCacheGroupSpec, *, max_cont
     extra = (overlap_schedule_depth + 1) * max_tokens_per_req
     if spec.retention == "full_history":
         return _ceil_div(max_context_len + extra, p)
-    return _ceil_div(min(spec.sliding_window_tokens, max_context_len) + extra, p) + 1
+    w = cast(int, spec.sliding_window_tokens)  # set for every sliding group
+    return _ceil_div(min(w, max_context_len) + extra, p) + 1

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import numpy as np
 
+from scheduler.block_table import BlockTable
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
 from scheduler.step_ops import (
@@ -121,11 +123,12 @@ class OpsBuilder:
         for g, arrays in enumerate(groups):
             begins, sizes, new_pages, full_rows, row_lens, hole_slots = arrays
             if n:
-                begins[:n] = [len(r.req.tables[g].pages) if r.begins is None else r.begins[g]
+                begins[:n] = [len(cast("list[BlockTable]", r.req.tables)[g].pages) if r.begins is None
+                              else r.begins[g]
                               for r in rows]
             for i in busy:
                 row = rows[i]
-                pages = row.req.tables[g].pages
+                pages = cast("list[BlockTable]", row.req.tables)[g].pages  # running: set
                 if row.full_refresh:
                     full_rows[i, :len(pages)] = pages
                     row_lens[i] = len(pages)
@@ -135,7 +138,7 @@ class OpsBuilder:
                         hole_slots[i, :len(holes)] = holes
                 k = row.sizes[g]
                 if k:
-                    b = row.begins[g]
+                    b = cast("list[int]", row.begins)[g]  # set on every non-plain row
                     sizes[i] = k
                     if k == 1:
                         new_pages[i, 0] = pages[b]
@@ -153,7 +156,7 @@ class OpsBuilder:
             groups=tuple(GroupStepOps(*arrays) for arrays in groups))
 
     @staticmethod
-    def _fill_extras(extra: dict, reqs: list[Request]) -> None:
+    def _fill_extras(extra: dict[str, np.ndarray], reqs: list[Request]) -> None:
         """Penalties, logit_bias and top-k logprobs: only rows that use them differ from padding."""
         for i, req in enumerate(reqs):
             if not req.needs_extras:

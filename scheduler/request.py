@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import zlib
+from typing import Any
 
 from scheduler.block_table import BlockTable
 from scheduler.hashing import PrefixHasher
@@ -98,7 +99,7 @@ class Request:
         self.epoch = 0  # bumped by every release; a step row whose epoch differs is stale
 
     @classmethod
-    def from_options(cls, request_id: str, prompt: list[int], max_new_tokens: int, options: dict,
+    def from_options(cls, request_id: str, prompt: list[int], max_new_tokens: int, options: dict[str, Any],
                      *, arrival: int, hash_base: int) -> Request:
         """Validate the per-request options (ValueError naming the option) and build the request.
 
@@ -163,7 +164,7 @@ _EXTRA_OPTIONS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
                   "top_logprobs", "has_penalties", "needs_extras")
 
 
-def _set_extra_options(req: Request, options: dict) -> None:
+def _set_extra_options(req: Request, options: dict[str, Any]) -> None:
     """Validate and set the penalty / logit_bias / top_logprobs options (ValueError naming them)."""
     rid = req.request_id
     for name in ("presence_penalty", "frequency_penalty"):

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import collections
 import itertools
+from typing import Any, cast
 
 import numpy as np
 
 from scheduler.block_pool import BlockPool
+from scheduler.block_table import BlockTable
 from scheduler.config import SchedulerConfig
 from scheduler.coordinator import CacheCoordinator
+from scheduler.group_spec import PagedCacheGroupSpec
 from scheduler.hashing import PrefixHasher
 from scheduler.invariants import check_scheduler_invariants
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
@@ -44,7 +47,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.pool = BlockPool(config.num_pages)
-        self.coord = CacheCoordinator(config.groups, self.pool)
+        self.coord = CacheCoordinator(cast("list[PagedCacheGroupSpec]", config.groups), self.pool)
         self._builder = OpsBuilder(config)
         self.layouts = self._builder.layouts
         self._requests: dict[str, Request] = {}
@@ -54,10 +57,10 @@ class Scheduler:
         self._arrival = itertools.count()
         self._reserved_total = 0
         self._chunk_cap = config.max_prefill_chunk_tokens or config.max_scheduled_tokens
-        self._num_groups = len(config.groups)
+        self._num_groups = len(cast("list[PagedCacheGroupSpec]", config.groups))
         # shared (never mutated) per-group values of a fast-path decode row
         self._no_sizes = [0] * self._num_groups
-        self._no_holes = [[] for _ in range(self._num_groups)]
+        self._no_holes: list[list[int]] = [[] for _ in range(self._num_groups)]
         self._stats = {"num_retractions": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0,
                        "adopted_pages": 0, "num_steps": 0, "num_aborted": 0,
                        "num_full_refresh_rows": 0, "num_dropped_tokens": 0}
@@ -72,7 +75,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_new_tokens: int,
-                    **options) -> None:
+                    **options: Any) -> None:
         """Queue a request. Options: stop_token_ids, temperature (0 = greedy), top_p, top_k,
         seed, prompt_logprobs (bool), cache_salt (str | bytes), presence_penalty,
         frequency_penalty, repetition_penalty, logit_bias, top_logprobs. Raises ValueError on bad input
@@ -172,7 +175,7 @@ class Scheduler:
             if (req.num_decode_rows and not req.needs_refresh and not req.reserved
                     and req.prefill_done and req.remaining == 1
                     and pool.num_free >= self._reserved_total
-                    and coord.grow_in_tail(req.tables, req.num_computed)):
+                    and coord.grow_in_tail(cast("list[BlockTable]", req.tables), req.num_computed)):
                 req.num_decode_rows += 1
                 rows.append(ScheduledRow(req, req.num_scheduled, 1, False, True, None, no_sizes,
                                          no_holes, True))
@@ -214,7 +217,7 @@ class Scheduler:
     def _schedule_running(self, req: Request, budget: int) -> ScheduledRow | None:
         coord = self.coord
         n = min(req.remaining, budget, self._chunk_cap)
-        tables = req.tables
+        tables = cast("list[BlockTable]", req.tables)  # running: set
         # reclaim at the computed extent: pages the step in flight completes are published by
         # its update before a later step may punch them (same hashes as the synchronous loop)
         holes = coord.reclaim(tables, req.num_computed)
@@ -230,7 +233,7 @@ class Scheduler:
         return self.pool.num_free - (self._reserved_total - req.reserved)
 
     def _acquire_row(self, req: Request, n: int, holes: list[list[int]]) -> ScheduledRow:
-        tables = req.tables
+        tables = cast("list[BlockTable]", req.tables)  # running: set
         begins = [len(t.pages) for t in tables]
         ok = self.coord.acquire(tables, n, available=self._available_for(req))
         assert ok, "acquire failed after the availability check"
@@ -256,8 +259,8 @@ class Scheduler:
             hit, hit_rows = coord.match_prefix(req.hasher.hashes, len(req.tokens) - 1)
         tables = coord.new_tables()
         if hit:
-            for t, row in zip(tables, hit_rows):
-                t.pages = list(row)  # shape only: demand math needs the table length
+            for t, hit_row in zip(tables, cast("list[list[int]]", hit_rows)):
+                t.pages = list(hit_row)  # shape only: demand math needs the table length
         n = min(len(req.tokens) - hit, budget, self._chunk_cap)
         # Reserve decode room only for tokens the request can still generate: the fit check in
         # add_request sizes a request by prompt + max_new_tokens, so reserving more than that
@@ -266,14 +269,14 @@ class Scheduler:
         extra = min(cfg.decode_reserve_tokens, left) if n == len(req.tokens) - hit else 0
         chunk_need = coord.blocks_needed_for(tables, n)
         reserve = coord.blocks_needed_for_sequential(tables, n, extra) - chunk_need
-        pulled = coord.prefix_pages_in_free_list(hit_rows) if hit else 0
+        pulled = coord.prefix_pages_in_free_list(cast("list[list[int]]", hit_rows)) if hit else 0
         if chunk_need + reserve + pulled + headroom > (
                 self.pool.num_free - self._reserved_total):
             return None
         if hit:
             for t in tables:
                 t.pages = []
-            coord.claim_prefix(tables, hit, hit_rows)
+            coord.claim_prefix(tables, hit, cast("list[list[int]]", hit_rows))
         req.tables = tables
         req.num_computed = hit
         req.slot = self._free_slots.pop()
@@ -303,9 +306,9 @@ class Scheduler:
             if r.num_pending and r.finishes_by_length(max_len):
                 continue  # planned no more
             if r.prefill_done and r.reserved == 0:
-                for t in r.tables:
+                for t in cast("list[BlockTable]", r.tables):
                     if t.tail_avail < 1:  # only then can one more token need a page
-                        total += coord.blocks_needed_for(r.tables, 1)
+                        total += coord.blocks_needed_for(cast("list[BlockTable]", r.tables), 1)
                         break
         return total
 
@@ -325,7 +328,7 @@ class Scheduler:
         self._waiting.insert(pos, req)
 
     def _release(self, req: Request) -> None:
-        self.coord.free(req.tables)
+        self.coord.free(cast("list[BlockTable]", req.tables))
         req.tables = None
         self._free_slots.append(req.slot)
         req.slot = -1
@@ -388,8 +391,8 @@ class Scheduler:
                     req.finish_reason = "length"
             if live and req.num_computed // base > req.published_base_pages:
                 req.hasher.extend(req.tokens)
-                moved = coord.publish(req.tables, req.hasher.hashes, req.num_computed, adopt=adopt,
-                                      chunk_end=True)
+                moved = coord.publish(cast("list[BlockTable]", req.tables), req.hasher.hashes,
+                                      req.num_computed, adopt=adopt, chunk_end=True)
                 req.published_base_pages = req.num_computed // base
                 if any(moved):
                     req.needs_refresh = True
@@ -412,18 +415,19 @@ class Scheduler:
         return finished
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         pool = self.pool
         per_group = [0] * self._num_groups
         for req in self._running:
-            for g, t in enumerate(req.tables):
+            for g, t in enumerate(cast("list[BlockTable]", req.tables)):
                 per_group[g] += sum(1 for p in t.pages if p)
-        out = dict(self._stats)
+        out: dict[str, Any] = dict(self._stats)
         out.update(free_pages=pool.num_free, total_pages=pool.num_pages - 1,
                    used_pages=pool.num_used, reserved_pages=self._reserved_total,
                    num_running=len(self._running), num_waiting=len(self._waiting),
                    num_evictions=pool.num_evictions,
-                   group_pages={s.group_id: n for s, n in zip(self.config.groups, per_group)})
+                   group_pages={s.group_id: n for s, n in
+                                zip(cast("list[PagedCacheGroupSpec]", self.config.groups), per_group)})
         q = out["prefix_query_tokens"]
         out["prefix_hit_rate"] = out["prefix_hit_tokens"] / q if q else 0.0
         if self.mirror_checker is not None:
@@ -432,7 +436,7 @@ class Scheduler:
 
     def authoritative_rows(self) -> dict[int, list[list[int]]]:
         """slot -> per-group page rows of every running request (for checks and tests)."""
-        return {r.slot: [t.page_ids() for t in r.tables] for r in self._running}
+        return {r.slot: [t.page_ids() for t in cast("list[BlockTable]", r.tables)] for r in self._running}
 
     def check_invariants(self) -> None:
         """Pool/table/slot/reservation consistency; raises AssertionError (debug mode runs it

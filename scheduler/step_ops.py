@@ -25,6 +25,7 @@ Fields without an axis (num_reqs, num_tokens, request_ids) stay on the host.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ LOGIT_BIAS_WIDTH = 64  # B: logit_bias entries per row (fixed, so it is no shape
 DTYPES = ("i32", "bool", "u32", "f32")
 
 
-def _dev(axis: str, dtype: str = "i32"):
+def _dev(axis: str, dtype: str = "i32") -> Any:
     """A device field of `axis` (see module docstring) and wire dtype."""
     assert axis in AXES and dtype in DTYPES, (axis, dtype)
     return dataclasses.field(metadata={"axis": axis, "dtype": dtype})
@@ -118,7 +119,8 @@ class StepOps:
     logit_bias_values: np.ndarray = _dev("row,bias", "f32")
     # i32[R] most likely tokens to report with logprobs (<= 20); 0 padding
     top_logprobs: np.ndarray = _dev("row", "i32")
-    groups: tuple[GroupStepOps, ...]  # one per cache group, in config.groups order
+    # mypy takes the `_dev(...)` fields above for defaults; they have none (dataclasses.field)
+    groups: tuple[GroupStepOps, ...]  # type: ignore[misc]  # one per cache group, in config.groups order
 
     def row_of(self, request_id: str) -> int:
         """Batch row of `request_id` in this step (ValueError if it is not scheduled)."""
