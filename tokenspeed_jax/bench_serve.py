@@ -23,8 +23,8 @@ from tokenspeed_jax.server.loadgen import Workload, run_level, summarize
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tokenspeed_jax.cli import _add_engine_args, _Help, _Parser
-    from tokenspeed_jax.cli_checks import float_at_least, int_at_least
+    from tokenspeed_jax.cli import _add_engine_args, _add_workload_args, _Help, _Parser
+    from tokenspeed_jax.cli_checks import float_at_least
 
     p = _Parser(prog="tokenspeed-jax bench serve", formatter_class=_Help,
                 description=__doc__.split("\n\n")[0])
@@ -37,12 +37,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated caps on requests in flight; each is run at every rate")
     p.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson",
                    help="inter-arrival times: exponential or constant")
-    p.add_argument("--sessions", type=int_at_least(1), default=16, help="sessions per level")
-    p.add_argument("--turns", type=int_at_least(1), default=3, help="turns per session")
-    p.add_argument("--system-tokens", type=int_at_least(0), default=256,
-                   help="shared system prompt tokens")
-    p.add_argument("--user-tokens", type=int_at_least(1), default=24, help="tokens per user turn")
-    p.add_argument("--max-tokens", type=int_at_least(1), default=24, help="tokens per reply")
+    _add_workload_args(p, sessions=16, turns=3, system_tokens=256, sessions_help="sessions per level")
     p.add_argument("--slo-ttft-ms", type=float_at_least(0.0), default=2000.0,
                    help="goodput SLO on time to first token")
     p.add_argument("--slo-tpot-ms", type=float_at_least(0.0), default=200.0,

@@ -72,6 +72,17 @@ def _add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> No
                         "default: on for accelerators, off on CPU)")
 
 
+def _add_workload_args(p: argparse.ArgumentParser, *, sessions: int, turns: int,
+                       system_tokens: int, sessions_help: str) -> None:
+    """The agentic workload's shape flags (`run` and `bench serve`; their defaults differ)."""
+    p.add_argument("--sessions", type=int_at_least(1), default=sessions, help=sessions_help)
+    p.add_argument("--turns", type=int_at_least(1), default=turns, help="turns per session")
+    p.add_argument("--system-tokens", type=int_at_least(0), default=system_tokens,
+                   help="shared system prompt tokens")
+    p.add_argument("--user-tokens", type=int_at_least(1), default=24, help="tokens per user turn")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=24, help="tokens per reply")
+
+
 def _make_llm(args):
     from tokenspeed_jax.llm import LLM
 
@@ -196,12 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="serve a synthetic agentic workload on the default model",
                          formatter_class=fmt)
     _add_engine_args(run, num_pages=1024)
-    run.add_argument("--sessions", type=int_at_least(1), default=64, help="concurrent sessions")
-    run.add_argument("--turns", type=int_at_least(1), default=4, help="turns per session")
-    run.add_argument("--system-tokens", type=int_at_least(0), default=384,
-                     help="shared system prompt tokens")
-    run.add_argument("--user-tokens", type=int_at_least(1), default=24, help="tokens per user turn")
-    run.add_argument("--max-tokens", type=int_at_least(1), default=24, help="tokens per reply")
+    _add_workload_args(run, sessions=64, turns=4, system_tokens=384,
+                       sessions_help="concurrent sessions")
     run.add_argument("--temperature", type=float_at_least(0.0), default=0.0,
                      help="sampling temperature (0 = greedy)")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON line")
