@@ -37,10 +37,10 @@ from scheduler.coordinator import CacheCoordinator
 from scheduler.group_spec import PagedCacheGroupSpec
 from scheduler.hashing import PrefixHasher
 from scheduler.invariants import check_scheduler_invariants
+from scheduler.mirror_check import MirrorChecker
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.step_ops import LOGIT_BIAS_WIDTH, StepOps
-from scheduler.tail_mirror import MirrorChecker
 
 
 class Scheduler:

@@ -192,7 +192,7 @@ class Engine:
             self._stepping.release()
 
     def _dispatch(self, ops: StepOps, pipelined: bool):
-        handle = self._runner.dispatch(ops)  # the runner logs clamped rows by request id
+        handle = self._runner.dispatch(ops)
         self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_reqs, pipelined=pipelined)
         checker = self.scheduler.mirror_checker
         if checker is not None and hasattr(self._runner, "host_mirrors"):
