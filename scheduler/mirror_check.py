@@ -37,22 +37,22 @@ def update_rows_reference(table: np.ndarray, req_slots: ArrayLike, begins: Array
     asserts this list is empty.
     """
     num_slots, width = table.shape
-    slots, new_pages, rows = np.asarray(req_slots), np.asarray(new_pages), np.asarray(rows)
-    refresh = np.asarray(full_refresh, bool) & honor_full_refresh
-    begins, sizes, row_lens = (np.asarray(a).tolist() for a in (begins, sizes, row_lens))
+    new, full = np.asarray(new_pages), np.asarray(rows)
+    refresh = (np.asarray(full_refresh, bool) & honor_full_refresh).tolist()
+    starts, counts, lens = (np.asarray(a).tolist() for a in (begins, sizes, row_lens))
     clamped = []
-    for i, slot in enumerate(slots.tolist()):
+    for i, slot in enumerate(np.asarray(req_slots).tolist()):
         if not 0 <= slot < num_slots:
             continue  # padding row
         if refresh[i]:
-            begin, size = 0, max(0, min(row_lens[i], rows.shape[1]))
+            begin, size = 0, max(0, min(lens[i], full.shape[1]))
             table[slot] = 0
-            table[slot, :min(size, width)] = rows[i, :min(size, width)]
+            table[slot, :min(size, width)] = full[i, :min(size, width)]
         else:
-            begin, size = begins[i], max(0, min(sizes[i], new_pages.shape[1]))
+            begin, size = starts[i], max(0, min(counts[i], new.shape[1]))
             cols = np.arange(begin, begin + size)
             keep = (cols >= 0) & (cols < width)
-            table[slot, cols[keep]] = new_pages[i, :size][keep]
+            table[slot, cols[keep]] = new[i, :size][keep]
         if size and begin + size > width:
             clamped.append(i)
         if hole_slots is not None:
