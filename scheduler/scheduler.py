@@ -111,9 +111,10 @@ class Scheduler:
             raise ValueError(f"negative token id {min(prompt)}")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if len(prompt) + max_new_tokens > self.config.max_context_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) "
-                             f"exceeds max_context_len {self.config.max_context_len}")
+        total, limit = len(prompt) + max_new_tokens, self.config.max_context_len
+        if total > limit:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} "
+                             f"exceeds max_context_len {limit}")
         return prompt
 
     def abort(self, request_id: str) -> None:
