@@ -50,6 +50,25 @@ class OpsBuilder:
         self._R_T = np.full(T, R, i32)
         self._minus1_T = np.full(T, -1, i32)
         self._hole_pad = [np.full((R, lay.delta_width), lay.width, i32) for lay in self.layouts]
+        # all-decode fast path (`build_decode`): a decode step's query_start is min(i, n)
+        self._qs_decode = [np.minimum(np.arange(R + 1, dtype=i32), k) for k in range(R + 1)]
+        # per device slot: the sampling fields of the request bound to it (`bind`), so a decode
+        # step gathers them with one fancy index instead of one Python list per field
+        S = config.num_live_slots
+        self._slot_temperature = np.zeros(S, np.float32)
+        self._slot_top_p = np.ones(S, np.float32)
+        self._slot_top_k = np.full(S, -1, i32)
+        self._slot_seed = np.zeros(S, np.uint32)
+        self._slot_prompt_len = np.zeros(S, i32)
+
+    def bind(self, req: Request) -> None:
+        """Record the (immutable) sampling fields of `req` under its new slot (at admission)."""
+        s = req.slot
+        self._slot_temperature[s] = req.temperature
+        self._slot_top_p[s] = req.top_p
+        self._slot_top_k[s] = req.top_k
+        self._slot_seed[s] = req.seed
+        self._slot_prompt_len[s] = req.prompt_len
 
     def build(self, rows: list[ScheduledRow]) -> StepOps:
         """Column-wise: one list per field, one numpy assignment per field (O(batch + new
@@ -119,31 +138,12 @@ class OpsBuilder:
                     stop = min(s + k, req.prompt_len - 1)
                     prompt_targets[off:off + stop - s] = req.tokens[s + 1:stop + 1]
                 off += k
-        busy = [i for i, r in enumerate(rows) if not r.plain]
+        busy = [(i, r) for i, r in enumerate(rows) if not r.plain]
         for g, arrays in enumerate(groups):
-            begins, sizes, new_pages, full_rows, row_lens, hole_slots = arrays
             if n:
-                begins[:n] = [len(cast("list[BlockTable]", r.req.tables)[g].pages) if r.begins is None
-                              else r.begins[g]
-                              for r in rows]
-            for i in busy:
-                row = rows[i]
-                pages = cast("list[BlockTable]", row.req.tables)[g].pages  # running: set
-                if row.full_refresh:
-                    full_rows[i, :len(pages)] = pages
-                    row_lens[i] = len(pages)
-                else:
-                    holes = row.holes[g]
-                    if holes:
-                        hole_slots[i, :len(holes)] = holes
-                k = row.sizes[g]
-                if k:
-                    b = cast("list[int]", row.begins)[g]  # set on every non-plain row
-                    sizes[i] = k
-                    if k == 1:
-                        new_pages[i, 0] = pages[b]
-                    else:
-                        new_pages[i, :k] = pages[b:b + k]
+                arrays[0][:n] = [len(cast("list[BlockTable]", r.req.tables)[g].pages)
+                                 if r.begins is None else r.begins[g] for r in rows]
+            self._fill_busy(g, arrays, busy)
         return StepOps(
             num_reqs=n, num_tokens=q,
             request_ids=tuple(r.request_id for r in reqs),
@@ -154,6 +154,89 @@ class OpsBuilder:
             prompt_targets=prompt_targets, temperature=temperature, top_p=top_p, top_k=top_k,
             seeds=seeds, sample_index=sample_index, **extra,
             groups=tuple(GroupStepOps(*arrays) for arrays in groups))
+
+    def build_decode(self, reqs: list[Request], slots: list[int], starts: list[int],
+                     tokens: list[int], extras: bool,
+                     busy: list[tuple[int, ScheduledRow]]) -> StepOps:
+        """The StepOps `build` returns for rows that are all one-token decodes that sample
+        without a full refresh, filled with numpy ops over the per-slot arrays. Row i: request
+        reqs[i] in slots[i], start starts[i], input id tokens[i] (PLACEHOLDER_TOKEN when
+        pending); busy: (i, its ScheduledRow) for the rows that are not plain (a new page or a
+        hole in some group); extras: some request needs the penalty / logit_bias /
+        top_logprobs fields. Must equal `build` exactly (tests/scheduler/
+        test_decode_fast_path.py compares every array)."""
+        R, T, i32 = self.R, self.T, np.int32
+        n = len(reqs)
+        slot_a = np.array(slots, i32)
+        start_a = np.array(starts, i32)
+        req_slots = self._minus1_R.copy()
+        req_slots[:n] = slot_a
+        kv_lens = np.zeros(R, i32)
+        kv_lens[:n] = start_a + 1
+        sample_mask = np.zeros(R, bool)
+        sample_mask[:n] = True
+        temperature = np.zeros(R, np.float32)
+        temperature[:n] = self._slot_temperature[slot_a]
+        top_p = self._ones_R.copy()
+        top_p[:n] = self._slot_top_p[slot_a]
+        top_k = self._minus1_R.copy()
+        top_k[:n] = self._slot_top_k[slot_a]
+        seeds = np.zeros(R, np.uint32)
+        seeds[:n] = self._slot_seed[slot_a]
+        extra = {k: v.copy() for k, v in self._sampling_pad.items()}
+        prompt_lens = extra["prompt_lens"]
+        prompt_lens[:n] = self._slot_prompt_len[slot_a]
+        # tokens generated before the sampled one: kv_len - 1 - prompt_len + 1
+        sample_index = np.zeros(R, i32)
+        sample_index[:n] = kv_lens[:n] - prompt_lens[:n]
+        if extras:
+            self._fill_extras(extra, reqs)
+        token_ids = np.zeros(T, i32)
+        token_ids[:n] = tokens
+        positions = np.zeros(T, i32)
+        positions[:n] = start_a
+        token_rows = self._R_T.copy()
+        token_rows[:n] = self._row_index[:n]
+        groups = []
+        for g, lay in enumerate(self.layouts):
+            arrays = self._empty_group(g, lay)
+            begins = [len(cast("list[BlockTable]", r.tables)[g].pages) for r in reqs]
+            for i, row in busy:
+                begins[i] = cast("list[int]", row.begins)[g]
+            arrays[0][:n] = begins
+            self._fill_busy(g, arrays, busy)
+            groups.append(GroupStepOps(*arrays))
+        return StepOps(
+            num_reqs=n, num_tokens=n,
+            request_ids=tuple(r.request_id for r in reqs),
+            req_slots=req_slots, full_refresh=np.zeros(R, bool),
+            query_start=self._qs_decode[n].copy(), kv_lens=kv_lens, sample_mask=sample_mask,
+            token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
+            positions=positions, token_rows=token_rows,
+            prompt_targets=self._minus1_T.copy(), temperature=temperature, top_p=top_p,
+            top_k=top_k, seeds=seeds, sample_index=sample_index, **extra, groups=tuple(groups))
+
+    @staticmethod
+    def _fill_busy(g: int, arrays: list[np.ndarray], busy: list[tuple[int, ScheduledRow]]) -> None:
+        """Group g's mirror-update columns of the non-plain rows (batch index, row)."""
+        _, sizes, new_pages, full_rows, row_lens, hole_slots = arrays
+        for i, row in busy:
+            pages = cast("list[BlockTable]", row.req.tables)[g].pages  # running: set
+            if row.full_refresh:
+                full_rows[i, :len(pages)] = pages
+                row_lens[i] = len(pages)
+            else:
+                holes = row.holes[g]
+                if holes:
+                    hole_slots[i, :len(holes)] = holes
+            k = row.sizes[g]
+            if k:
+                b = cast("list[int]", row.begins)[g]  # set on every non-plain row
+                sizes[i] = k
+                if k == 1:
+                    new_pages[i, 0] = pages[b]
+                else:
+                    new_pages[i, :k] = pages[b:b + k]
 
     @staticmethod
     def _fill_extras(extra: dict[str, np.ndarray], reqs: list[Request]) -> None:

@@ -40,7 +40,7 @@ from scheduler.invariants import check_scheduler_invariants
 from scheduler.mirror_check import MirrorChecker
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
-from scheduler.step_ops import LOGIT_BIAS_WIDTH, StepOps
+from scheduler.step_ops import LOGIT_BIAS_WIDTH, PLACEHOLDER_TOKEN, StepOps
 
 
 class Scheduler:
@@ -61,6 +61,8 @@ class Scheduler:
         # shared (never mutated) per-group values of a fast-path decode row
         self._no_sizes = [0] * self._num_groups
         self._no_holes: list[list[int]] = [[] for _ in range(self._num_groups)]
+        # False: every row takes the general path and `build` (tests compare the two)
+        self.decode_fast_path = True
         self._stats = {"num_retractions": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0,
                        "adopted_pages": 0, "num_steps": 0, "num_aborted": 0,
                        "num_full_refresh_rows": 0, "num_dropped_tokens": 0}
@@ -166,33 +168,59 @@ class Scheduler:
     def schedule(self) -> StepOps:
         cfg = self.config
         budget = cfg.max_scheduled_tokens
-        rows: list[ScheduledRow] = []
+        # rows in order; a plain decode (fast path) is recorded as its Request alone; every
+        # one-token decode row has its StepOps inputs in the column lists below (slot, start,
+        # input token), so an all-decode step needs no `ScheduledRow` per plain row
+        rows: list[ScheduledRow | Request] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        toks: list[int] = []
+        busy: list[tuple[int, ScheduledRow]] = []  # decode rows with group deltas
+        general = extras = False  # some row is no decode / needs the extra fields
         max_rows = cfg.max_batch_requests
         i = 0
         running, pool, coord = self._running, self.pool, self.coord
-        no_sizes, no_holes = self._no_sizes, self._no_holes
+        fast = self.decode_fast_path
         max_len = cfg.max_context_len
+        room = pool.num_free >= self._reserved_total  # changes only on the general path
         while i < len(running) and len(rows) < max_rows and budget > 0:
             req = running[i]
-            if req.num_pending and req.finishes_by_length(max_len):
+            tokens = req.tokens
+            pending = req.num_pending
+            if pending and req.finishes_by_length(max_len):
                 i += 1  # its token in flight ends it: `update` finishes it, nothing to plan
                 continue
             # Decode fast path: one token, no refresh, room in every tail, nothing to reclaim
             # and no reservation shortfall. Exactly what the general path below would decide.
-            if (req.num_decode_rows and not req.needs_refresh and not req.reserved
-                    and req.prefill_done and req.remaining == 1
-                    and pool.num_free >= self._reserved_total
+            start = req.num_computed + req.num_inflight
+            if (fast and room and req.num_decode_rows and not req.needs_refresh
+                    and not req.reserved and req.prefill_done
+                    and len(tokens) + pending - start == 1
                     and coord.grow_in_tail(cast("list[BlockTable]", req.tables), req.num_computed)):
                 req.num_decode_rows += 1
-                rows.append(ScheduledRow(req=req, start=req.num_scheduled, num_tokens=1,
-                                         full_refresh=False, samples=True, begins=None,
-                                         sizes=no_sizes, holes=no_holes, plain=True))
+                rows.append(req)
+                slots.append(req.slot)
+                starts.append(start)
+                # the input is the last known token, or the one the step in flight samples
+                toks.append(PLACEHOLDER_TOKEN if pending else tokens[-1])
+                extras = extras or req.needs_extras
                 budget -= 1
                 i += 1
                 continue
             row = self._schedule_running(req, budget)
+            room = pool.num_free >= self._reserved_total
             if row is None:  # req itself was retracted (it was the LIFO victim)
                 continue
+            if fast and row.num_tokens == 1 and row.samples and not row.full_refresh:
+                # a decode that took a page or punched a hole: still one column of the
+                # decode builder, plus its group deltas
+                busy.append((len(rows), row))
+                slots.append(req.slot)
+                starts.append(row.start)
+                toks.append(tokens[row.start] if row.start < len(tokens) else PLACEHOLDER_TOKEN)
+                extras = extras or req.needs_extras
+            else:
+                general = True
             rows.append(row)
             budget -= row.num_tokens
             i += 1
@@ -205,18 +233,34 @@ class Scheduler:
             if row is None:
                 break  # FCFS: the head waits for memory, nobody overtakes it
             self._waiting.pop(0)
+            general = True
             rows.append(row)
             budget -= row.num_tokens
-        ops = self._builder.build(rows)
-        for row in rows:  # after build: the builder reads the pre-step counters
-            req = row.req
-            req.num_inflight += row.num_tokens
-            if row.samples:
+        if not general:  # every row a one-token decode (or none): numpy over the slot arrays
+            reqs = [row if isinstance(row, Request) else row.req for row in rows]
+            ops = self._builder.build_decode(reqs, slots, starts, toks, extras, busy)
+            for req in reqs:
+                req.num_inflight += 1
                 req.num_pending += 1
+            flight = [(req, req.epoch) for req in reqs]
+        else:
+            # counters are untouched until after build, so num_scheduled is still the start
+            built = [ScheduledRow(req=row, start=row.num_scheduled, num_tokens=1,
+                                  full_refresh=False, samples=True, begins=None,
+                                  sizes=self._no_sizes, holes=self._no_holes, plain=True)
+                     if isinstance(row, Request) else row for row in rows]
+            ops = self._builder.build(built)
+            for row in built:  # after build: the builder reads the pre-step counters
+                req = row.req
+                req.num_inflight += row.num_tokens
+                if row.samples:
+                    req.num_pending += 1
+            flight = [(row.req, row.req.epoch) for row in built]
         if rows:
-            self._flights.append((ops, [(row.req, row.req.epoch) for row in rows]))
+            self._flights.append((ops, flight))
         self._stats["num_steps"] += 1
-        self._stats["num_full_refresh_rows"] += int(ops.full_refresh.sum())
+        if general:
+            self._stats["num_full_refresh_rows"] += int(ops.full_refresh.sum())
         if self.mirror_checker is not None:
             self.mirror_checker.apply(ops)
             self.check_invariants()
@@ -316,6 +360,7 @@ class Scheduler:
         req.tables = tables
         req.num_computed = hit
         req.slot = self._free_slots.pop()
+        self._builder.bind(req)
         req.status = Status.RUNNING
         req.prefill_done = False
         req.num_decode_rows = 0
