@@ -5,7 +5,9 @@
 Wraps (timing only, behaviour unchanged) Scheduler.schedule / update, step_inputs.pack, the
 jitted step call, ModelRunner.dispatch / collect and the engine's logprob routing / output
 building, runs the workload once per mode on one warmed-up engine, and prints ms per dispatched
-step for each part plus the StepClock figures and the device-idle gaps by step kind.
+step for each part (all steps, and decode steps only: every row a one-token decode; a part
+that takes no StepOps counts for the step last scheduled or dispatched) plus the StepClock
+figures and the device-idle gaps by step kind.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 import numpy as np  # noqa: E402
 
 import tokenspeed_jax.runner as runner_mod  # noqa: E402
-from scheduler import Scheduler  # noqa: E402
+from scheduler import Scheduler, StepOps  # noqa: E402
 from tokenspeed_jax import LLM  # noqa: E402
 from tokenspeed_jax.workload import WorkloadConfig, run_workload  # noqa: E402
 
@@ -40,16 +42,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=4)
     args = ap.parse_args(argv)
     acc: collections.defaultdict[str, float] = collections.defaultdict(float)
+    dec: collections.defaultdict[str, float] = collections.defaultdict(float)  # decode steps only
+    kind = [False]  # whether the StepOps being handled is all one-token decodes
 
     def wrap(obj, name: str, key: str) -> None:
         f = getattr(obj, name)
 
         def timed(*a, **k):
+            ops = next((x for x in a if isinstance(x, StepOps)), None)
+            if ops is not None:  # parts called without a StepOps count for the last one seen
+                kind[0] = ops.num_reqs > 0 and ops.num_tokens == ops.num_reqs
             t = time.perf_counter()
+            out = None
             try:
-                return f(*a, **k)
+                out = f(*a, **k)
+                return out
             finally:
-                acc[key] += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                acc[key] += dt
+                if isinstance(out, StepOps):  # schedule: its result tells the kind
+                    kind[0] = out.num_reqs > 0 and out.num_tokens == out.num_reqs
+                if kind[0]:
+                    dec[key] += dt
+                    dec["n_" + key] += 1
 
         setattr(obj, name, timed)
 
@@ -72,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         wrap(eng.scheduler, "schedule", "schedule")
         wrap(eng.scheduler, "update", "update")
         acc.clear()
+        dec.clear()
         eng.clock.reset()
         prof = cProfile.Profile() if args.cprofile == mode else None
         if prof is not None:
@@ -86,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
               f"host {s['host_ms_per_step']:.2f} ms/step, decode host "
               f"{s['decode_host_ms_per_step']:.2f}, decode critical "
               f"{s['decode_critical_ms_per_step']:.3f}, wait {s['wait_ms_per_step']:.2f}")
+        nd = max(int(dec["n_dispatch_total"]), 1)
+        print(f"  {'part':16s} {'ms/step':>8s} {'ms/decode step':>15s}  ({nd} decode steps)")
         for k in PARTS:
-            print(f"  {k:16s} {1e3 * acc[k] / n:7.3f} ms/step")
+            print(f"  {k:16s} {1e3 * acc[k] / n:8.3f} {1e3 * dec[k] / nd:15.3f}")
         for label, decode in (("decode", True), ("other", False)):
             xs = [g for d, _, g in clock.gaps if d == decode]
             if xs:

@@ -227,22 +227,33 @@ class Engine:
     def _route_logprobs(self, ops: StepOps, result, now: float, applied: list[bool]) -> None:
         """Logprobs of the rows whose results the scheduler applied (a row planned behind a
         request that finished or was aborted meanwhile produced nothing for anyone)."""
-        sampled_rows = [i for i in np.flatnonzero(ops.sample_mask[:ops.num_reqs]) if applied[i]]
-        self.num_generated_tokens += len(sampled_rows)
-        logprobs = np.asarray(result.logprobs)
-        top_ids = getattr(result, "top_ids", None)
-        top_lp = getattr(result, "top_logprobs", None)
-        for i in sampled_rows:
-            track = self._tracks.get(ops.request_ids[i])
+        # plain Python over the rows (numpy scalar indexing per row costs more than the work)
+        rids, tracks = ops.request_ids, self._tracks
+        n = ops.num_reqs
+        mask = ops.sample_mask[:n].tolist()
+        logprobs = top_ids = top_lp = None
+        count = 0
+        for i in range(n):
+            if not (mask[i] and applied[i]):
+                continue
+            count += 1
+            track = tracks.get(rids[i])
             if track is None:
                 continue
-            if track.metrics.first_token_time is None:
-                track.metrics.first_token_time = now
-            if track.params.logprobs or track.params.top_logprobs:
+            metrics = track.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            params = track.params
+            k = params.top_logprobs
+            if params.logprobs or k:
+                if logprobs is None:
+                    logprobs = np.asarray(result.logprobs)
+                    top_ids = getattr(result, "top_ids", None)
+                    top_lp = getattr(result, "top_logprobs", None)
                 track.logprobs.append(float(logprobs[i]))
-            k = track.params.top_logprobs
-            if k and top_ids is not None:
-                track.top.append(list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
+                if k and top_ids is not None:
+                    track.top.append(list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
+        self.num_generated_tokens += count
         targets = np.flatnonzero(ops.prompt_targets[:ops.num_tokens] >= 0)
         if len(targets):
             plp = np.asarray(result.prompt_logprobs)
