@@ -9,6 +9,7 @@ or two that takes a page. Per mode and loop (synchronous, or planned one step ah
 overlapped engine does) the median over the decode steps of the best repetition is printed;
 "general" = `decode_fast_path=False` (every row through reclaim -> acquire -> `OpsBuilder.build`),
 "fast" = the decode fast path (plain rows + the vectorised `OpsBuilder.build_decode`).
+`--waiting K` queues K more requests behind the full batch (timed: steps with a queue).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np  # noqa: E402
 from scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 
-def run(rows: int, ahead: bool, fast: bool, reps: int) -> tuple[float, float, int]:
+def run(rows: int, ahead: bool, fast: bool, reps: int, waiting: int) -> tuple[float, float, int]:
     best: tuple[float, float, int] | None = None
     for _ in range(reps):
         cfg = SchedulerConfig(num_pages=4096, page_size=16, max_batch_requests=rows,
@@ -34,7 +35,7 @@ def run(rows: int, ahead: bool, fast: bool, reps: int) -> tuple[float, float, in
         s = Scheduler(cfg)
         s.decode_fast_path = fast
         rng = np.random.default_rng(0)
-        for i in range(rows):
+        for i in range(rows + waiting):
             s.add_request(f"r{i}", rng.integers(4, 200, 400).tolist(), 200, stop_token_ids=[1])
         tok = np.full(rows, 7, np.int32)
         ts: list[float] = []
@@ -45,6 +46,8 @@ def run(rows: int, ahead: bool, fast: bool, reps: int) -> tuple[float, float, in
             ops = s.schedule()
             t1 = time.perf_counter()
             decode = ops.num_reqs == rows and ops.num_tokens == rows
+            if waiting and not s._waiting:
+                decode = False  # time only the steps that have a queue behind the full batch
             done, prev = (prev, ops if ops.num_reqs else None) if ahead else (ops, None)
             t2 = time.perf_counter()
             if done is not None:
@@ -63,12 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--waiting", type=int, default=0,
+                    help="extra requests queued behind the full batch (as in the engine workload)")
     args = ap.parse_args(argv)
-    print(f"| loop | path | schedule us | update us | decode steps |  ({args.rows} rows)")
+    print(f"| loop | path | schedule us | update us | decode steps |  ({args.rows} rows, "
+          f"{args.waiting} waiting)")
     print("|---|---|---|---|---|")
     for ahead in (False, True):
         for fast in (False, True):
-            sch, upd, n = run(args.rows, ahead, fast, args.reps)
+            sch, upd, n = run(args.rows, ahead, fast, args.reps, args.waiting)
             print(f"| {'ahead' if ahead else 'sync'} | {'fast' if fast else 'general'} | "
                   f"{sch:.1f} | {upd:.1f} | {n} |")
     return 0

@@ -224,11 +224,14 @@ class Scheduler:
             rows.append(row)
             budget -= row.num_tokens
             i += 1
-        headroom = self._pending_decode_growth() if self._waiting else 0
+        headroom = -1  # computed at the first admission attempt (O(running); a full batch
+        # with a waiting queue, the common decode case, never needs it)
         while self._waiting and len(rows) < max_rows and budget > 0 and self._free_slots:
             head = self._waiting[0]
             if head.num_pending:
                 break  # retracted with a token in flight: it resumes once the token has landed
+            if headroom < 0:
+                headroom = self._pending_decode_growth()
             row = self._admit(head, budget, headroom)
             if row is None:
                 break  # FCFS: the head waits for memory, nobody overtakes it
