@@ -144,7 +144,7 @@ def ctx_table(model: str, prompts, contexts=(2048, 8192, 32768), decode: int = 3
             def timed(ops, _inner=inner, _times=times):
                 t0 = time.perf_counter()
                 res = _inner(ops)  # returns host numpy arrays: the device work is finished
-                if ops.num_reqs and ops.num_tokens == ops.num_reqs:  # every row decodes one token
+                if ops.num_seqs and ops.num_tokens == ops.num_seqs:  # every row decodes one token
                     _times.append(time.perf_counter() - t0)
                 return res
 

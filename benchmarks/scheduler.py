@@ -135,8 +135,8 @@ class OursRunner:
     def step(self, sampled: np.ndarray) -> None:
         ops = self.sched.schedule()
         self.sched.update(ops, sampled)
-        self.last_rows = ops.num_reqs
-        self.last_is_decode = ops.num_reqs > 0 and ops.num_tokens == ops.num_reqs
+        self.last_rows = ops.num_seqs
+        self.last_is_decode = ops.num_seqs > 0 and ops.num_tokens == ops.num_seqs
 
     def in_decode_phase(self) -> bool:
         """Nothing waiting and every running request past its prefill (benchmark only)."""

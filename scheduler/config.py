@@ -60,7 +60,7 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.decode_reserve_tokens must be >= 0, got "
                              f"{self.decode_reserve_tokens}")
         if self.groups is None:
-            self.groups = [PagedCacheGroupSpec("full", "full_history", self.page_size, 1, None)]
+            self.groups = [PagedCacheGroupSpec.make("full", "full_history", page_size=self.page_size)]
         elif not self.groups:
             raise ValueError("SchedulerConfig.groups is empty")
 
@@ -69,13 +69,13 @@ class SchedulerConfig:
         return self.max_live_requests or self.max_batch_requests
 
     def group_width(self, spec: PagedCacheGroupSpec) -> int:
-        return _ceil_div(self.max_context_len, spec.page_tokens)
+        return _ceil_div(self.max_context_len, spec.page_size)
 
     def group_delta_width(self, spec: PagedCacheGroupSpec) -> int:
-        return min(self.group_width(spec), _ceil_div(self.max_scheduled_tokens, spec.page_tokens) + 1)
+        return min(self.group_width(spec), _ceil_div(self.max_scheduled_tokens, spec.page_size) + 1)
 
     def group_layouts(self) -> tuple[GroupLayout, ...]:
-        """Static shape facts (block size, mirror width, delta width) of every group."""
-        return tuple(GroupLayout(spec.group_id, spec.page_tokens, self.group_width(spec),
-                                 self.group_delta_width(spec))
+        """Static shape facts (page size, mirror width, delta width) of every group."""
+        return tuple(GroupLayout(group_id=spec.group_id, page_size=spec.page_size,
+                                 width=self.group_width(spec), delta_width=self.group_delta_width(spec))
                      for spec in cast("list[PagedCacheGroupSpec]", self.groups))

@@ -22,7 +22,7 @@ def apply_group_ops(mirror: np.ndarray, ops: StepOps, gops: GroupStepOps, *,
     """Apply one group's update to `mirror` (i32[slots, W]) in place; returns clamped rows."""
     width = mirror.shape[1]
     clamped = []
-    for i in range(ops.num_reqs):
+    for i in range(ops.num_seqs):
         slot = int(ops.req_slots[i])
         if slot < 0:
             continue
@@ -61,7 +61,7 @@ class MirrorChecker:
         for g, gops in enumerate(ops.groups):
             apply_group_ops(self.exact[g], ops, gops)
             apply_group_ops(self.tail_only[g], ops, gops, honor_full_refresh=False)
-        for i in range(ops.num_reqs):
+        for i in range(ops.num_seqs):
             slot = int(ops.req_slots[i])
             for g, row in enumerate(rows[slot]):
                 exact = self.exact[g][slot]

@@ -1,9 +1,9 @@
 """Attention backends: the switch between the two paged implementations, plus a dense oracle.
 
-One implementation per op, both in `pallas_kernels` and both checked by the shared kernel test
-bodies (tests/pallas_kernels): "reference" = `paged_attention_reference` / `short_conv_reference`
-(pure jnp; the runner hands them page tables cut to the step's kv bucket), "pallas" = the Pallas
-kernels (interpret mode off GPU), "auto" = pallas on GPU, reference elsewhere.
+Both implementations live in `pallas_kernels` and are checked by the shared kernel test bodies
+(tests/pallas_kernels): "reference" = `paged_attention_reference` (pure jnp; the runner hands it
+page tables cut to the step's kv bucket), "pallas" = the Pallas kernel (interpret mode off GPU),
+"auto" = pallas on GPU, reference elsewhere. The conv layers' choice is `models.conv.get_short_conv`.
 `dense_attention` is the whole-sequence oracle of the model's `dense` forward (tests only).
 """
 
@@ -19,7 +19,6 @@ __all__ = [
     "BACKENDS",
     "dense_attention",
     "get_paged_attention",
-    "get_short_conv",
     "resolve_backend",
 ]
 
@@ -77,20 +76,6 @@ def _pallas_kernel() -> Callable | None:
     except ImportError:
         return None
     return paged_attention
-
-
-def get_short_conv(backend: str) -> Callable:
-    """The paged short-conv function of `backend` (`pallas_kernels.short_conv` signature)."""
-    backend = resolve_backend(backend)
-    try:
-        from pallas_kernels import short_conv, short_conv_reference
-    except ImportError as e:
-        raise ValueError(f"attention_backend={backend!r} but pallas_kernels.short_conv is missing") from e
-    if backend == "reference":
-        return short_conv_reference
-    if jax.default_backend() != "gpu":
-        return functools.partial(short_conv, interpret=True)
-    return short_conv
 
 
 def get_paged_attention(backend: str) -> Callable:

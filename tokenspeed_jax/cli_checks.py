@@ -81,7 +81,7 @@ def preflight(args, *, longest_request: int | None) -> str | None:
         return f"--model {model!r}: {e}"
     if cfg is None:
         return None
-    from scheduler import Scheduler, SchedulerConfig
+    from scheduler import Scheduler, SchedulerConfig, cache_layout
     from tokenspeed_jax.llm import DEFAULT_HF_CONTEXT, DEFAULT_TINY_CONTEXT
 
     ctx = args.max_context_len
@@ -95,11 +95,11 @@ def preflight(args, *, longest_request: int | None) -> str | None:
                 f"or shorten the workload")
     if args.num_pages is None:
         return None
-    specs = registry.cache_group_specs(cfg, page_size=args.page_size)
-    sched = Scheduler(SchedulerConfig(num_pages=args.num_pages, page_size=args.page_size,
-                                      max_batch_requests=args.max_batch_requests,
-                                      max_scheduled_tokens=args.max_scheduled_tokens,
-                                      max_context_len=ctx, groups=specs))
+    layout = cache_layout(SchedulerConfig(num_pages=args.num_pages, page_size=args.page_size,
+                                          max_batch_requests=args.max_batch_requests,
+                                          max_scheduled_tokens=args.max_scheduled_tokens,
+                                          max_context_len=ctx), cfg)
+    sched = Scheduler(layout.scheduler_config)
     need = sched.coord.solo_peak_pages(total, args.max_scheduled_tokens)
     if need > args.num_pages - 1:
         return (f"--num-pages {args.num_pages}: a {total}-token request needs {need + 1} pages "

@@ -202,7 +202,7 @@ class Engine:
     def _check_device_mirrors(self, checker) -> None:
         """Debug mode: the device page tables after the step just dispatched must equal the
         scheduler's numpy twin (itself checked against the authoritative rows) in every slot."""
-        honor = getattr(self._runner, "honor_full_refresh", True)
+        honor = self._runner.layout.honor_full_refresh  # the runner's `scheduler.CacheLayout`
         twins = checker.exact if honor else checker.tail_only
         for g, (dev, twin) in enumerate(zip(self._runner.host_mirrors(), twins, strict=True)):
             if not np.array_equal(dev, twin):

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
-from scheduler import SchedulerConfig
+from scheduler import SchedulerConfig, cache_layout
 from tokenspeed_jax import distributed as dist
 from tokenspeed_jax.engine import Engine
 from tokenspeed_jax.outputs import CompletionOutput
@@ -106,7 +106,6 @@ class LLM:
         if attention_backend not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
                              f"{attention_backend!r}")
-        from tokenspeed_jax.models.registry import cache_group_specs, layer_groups
         from tokenspeed_jax.runner import DEFAULT_MIN_KV_BUCKET, ModelRunner
 
         # Multi-process: the whole model is built / read into host memory only; each process
@@ -121,30 +120,32 @@ class LLM:
             limit = getattr(self.model_config, "max_position_embeddings", None)
             default = DEFAULT_TINY_CONTEXT if model == "tiny-random" else DEFAULT_HF_CONTEXT
             max_context_len = min(limit, default) if limit else default
-        specs = cache_group_specs(self.model_config, page_size=page_size,
-                                  conv_page_size=more_options.get("conv_page_size", 8))
-        groups = layer_groups(self.model_config, specs)
-        block_sizes = tuple(s.page_tokens for s in specs)
-        if num_pages is None:
-            from tokenspeed_jax.state import pages_from_memory
-
-            device = None if meshes[0] is None else next(
-                d for d in meshes[0].devices.flat if d.process_index == jax.process_index())
-            num_pages = pages_from_memory(runtime_config, groups, block_sizes, device=device,
-                                          shards=tp)
-            if multi:  # every process must build the same shapes: the smallest fit wins
-                from jax.experimental import multihost_utils
-
-                num_pages = int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
         sched_cfg = SchedulerConfig(
-            num_pages=num_pages, page_size=page_size, max_batch_requests=max_batch_requests,
-            max_scheduled_tokens=max_scheduled_tokens, max_context_len=max_context_len,
-            groups=specs, enable_prefix_cache=enable_prefix_cache,
+            num_pages=2 if num_pages is None else num_pages, page_size=page_size,
+            max_batch_requests=max_batch_requests, max_scheduled_tokens=max_scheduled_tokens,
+            max_context_len=max_context_len, enable_prefix_cache=enable_prefix_cache,
             max_live_requests=more_options.get("max_live_requests"),
             enable_adoption=more_options.get("enable_adoption", True),
             decode_reserve_tokens=more_options.get("decode_reserve_tokens", 1),
             max_prefill_chunk_tokens=more_options.get("max_prefill_chunk_tokens"),
             debug_checks=more_options.get("debug_checks", False))
+        # the one setup value: the Scheduler is built from layout.scheduler_config, the runner
+        # from the layout itself (num_pages=None: 2 until the pool is sized just below)
+        layout = cache_layout(sched_cfg, self.model_config,
+                              conv_page_size=more_options.get("conv_page_size", 8),
+                              honor_full_refresh=more_options.get("honor_full_refresh", True))
+        if num_pages is None:
+            from tokenspeed_jax.state import pages_from_memory
+
+            device = None if meshes[0] is None else next(
+                d for d in meshes[0].devices.flat if d.process_index == jax.process_index())
+            num_pages = pages_from_memory(runtime_config, layout.layer_groups, layout.page_sizes,
+                                          device=device, shards=tp)
+            if multi:  # every process must build the same shapes: the smallest fit wins
+                from jax.experimental import multihost_utils
+
+                num_pages = int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
+            layout = layout.with_num_pages(num_pages)
         eos = self.model_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         overlap = more_options.get("async_scheduling")
@@ -155,18 +156,14 @@ class LLM:
             overlap = device.platform != "cpu"
         self.engines: list[Engine] = []
         for r, mesh in enumerate(meshes):
-            runner = ModelRunner(runtime_config, net, sched_cfg.group_layouts(),
-                                 num_pages=num_pages, max_live_requests=sched_cfg.num_live_slots,
-                                 max_batch_requests=max_batch_requests,
-                                 max_scheduled_tokens=max_scheduled_tokens, layer_groups=groups,
-                                 backend=attention_backend,
-                                 honor_full_refresh=more_options.get("honor_full_refresh", True),
+            runner = ModelRunner(runtime_config, net, layout, backend=attention_backend,
                                  min_kv_bucket=more_options.get("min_kv_bucket",
                                                                 DEFAULT_MIN_KV_BUCKET),
                                  mesh=mesh)
             if multi:
                 runner = self._distribute(runner, r)
-            self.engines.append(Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
+            self.engines.append(Engine(layout.scheduler_config, runner,
+                                       vocab_size=self.model_config.vocab_size,
                                        eos_token_ids=eos_ids, tokenizer=self.tokenizer,
                                        async_scheduling=bool(overlap)))
         self.engine = self.engines[0]

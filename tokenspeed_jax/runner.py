@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +38,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from scheduler.cache_layout import CacheLayout
 from scheduler.step_ops import StepOps, device_schema
-from tokenspeed_jax.attention import get_paged_attention, get_short_conv, resolve_backend
+from tokenspeed_jax.attention import get_paged_attention, resolve_backend
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.models.conv import get_short_conv
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.page_table import clamped_rows, update_rows
 from tokenspeed_jax.sampling import (
@@ -54,7 +55,7 @@ from tokenspeed_jax.sampling import (
     top_logprobs,
 )
 from tokenspeed_jax.sharding import TensorParallel, place, prepare_model
-from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
+from tokenspeed_jax.state import DeviceState, init_state
 from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -113,14 +114,10 @@ class ModelRunner:
     Args:
       model_config: the model's `ModelConfig`.
       model: the `CausalLM` (split once into a static graphdef + a params pytree argument).
-      layouts: `GroupLayout` per cache group, in `config.groups` order (block_size, width).
-      layer_groups: group index of each layer; default: matched by group_id through
-        `scheduler.layer_group_indices` (full / sliding / conv naming).
-      num_pages: page ids per pool (null page included); None sizes from device memory.
-      max_live_requests: device mirror slots (StepOps.req_slots index them).
-      max_batch_requests, max_scheduled_tokens: R and T of the StepOps.
+      layout: the `scheduler.CacheLayout` the Scheduler was built from (`scheduler.cache_layout`):
+        group page sizes and widths, pool size, mirror slots, layer -> group map, R and T of
+        the StepOps, honor_full_refresh.
       backend: "auto" | "pallas" | "reference" attention.
-      honor_full_refresh: False reproduces the tail-only mirror (aliasing bug) for experiments.
       min_token_bucket, min_kv_bucket: the shortest token bucket and kv bucket (in tokens).
       mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.sharding`);
         None = the default device, unsharded (the single-device path, unchanged).
@@ -130,41 +127,25 @@ class ModelRunner:
         self,
         model_config: ModelConfig,
         model: CausalLM,
-        layouts: Sequence,
+        layout: CacheLayout,
         *,
-        num_pages: int | None,
-        max_live_requests: int,
-        max_batch_requests: int,
-        max_scheduled_tokens: int,
-        layer_groups: Sequence[int] | None = None,
         backend: str = "auto",
-        honor_full_refresh: bool = True,
         min_token_bucket: int = 16,
         min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET,
         mesh: Mesh | None = None,
     ):
         self.config = model_config
-        self.layouts = tuple(layouts)
-        if layer_groups is None:
-            from scheduler import layer_group_indices
-
-            layer_groups = layer_group_indices(model_config.layer_types, self.layouts)
-        self.layer_groups = tuple(int(g) for g in layer_groups)
-        self.block_sizes = tuple(int(lay.block_size) for lay in self.layouts)
-        self.widths = tuple(int(lay.width) for lay in self.layouts)
-        if num_pages is None:
-            num_pages = pages_from_memory(model_config, self.layer_groups, self.block_sizes)
-        self.num_pages = int(num_pages)
-        self.max_batch_requests = max_batch_requests
-        self.max_scheduled_tokens = max_scheduled_tokens
+        self.layout = layout
+        self.num_pages = layout.num_pages
+        self.max_batch_requests = layout.scheduler_config.max_batch_requests
+        self.max_scheduled_tokens = layout.scheduler_config.max_scheduled_tokens
         self.backend = resolve_backend(backend)
-        self.honor_full_refresh = honor_full_refresh
-        self.buckets = token_buckets(max_scheduled_tokens, min_token_bucket)
-        self.delta_widths = tuple(int(lay.delta_width) for lay in self.layouts)
+        self.buckets = token_buckets(self.max_scheduled_tokens, min_token_bucket)
+        widths, page_sizes = layout.widths, layout.page_sizes
         if self.backend == "reference":
-            self.kv_levels = kv_levels(self.widths, self.block_sizes, min_kv_bucket)
+            self.kv_levels = kv_levels(widths, page_sizes, min_kv_bucket)
         else:  # Pallas: loops bounded by kv_len on the device; one full-width level
-            self.kv_levels = ((max(w * b for w, b in zip(self.widths, self.block_sizes)), self.widths),)
+            self.kv_levels = ((max(w * b for w, b in zip(widths, page_sizes)), widths),)
         self.num_compiles = 0
         self._layouts: dict[tuple[int, tuple[int, ...]], StepLayout] = {}
 
@@ -173,13 +154,13 @@ class ModelRunner:
             prepare_model(model, self._tp.tp)  # conv in_proj re-layout (before the split)
         self._graphdef, self.params = nnx.split(model)
         make_state = functools.partial(
-            init_state, model_config, self.layer_groups, self.block_sizes, self.widths,
-            num_pages=self.num_pages, max_live_requests=max_live_requests,
+            init_state, model_config, layout.layer_groups, page_sizes, widths,
+            num_pages=self.num_pages, max_live_requests=layout.max_live_requests,
         )  # fmt: skip
         self._attn = get_paged_attention(self.backend)
         self._conv = get_short_conv(self.backend)
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
-        make_penalties = functools.partial(init_penalty_state, max_live_requests,
+        make_penalties = functools.partial(init_penalty_state, layout.max_live_requests,
                                            model_config.vocab_size)
         if self._tp is None:
             self.state = make_state()
@@ -211,14 +192,14 @@ class ModelRunner:
             update_rows(
                 mirror, ops["req_slots"], g["begins"], g["sizes"], g["new_pages"],
                 ops["full_refresh"], g["rows"], g["row_lens"],
-                honor_full_refresh=self.honor_full_refresh, hole_slots=g["hole_slots"],
+                honor_full_refresh=self.layout.honor_full_refresh, hole_slots=g["hole_slots"],
             )
             for mirror, g in zip(state.mirrors, ops["groups"], strict=True)
         )  # fmt: skip
         batch = make_paged_batch(
-            mirrors, ops["req_slots"], ops["query_start"], ops["kv_lens"], ops["positions"],
-            ops["token_rows"], block_sizes=self.block_sizes, num_pages=self.num_pages,
-            layer_groups=self.layer_groups, kv_cols=layout.cols,
+            mirrors, ops["req_slots"], ops["cu_q_lens"], ops["kv_lens"], ops["positions"],
+            ops["token_rows"], page_sizes=self.layout.page_sizes, num_pages=self.num_pages,
+            layer_groups=self.layout.layer_groups, kv_cols=layout.cols,
         )  # fmt: skip
         slots = ops["req_slots"]
         num_slots = state.last_tokens.shape[0]
@@ -235,7 +216,7 @@ class ModelRunner:
         # the sampler only run on the first n rows (a 16-token decode bucket pays for 16, not R).
         n = min(self.max_batch_requests, t)
         rows = {k: ops[k][:n] for k in _ROW_FIELDS}
-        last = jnp.clip(ops["query_start"][1 : n + 1] - 1, 0, t - 1)  # each row's last token
+        last = jnp.clip(ops["cu_q_lens"][1 : n + 1] - 1, 0, t - 1)  # each row's last token
         logits = model.logits(hidden[last])
         if self._tp is not None:  # vocab-sharded under TP: the sort / argmax want whole rows
             logits = self._tp.gather_logits(logits)
@@ -298,7 +279,7 @@ class ModelRunner:
         lay = self._layouts.get(key)
         if lay is None:
             lay = self._layouts[key] = layout_for(self.max_batch_requests, bucket,
-                                                  self.delta_widths, cols)
+                                                  self.layout.delta_widths, cols)
         return lay
 
     def _run(self, ops, bucket: int, cols: tuple[int, ...]):
@@ -311,16 +292,16 @@ class ModelRunner:
         return tokens, logprobs, plp, top
 
     def _warn_clamped(self, ops) -> None:
-        for g, (lay, grp) in enumerate(zip(self.layouts, ops.groups, strict=True)):
+        for lay, grp in zip(self.layout.groups, ops.groups, strict=True):
             rows = clamped_rows(
                 ops.req_slots, grp.begins, grp.sizes, ops.full_refresh, grp.row_lens,
-                self.widths[g], self.honor_full_refresh,
+                lay.width, self.layout.honor_full_refresh,
             )  # fmt: skip
             for i in rows:
                 rid = ops.request_ids[i] if i < len(ops.request_ids) else f"row {i}"
                 logger.warning(
                     "page-table row of request %s in group %s exceeds width %d; clamped",
-                    rid, lay.group_id, self.widths[g],
+                    rid, lay.group_id, lay.width,
                 )  # fmt: skip
 
     def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
@@ -333,8 +314,8 @@ class ModelRunner:
         tokens; a step whose longest row is longer compiles its key on first use (once; counted
         in `num_compiles`, at most `len(shape_keys)` in all). Returns the compilations it ran.
         """
-        if padding_ops.num_reqs:
-            raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
+        if padding_ops.num_seqs:
+            raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_seqs} rows")
         levels = self.kv_levels
         if max_kv_len is not None:
             if max_kv_len < 1:
@@ -355,7 +336,7 @@ class ModelRunner:
     def dispatch(self, ops) -> StepHandle:
         """Enqueue one `StepOps` on the device and return at once (the state advances to the
         step's output futures, so the next dispatch queues behind this one)."""
-        if ops.num_reqs == 0:
+        if ops.num_seqs == 0:
             return StepHandle(None, None, None, 0)
         self._warn_clamped(ops)
         bucket = self.bucket_for(int(ops.num_tokens))
