@@ -68,14 +68,13 @@ class SchedulerConfig:
     def num_live_slots(self) -> int:
         return self.max_live_requests or self.max_batch_requests
 
-    def group_width(self, spec: PagedCacheGroupSpec) -> int:
-        return _ceil_div(self.max_context_len, spec.page_size)
-
-    def group_delta_width(self, spec: PagedCacheGroupSpec) -> int:
-        return min(self.group_width(spec), _ceil_div(self.max_scheduled_tokens, spec.page_size) + 1)
-
     def group_layouts(self) -> tuple[GroupLayout, ...]:
-        """Static shape facts (page size, mirror width, delta width) of every group."""
-        return tuple(GroupLayout(group_id=spec.group_id, page_size=spec.page_size,
-                                 width=self.group_width(spec), delta_width=self.group_delta_width(spec))
-                     for spec in cast("list[PagedCacheGroupSpec]", self.groups))
+        """Static shape facts of every group: page size, mirror width
+        W_g = ceil(max_context_len / page_size), delta width N_g = min(W_g, ceil(T / page_size) + 1)."""
+        out = []
+        for spec in cast("list[PagedCacheGroupSpec]", self.groups):
+            width = _ceil_div(self.max_context_len, spec.page_size)
+            delta = min(width, _ceil_div(self.max_scheduled_tokens, spec.page_size) + 1)
+            out.append(GroupLayout(group_id=spec.group_id, page_size=spec.page_size, width=width,
+                                   delta_width=delta))
+        return tuple(out)

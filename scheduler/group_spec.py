@@ -65,9 +65,9 @@ class PagedCacheGroupSpec:
              sliding_window_tokens: int | None = None, family: Family = "history",
              live_tail_alloc: bool = False) -> PagedCacheGroupSpec:
         """A group of `page_size`-token pages (one token per row), built by keyword."""
-        return cls(group_id=group_id, retention=retention, rows_per_page=page_size,
-                   entry_stride_tokens=1, sliding_window_tokens=sliding_window_tokens,
-                   family=family, live_tail_alloc=live_tail_alloc)
+        return cls(group_id, retention, rows_per_page=page_size, entry_stride_tokens=1,
+                   sliding_window_tokens=sliding_window_tokens, family=family,
+                   live_tail_alloc=live_tail_alloc)
 
     @property
     def page_size(self) -> int:

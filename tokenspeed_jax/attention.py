@@ -15,6 +15,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import paged_attention, paged_attention_reference
+
 __all__ = [
     "BACKENDS",
     "dense_attention",
@@ -66,28 +68,14 @@ def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and _pallas_kernel() else "reference"
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
     return backend
-
-
-def _pallas_kernel() -> Callable | None:
-    try:
-        from pallas_kernels import paged_attention
-    except ImportError:
-        return None
-    return paged_attention
 
 
 def get_paged_attention(backend: str) -> Callable:
     """The paged-attention function of `backend` (SPEC.md kernel signature)."""
-    backend = resolve_backend(backend)
-    if backend == "reference":
-        from pallas_kernels import paged_attention_reference
-
+    if resolve_backend(backend) == "reference":
         return paged_attention_reference
-    kernel = _pallas_kernel()
-    if kernel is None:
-        raise ValueError("attention_backend='pallas' but pallas_kernels.paged_attention is missing")
     if jax.default_backend() != "gpu":
-        return functools.partial(kernel, interpret=True)
-    return kernel
+        return functools.partial(paged_attention, interpret=True)
+    return paged_attention

@@ -82,13 +82,9 @@ def preflight(args, *, longest_request: int | None) -> str | None:
     if cfg is None:
         return None
     from scheduler import Scheduler, SchedulerConfig, cache_layout
-    from tokenspeed_jax.llm import DEFAULT_HF_CONTEXT, DEFAULT_TINY_CONTEXT
+    from tokenspeed_jax.llm import default_context_len
 
-    ctx = args.max_context_len
-    if ctx is None:
-        default = DEFAULT_TINY_CONTEXT if model in registry.BUILTIN_MODELS else DEFAULT_HF_CONTEXT
-        limit = getattr(cfg, "max_position_embeddings", None)
-        ctx = min(limit, default) if limit else default
+    ctx = default_context_len(model, cfg) if args.max_context_len is None else args.max_context_len
     total = ctx if longest_request is None else longest_request
     if total > ctx:
         return (f"the longest request ({total} tokens) exceeds --max-context-len {ctx}: raise it "

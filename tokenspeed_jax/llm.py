@@ -21,6 +21,17 @@ from tokenspeed_jax.sampling_params import SamplingParams
 
 DEFAULT_TINY_CONTEXT = 2048
 DEFAULT_HF_CONTEXT = 8192
+# LLM options that go to SchedulerConfig unchanged (its defaults apply when not given)
+SCHEDULER_OPTIONS = ("max_live_requests", "enable_adoption", "decode_reserve_tokens",
+                     "max_prefill_chunk_tokens", "debug_checks")
+
+
+def default_context_len(model: str, config) -> int:
+    """max_context_len=None: DEFAULT_TINY_CONTEXT (built-in) / DEFAULT_HF_CONTEXT tokens, capped at
+    the model's max_position_embeddings."""
+    default = DEFAULT_TINY_CONTEXT if model == "tiny-random" else DEFAULT_HF_CONTEXT
+    limit = getattr(config, "max_position_embeddings", None)
+    return min(limit, default) if limit else default
 
 
 def _load(model: str, dtype: str, seed: int):
@@ -97,9 +108,8 @@ class LLM:
         tp, dp = tensor_parallel_size, data_parallel_size
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
-        known = {"conv_page_size", "enable_adoption", "max_live_requests", "debug_checks",
-                 "honor_full_refresh", "decode_reserve_tokens", "max_prefill_chunk_tokens",
-                 "min_kv_bucket", "async_scheduling"}
+        known = {*SCHEDULER_OPTIONS, "conv_page_size", "honor_full_refresh", "min_kv_bucket",
+                 "async_scheduling"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
@@ -117,18 +127,12 @@ class LLM:
             runtime_config = sharding.replicate_kv_heads(net, self.model_config, tp)
         self.dtype = dtype
         if max_context_len is None:
-            limit = getattr(self.model_config, "max_position_embeddings", None)
-            default = DEFAULT_TINY_CONTEXT if model == "tiny-random" else DEFAULT_HF_CONTEXT
-            max_context_len = min(limit, default) if limit else default
+            max_context_len = default_context_len(model, self.model_config)
         sched_cfg = SchedulerConfig(
             num_pages=2 if num_pages is None else num_pages, page_size=page_size,
             max_batch_requests=max_batch_requests, max_scheduled_tokens=max_scheduled_tokens,
             max_context_len=max_context_len, enable_prefix_cache=enable_prefix_cache,
-            max_live_requests=more_options.get("max_live_requests"),
-            enable_adoption=more_options.get("enable_adoption", True),
-            decode_reserve_tokens=more_options.get("decode_reserve_tokens", 1),
-            max_prefill_chunk_tokens=more_options.get("max_prefill_chunk_tokens"),
-            debug_checks=more_options.get("debug_checks", False))
+            **{k: more_options[k] for k in SCHEDULER_OPTIONS if k in more_options})
         # the one setup value: the Scheduler is built from layout.scheduler_config, the runner
         # from the layout itself (num_pages=None: 2 until the pool is sized just below)
         layout = cache_layout(sched_cfg, self.model_config,
@@ -150,8 +154,6 @@ class LLM:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         overlap = more_options.get("async_scheduling")
         if overlap is None:
-            import jax
-
             device = jax.devices()[0] if meshes[0] is None else meshes[0].devices.flat[0]
             overlap = device.platform != "cpu"
         self.engines: list[Engine] = []

@@ -136,7 +136,6 @@ class ModelRunner:
     ):
         self.config = model_config
         self.layout = layout
-        self.num_pages = layout.num_pages
         self.max_batch_requests = layout.scheduler_config.max_batch_requests
         self.max_scheduled_tokens = layout.scheduler_config.max_scheduled_tokens
         self.backend = resolve_backend(backend)
@@ -155,7 +154,7 @@ class ModelRunner:
         self._graphdef, self.params = nnx.split(model)
         make_state = functools.partial(
             init_state, model_config, layout.layer_groups, page_sizes, widths,
-            num_pages=self.num_pages, max_live_requests=layout.max_live_requests,
+            num_pages=layout.num_pages, max_live_requests=layout.max_live_requests,
         )  # fmt: skip
         self._attn = get_paged_attention(self.backend)
         self._conv = get_short_conv(self.backend)
@@ -198,7 +197,7 @@ class ModelRunner:
         )  # fmt: skip
         batch = make_paged_batch(
             mirrors, ops["req_slots"], ops["cu_q_lens"], ops["kv_lens"], ops["positions"],
-            ops["token_rows"], page_sizes=self.layout.page_sizes, num_pages=self.num_pages,
+            ops["token_rows"], page_sizes=self.layout.page_sizes, num_pages=self.layout.num_pages,
             layer_groups=self.layout.layer_groups, kv_cols=layout.cols,
         )  # fmt: skip
         slots = ops["req_slots"]
@@ -278,8 +277,8 @@ class ModelRunner:
         key = (bucket, cols)
         lay = self._layouts.get(key)
         if lay is None:
-            lay = self._layouts[key] = layout_for(self.max_batch_requests, bucket,
-                                                  self.layout.delta_widths, cols)
+            deltas = tuple(g.delta_width for g in self.layout.groups)
+            lay = self._layouts[key] = layout_for(self.max_batch_requests, bucket, deltas, cols)
         return lay
 
     def _run(self, ops, bucket: int, cols: tuple[int, ...]):

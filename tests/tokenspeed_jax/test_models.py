@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scheduler import layer_group_indices, model_group_specs
+from scheduler import SchedulerConfig, cache_layout
 from tokenspeed_jax.attention import get_paged_attention
 from tokenspeed_jax.models import build_model, tiny_random_config
 from tokenspeed_jax.models.batch import make_paged_batch
@@ -57,9 +57,8 @@ class HostTables:
 def setup():
     cfg = tiny_random_config(sliding_window=WINDOW)
     model = build_model(cfg, seed=0)
-    specs = model_group_specs(cfg, page_size=PAGE, conv_page_size=CONV_PAGE)
-    lg = tuple(layer_group_indices(cfg.layer_types, specs))
-    return cfg, model, specs, lg
+    layout = cache_layout(SchedulerConfig(NUM_PAGES, page_size=PAGE), cfg, conv_page_size=CONV_PAGE)
+    return cfg, model, layout.scheduler_config.groups, layout.layer_groups
 
 
 def test_group_specs_and_layer_mapping(setup):

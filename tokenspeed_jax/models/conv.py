@@ -94,9 +94,8 @@ class ShortConv(nnx.Module):
 
 
 def get_short_conv(backend: str) -> Callable:
-    """The paged short-conv function of attention backend `backend` (`pallas_kernels.short_conv`
-    signature): the jnp reference, or the Pallas kernel (interpret mode off GPU)."""
+    """The paged short conv of attention backend `backend`: the jnp reference, or the Pallas
+    kernel (interpret mode off GPU); `pallas_kernels.short_conv` signature."""
     if resolve_backend(backend) == "reference":
         return short_conv_reference
-    return short_conv if jax.default_backend() == "gpu" else functools.partial(short_conv,
-                                                                               interpret=True)
+    return short_conv if jax.default_backend() == "gpu" else functools.partial(short_conv, interpret=True)
