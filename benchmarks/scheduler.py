@@ -114,9 +114,10 @@ def workloads(quick: bool) -> list[Workload]:
 # ---------------------------------------------------------------------- runners
 class OursRunner:
     def __init__(self, w: Workload) -> None:
-        groups = [PagedCacheGroupSpec("full", "full_history", PAGE, 1, None)]
+        groups = [PagedCacheGroupSpec.make("full", "full_history", page_size=PAGE)]
         if w.sliding_window:
-            groups.append(PagedCacheGroupSpec("swa", "sliding_window", PAGE, 1, w.sliding_window))
+            groups.append(PagedCacheGroupSpec.make("swa", "sliding_window", page_size=PAGE,
+                                                   sliding_window_tokens=w.sliding_window))
         self.sched = Scheduler(SchedulerConfig(
             num_pages=w.num_pages, page_size=PAGE, max_batch_requests=w.num_reqs,
             max_scheduled_tokens=BUDGET, max_context_len=w.max_context_len or w.context,

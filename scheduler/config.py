@@ -17,7 +17,8 @@ def _ceil_div(a: int, b: int) -> int:
 class SchedulerConfig:
     """Scheduler settings. StepOps shapes depend only on these.
 
-    groups: cache groups (None = one full-history group of `page_size` tokens per page).
+    groups: cache groups (None = one full-history group of `page_size` tokens per page);
+        `scheduler.cache_layout` sets a model's groups, built from `page_size`.
     max_live_requests: device page-table mirror slots (requests holding pages at once);
         None = max_batch_requests.
     decode_reserve_tokens: decode tokens promised (and reserved) when a first chunk is admitted.
