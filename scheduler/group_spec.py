@@ -23,8 +23,7 @@ class PagedCacheGroupSpec:
 
     A page holds `rows_per_page` rows of `entry_stride_tokens` tokens each, i.e.
     `P = rows_per_page * entry_stride_tokens` tokens; `block_size` (tokens per scheduler page)
-    defaults to P. These are SPEC.md's field names; our code reads the one number as `page_size`
-    and builds specs with `PagedCacheGroupSpec.make(..., page_size=...)`.
+    defaults to P. (SPEC.md's fields; our code builds with `make(page_size=)`, reads `page_size`.)
     """
 
     group_id: str

@@ -17,12 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import paged_attention, paged_attention_reference
 
-__all__ = [
-    "BACKENDS",
-    "dense_attention",
-    "get_paged_attention",
-    "resolve_backend",
-]
+__all__ = ["BACKENDS", "dense_attention", "get_paged_attention", "resolve_backend"]
 
 BACKENDS = ("auto", "pallas", "reference")
 
