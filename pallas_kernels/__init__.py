@@ -8,7 +8,6 @@ from pallas_kernels.paged_attention import (
 )
 from pallas_kernels.short_conv import (
     ShortConvConfig,
-    conv_write_indices,
     short_conv,
     short_conv_reference,
 )
@@ -16,7 +15,6 @@ from pallas_kernels.short_conv import (
 __all__ = [
     "PagedAttentionConfig",
     "ShortConvConfig",
-    "conv_write_indices",
     "default_config",
     "paged_attention",
     "paged_attention_reference",

@@ -5,12 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import cast
 
+from scheduler.block_table import ceil_div
 from scheduler.group_spec import PagedCacheGroupSpec
 from scheduler.step_ops import GroupLayout
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclasses.dataclass
@@ -74,8 +71,8 @@ class SchedulerConfig:
         W_g = ceil(max_context_len / page_size), delta width N_g = min(W_g, ceil(T / page_size) + 1)."""
         out = []
         for spec in cast("list[PagedCacheGroupSpec]", self.groups):
-            width = _ceil_div(self.max_context_len, spec.page_size)
-            delta = min(width, _ceil_div(self.max_scheduled_tokens, spec.page_size) + 1)
+            width = ceil_div(self.max_context_len, spec.page_size)
+            delta = min(width, ceil_div(self.max_scheduled_tokens, spec.page_size) + 1)
             out.append(GroupLayout(group_id=spec.group_id, page_size=spec.page_size, width=width,
                                    delta_width=delta))
         return tuple(out)

@@ -246,7 +246,6 @@ class DistributedRunner:
         r = self.runner
         if ops.num_reqs == 0:
             return r.dispatch(ops)  # empty steps never reach the device (nor the followers)
-        r._warn_clamped(ops)
         bucket = r.bucket_for(int(ops.num_tokens))
         _, cols = r.kv_bucket_for(ops)
         level = [c for _, c in r.kv_levels].index(cols)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +44,7 @@ from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.conv import get_short_conv
 from tokenspeed_jax.models.decoder import CausalLM
-from tokenspeed_jax.page_table import clamped_rows, update_rows
+from tokenspeed_jax.page_table import update_rows
 from tokenspeed_jax.sampling import (
     MAX_TOP_LOGPROBS,
     init_penalty_state,
@@ -57,8 +56,6 @@ from tokenspeed_jax.sampling import (
 from tokenspeed_jax.sharding import TensorParallel, place, prepare_model
 from tokenspeed_jax.state import DeviceState, init_state
 from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, unpack
-
-logger = logging.getLogger(__name__)
 
 # per-row StepOps fields (schema axis "row"): what the LM head / sampler slice to the used rows
 _ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
@@ -290,19 +287,6 @@ class ModelRunner:
             self.params, self.state, self.penalties, i32, f32, layout)
         return tokens, logprobs, plp, top
 
-    def _warn_clamped(self, ops) -> None:
-        for lay, grp in zip(self.layout.groups, ops.groups, strict=True):
-            rows = clamped_rows(
-                ops.req_slots, grp.begins, grp.sizes, ops.full_refresh, grp.row_lens,
-                lay.width, self.layout.honor_full_refresh,
-            )  # fmt: skip
-            for i in rows:
-                rid = ops.request_ids[i] if i < len(ops.request_ids) else f"row {i}"
-                logger.warning(
-                    "page-table row of request %s in group %s exceeds width %d; clamped",
-                    rid, lay.group_id, lay.width,
-                )  # fmt: skip
-
     def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
         """Compile the shape keys (token bucket x kv bucket, `shape_keys`) now, so serving does
         not stall on XLA, by running an all-padding StepOps through each: padding rows (slot -1)
@@ -337,7 +321,6 @@ class ModelRunner:
         step's output futures, so the next dispatch queues behind this one)."""
         if ops.num_seqs == 0:
             return StepHandle(None, None, None, 0)
-        self._warn_clamped(ops)
         bucket = self.bucket_for(int(ops.num_tokens))
         _, cols = self.kv_bucket_for(ops)
         return self.handle_for(ops, bucket, *self._run(ops, bucket, cols))
