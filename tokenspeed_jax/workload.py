@@ -115,7 +115,7 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
             done += 1
             prompt_tokens += len(out.prompt_token_ids)
             generated += len(out.token_ids)
-            if out.metrics.ttft is not None:
+            if out.metrics is not None and out.metrics.ttft is not None:
                 ttft.append(out.metrics.ttft)
             if out.tpot is not None:
                 tpot.append(out.tpot)

@@ -148,7 +148,7 @@ def summarize(records: list[RequestRecord], wall: float, *, slo_ttft_s: float,
         **stats("ttft", [r.ttft for r in ok if r.ttft is not None]),
         **stats("tpot", [r.tpot for r in ok if r.tpot is not None]),
         **stats("itl", [x for r in ok for x in r.itl]),
-        **stats("e2el", [r.latency for r in ok]),
+        **stats("e2el", [r.latency for r in ok if r.latency is not None]),
         "goodput": round(len(good) / wall, 3),
         "errors": sorted({r.error for r in records if r.error})[:5],
     }
