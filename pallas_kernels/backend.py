@@ -16,6 +16,7 @@ Everything here also works with `interpret=True` on CPU, where compiler params a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -96,6 +97,20 @@ def pallas_call(kernel: Callable[..., None], *, out_shape: Any, grid: tuple[int,
         interpret=interpret,
         name=name,
     )
+
+
+def check_config(config: Any, *, powers_of_2: Sequence[str]) -> None:
+    """ValueError naming the field unless every field of the (dataclass) kernel `config` is an
+    int >= 1 and those in `powers_of_2` are powers of two (Triton tile sizes)."""
+    name = type(config).__name__
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}.{field.name}={value!r} must be an int >= 1")
+    for field_name in powers_of_2:
+        if not is_power_of_2(getattr(config, field_name)):
+            raise ValueError(f"{name}.{field_name}={getattr(config, field_name)} must be a power "
+                             "of two")
 
 
 def is_power_of_2(n: int) -> bool:

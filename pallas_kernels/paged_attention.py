@@ -64,14 +64,7 @@ class PagedAttentionConfig:
     kv_splits: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("pages_per_block", "block_q", "num_warps", "num_stages", "kv_splits"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"PagedAttentionConfig.{field}={value!r} must be an int >= 1")
-        for field in ("pages_per_block", "block_q", "num_warps"):
-            if not backend.is_power_of_2(getattr(self, field)):
-                raise ValueError(f"PagedAttentionConfig.{field}={getattr(self, field)} must be "
-                                 "a power of two")
+        backend.check_config(self, powers_of_2=("pages_per_block", "block_q", "num_warps"))
 
 
 # Occupancy the decode default reaches on an H100/H200 (132 SMs): 3 programs per SM at ~148

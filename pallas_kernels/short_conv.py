@@ -42,14 +42,7 @@ class ShortConvConfig:
     num_stages: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("block_t", "block_c", "num_warps", "num_stages"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ShortConvConfig.{field}={value!r} must be an int >= 1")
-        for field in ("block_t", "block_c", "num_warps"):
-            if not backend.is_power_of_2(getattr(self, field)):
-                raise ValueError(f"ShortConvConfig.{field}={getattr(self, field)} must be a "
-                                 "power of two")
+        backend.check_config(self, powers_of_2=("block_t", "block_c", "num_warps"))
 
 
 def _check_inputs(x: jax.Array, conv_pages: jax.Array, page_table: jax.Array,

@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 from tokenspeed_jax.server.loadgen import run_level, summarize
 
@@ -91,7 +92,17 @@ def _plots(levels: list[dict], pages: list, marks: list[tuple[float, str]], out_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    paths: list[str] = []
+
+    def save(fig: Any, axes: Any, name: str) -> None:
+        for ax in axes:
+            ax.legend()
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     x = [lv["request_throughput"] for lv in levels]
     for ax, metric in zip(axes, ("ttft", "tpot")):
@@ -100,12 +111,7 @@ def _plots(levels: list[dict], pages: list, marks: list[tuple[float, str]], out_
         ax.set_xlabel("achieved throughput (requests / s)")
         ax.set_ylabel(f"{metric.upper()} (ms)")
         ax.set_title(f"{metric.upper()} vs load")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "latency_vs_load.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    save(fig, axes, "latency_vs_load.png")
     if pages:
         fig, ax = plt.subplots(figsize=(11, 4))
         groups = sorted({g for _, d in pages for g in d})
@@ -117,12 +123,7 @@ def _plots(levels: list[dict], pages: list, marks: list[tuple[float, str]], out_
         ax.set_xlabel("time (s)")
         ax.set_ylabel("pages in use")
         ax.set_title("pages in use per cache group (levels marked)")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "pages_over_time.png"))
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
+        save(fig, [ax], "pages_over_time.png")
     return paths
 
 
