@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal, cast
+
+from scheduler.step_ops import GroupLayout
 
 Retention = Literal["full_history", "sliding_window"]
 Family = Literal["history", "state"]
@@ -113,8 +116,9 @@ def group_specs_from_layer_types(*, layer_types: list[str] | tuple[str, ...],
 
 
 def layer_group_indices(layer_types: list[str] | tuple[str, ...],
-                        specs: list[PagedCacheGroupSpec]) -> list[int]:
-    """Index into `specs` of the group each layer belongs to."""
+                        specs: Sequence[PagedCacheGroupSpec | GroupLayout]) -> list[int]:
+    """Index into `specs` (group specs or their `GroupLayout`s: matched by group_id) of the
+    group each layer belongs to."""
     index = {spec.group_id: i for i, spec in enumerate(specs)}
     out = []
     for i, layer_type in enumerate(layer_types):
