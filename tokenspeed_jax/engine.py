@@ -40,19 +40,15 @@ class Runner(Protocol):
 
     def dispatch(self, ops: StepOps) -> StepHandle:
         """Enqueue one step on the device and return at once."""
-        ...
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Block until a dispatched step is done; its host results."""
-        ...
 
     def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None) -> int:
         """Compile the step shapes with all-padding steps; returns the compilations run."""
-        ...
 
     def host_mirrors(self) -> list[np.ndarray]:
         """The device page-table mirrors after the last dispatched step (debug checks)."""
-        ...
 
 
 class _Track:
