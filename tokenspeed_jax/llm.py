@@ -99,7 +99,7 @@ class LLM:
         self._group: DistributedGroup | None = None
         self._dist_runners: list[DistributedRunner] = []  # this process's replicas (multi)
         if multi:  # before anything touches jax.devices()
-            dist.initialize(self._dist)
+            dist.initialize(self._dist_config)
         tp, dp = tensor_parallel_size, data_parallel_size
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
@@ -183,7 +183,7 @@ class LLM:
 
     # ------------------------------------------------------------------ multi-process
     @property
-    def _dist(self) -> dist.DistributedConfig:
+    def _dist_config(self) -> dist.DistributedConfig:
         """`distributed`, on the paths only a multi-process run takes."""
         if self.distributed is None:
             raise RuntimeError("not a multi-process run")
@@ -193,14 +193,14 @@ class LLM:
         from tokenspeed_jax.distributed_runner import DistributedGroup, DistributedRunner
 
         if self._group is None:
-            self._group = DistributedGroup(self._dist, DistributedRunner.message_words(runner))
+            self._group = DistributedGroup(self._dist_config, DistributedRunner.message_words(runner))
         self._dist_runners.append(DistributedRunner(runner, self._group, replica))
         return self._dist_runners[-1]
 
     def _leader_only(self, what: str) -> None:
         if not self.is_leader:
             raise RuntimeError(f"{what} runs on the leader (process 0); process "
-                               f"{self._dist.process_id} is a follower: call run_follower()")
+                               f"{self._dist_config.process_id} is a follower: call run_follower()")
 
     def run_follower(self, leave_runtime: bool = True) -> int:
         """Follower processes: replay the leader's steps until it shuts down, then leave the
@@ -212,7 +212,7 @@ class LLM:
 
         steps = follow(self._group, self._dist_runners)
         if leave_runtime:
-            dist.leave(self._dist)
+            dist.leave(self._dist_config)
         return steps
 
     def shutdown(self, leave_runtime: bool = True) -> None:
@@ -224,7 +224,7 @@ class LLM:
         broken = self._group.broken
         self._group.shutdown()
         if leave_runtime and not broken:  # with a follower gone the barrier could only time out
-            dist.leave(self._dist)
+            dist.leave(self._dist_config)
 
     # ------------------------------------------------------------------ API
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str] | str,
