@@ -9,7 +9,6 @@ from pallas_kernels.paged_attention import (
 )
 from pallas_kernels.short_conv import (
     ShortConvConfig,
-    conv_write_indices,
     short_conv,
     short_conv_reference,
 )
@@ -18,7 +17,6 @@ __all__ = [
     "DECODE_TUNING_CANDIDATES",
     "PagedAttentionConfig",
     "ShortConvConfig",
-    "conv_write_indices",
     "default_config",
     "paged_attention",
     "paged_attention_reference",

@@ -9,10 +9,10 @@ For this step's token at absolute position `pos`, tap j (0 <= j < K) multiplies 
 - zero when p < 0.
 A decode step (one query token) therefore reads its K-1 previous inputs from the pool.
 
-Persistence contract (runtime side, see `conv_write_indices`): conv groups are sliding groups with
-W = K and live-tail allocation, so the runtime stores a token's conv input only where the page
-table holds a real page; a hole (page 0) means live-tail decided no future step reads it. Older
-slots may be holes full of garbage; this kernel never touches them.
+Persistence contract (runtime side: `write_idx` of `tokenspeed_jax.models.batch.make_paged_batch`):
+conv groups are sliding groups with W = K and live-tail allocation, so the runtime stores a token's
+conv input only where the page table holds a real page; a hole (page 0) means live-tail decided no
+future step reads it. Older slots may be holes full of garbage; this kernel never touches them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pallas_kernels import backend
 from pallas_kernels.backend import Ref
 from pallas_kernels.ragged import check_ragged_metadata, token_layout
 
-__all__ = ["ShortConvConfig", "conv_write_indices", "short_conv", "short_conv_reference"]
+__all__ = ["ShortConvConfig", "short_conv", "short_conv_reference"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,24 +160,3 @@ def short_conv_reference(x: jax.Array, conv_pages: jax.Array, page_table: jax.Ar
         acc = acc + bias.astype(jnp.float32)
     return jnp.where(lay.valid[:, None], acc, 0.0).astype(x.dtype)
 
-
-def conv_write_indices(page_table_rows: jax.Array, positions: jax.Array, page_size: int,
-                       num_pages: int) -> jax.Array:
-    """Flat write index of each token's conv input into `conv_pages.reshape(P * page_size, C)`.
-
-    Args:
-      page_table_rows: i32[T, max_pages] the (already updated) page-table row of each token.
-      positions: i32[T] absolute positions; negative = padding token.
-    Returns:
-      i32[T]: `page * page_size + pos % page_size`, or the out-of-range `num_pages * page_size`
-      for padding tokens, positions past the row, and holes (page 0: live-tail keeps no real page
-      there because no later step reads that position). Use with `.at[idx].set(v, mode="drop")`.
-    """
-    max_pages = page_table_rows.shape[1]
-    slot = positions // page_size
-    ok = (positions >= 0) & (slot < max_pages)
-    page = jnp.take_along_axis(page_table_rows, jnp.clip(slot, 0, max_pages - 1)[:, None],
-                               axis=1)[:, 0]
-    ok = ok & (page != 0)
-    return jnp.where(ok, page * page_size + positions % page_size,
-                     num_pages * page_size).astype(jnp.int32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from scheduler.block_pool import NULL_PAGE, BlockPool
 from scheduler.block_table import BlockTable
 from scheduler.coordinator import CacheCoordinator
+from scheduler.full_history import CacheGroupManager, FullHistoryManager
 from scheduler.group_spec import (
     PagedCacheGroupSpec,
     compute_max_logical_pages_for_capture,
@@ -12,7 +13,6 @@ from scheduler.group_spec import (
     group_specs_from_layer_types,
     layer_group_indices,
 )
-from scheduler.manager_base import CacheGroupManager, FullHistoryManager
 from scheduler.sliding_window import SlidingWindowManager, StateManager
 from scheduler.step_ops import PLACEHOLDER_TOKEN, GroupLayout, GroupStepOps, StepOps
 

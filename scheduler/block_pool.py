@@ -132,15 +132,6 @@ class BlockPool:
             del self._key_pages[key]
         self.num_evictions += 1
 
-    def evict_all_cached(self) -> int:
-        """Drop every hash held by a free page (e.g. a cache reset). Returns pages affected."""
-        n = 0
-        for page in self._free:
-            if self._page_key[page] is not None:
-                self._evict_key(page)
-                n += 1
-        return n
-
     # ------------------------------------------------------------------ invariants
     def check_invariants(self, expected_refcounts: dict[int, int] | None = None) -> None:
         """Raise AssertionError when the pool is inconsistent.

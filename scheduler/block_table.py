@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def ceil_div(a: int, b: int) -> int:
+    """Pages of `b` tokens needed to hold `a` tokens (exact integer ceil)."""
+    return -(-a // b)
+
+
 class BlockTable:
     """Slot `i` covers tokens `[i*B, (i+1)*B)`; page id 0 marks a hole.
 

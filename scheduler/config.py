@@ -5,12 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import cast
 
+from scheduler.block_table import ceil_div
 from scheduler.group_spec import PagedCacheGroupSpec
 from scheduler.step_ops import GroupLayout
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclasses.dataclass
@@ -69,10 +66,10 @@ class SchedulerConfig:
         return self.max_live_requests or self.max_batch_requests
 
     def group_width(self, spec: PagedCacheGroupSpec) -> int:
-        return _ceil_div(self.max_context_len, spec.page_tokens)
+        return ceil_div(self.max_context_len, spec.page_tokens)
 
     def group_delta_width(self, spec: PagedCacheGroupSpec) -> int:
-        return min(self.group_width(spec), _ceil_div(self.max_scheduled_tokens, spec.page_tokens) + 1)
+        return min(self.group_width(spec), ceil_div(self.max_scheduled_tokens, spec.page_tokens) + 1)
 
     def group_layouts(self) -> tuple[GroupLayout, ...]:
         """Static shape facts (block size, mirror width, delta width) of every group."""

@@ -8,9 +8,9 @@ from functools import reduce
 from typing import cast
 
 from scheduler.block_pool import NULL_PAGE, BlockPool
-from scheduler.block_table import BlockTable
+from scheduler.block_table import BlockTable, ceil_div
+from scheduler.full_history import CacheGroupManager, FullHistoryManager
 from scheduler.group_spec import PagedCacheGroupSpec
-from scheduler.manager_base import CacheGroupManager, FullHistoryManager
 from scheduler.sliding_window import SlidingWindowManager, StateManager
 
 
@@ -92,11 +92,11 @@ class CacheCoordinator:
         need = 0
         for m, spec in zip(self.managers, self.specs):
             b = spec.page_tokens
-            full = -(-total_tokens // b)
+            full = ceil_div(total_tokens, b)
             if spec.retention == "full_history":
                 need += full
             else:
-                need += min(full, m.resume_pages + -(-min(max_chunk_tokens, total_tokens) // b) + 2)
+                need += min(full, m.resume_pages + ceil_div(min(max_chunk_tokens, total_tokens), b) + 2)
         return need
 
     def free(self, tables: list[BlockTable]) -> None:

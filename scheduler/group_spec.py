@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Literal, cast
 
+from scheduler.block_table import ceil_div
 from scheduler.step_ops import GroupLayout
 
 Retention = Literal["full_history", "sliding_window"]
@@ -129,10 +130,6 @@ def layer_group_indices(layer_types: list[str] | tuple[str, ...],
     return out
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _check_counts(**counts: int) -> None:
     for name, value in counts.items():
         if not isinstance(value, int) or value < 0:
@@ -153,14 +150,14 @@ def compute_paged_cache_group_page_counts(
     out: dict[str, int] = {}
     for spec in specs:
         p = spec.tokens_per_page
-        protected = r * _ceil_div(overlap_schedule_depth * decode_input_tokens, p)
+        protected = r * ceil_div(overlap_schedule_depth * decode_input_tokens, p)
         if spec.family == "state":
-            core = min(2 * r + t // p, _ceil_div(t, p) + r)
+            core = min(2 * r + t // p, ceil_div(t, p) + r)
         elif spec.retention == "full_history":
-            core = _ceil_div(t, p) + r
+            core = ceil_div(t, p) + r
         else:
             w = cast(int, spec.sliding_window_tokens)  # set for every sliding group
-            core = r * _ceil_div(min(w - 1, c), p) + _ceil_div(min(s, t), p) + r
+            core = r * ceil_div(min(w - 1, c), p) + ceil_div(min(s, t), p) + r
         out[spec.group_id] = core + protected + 1 + safety_margin
     return out
 
@@ -175,6 +172,6 @@ def compute_max_logical_pages_for_capture(spec: PagedCacheGroupSpec, *, max_cont
     p = spec.tokens_per_page
     extra = (overlap_schedule_depth + 1) * max_tokens_per_req
     if spec.retention == "full_history":
-        return _ceil_div(max_context_len + extra, p)
+        return ceil_div(max_context_len + extra, p)
     w = cast(int, spec.sliding_window_tokens)  # set for every sliding group
-    return _ceil_div(min(w, max_context_len) + extra, p) + 1
+    return ceil_div(min(w, max_context_len) + extra, p) + 1

@@ -37,10 +37,10 @@ from scheduler.coordinator import CacheCoordinator
 from scheduler.group_spec import PagedCacheGroupSpec
 from scheduler.hashing import PrefixHasher
 from scheduler.invariants import check_scheduler_invariants
+from scheduler.mirror_check import MirrorChecker
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.step_ops import LOGIT_BIAS_WIDTH, StepOps
-from scheduler.tail_mirror import MirrorChecker
 
 
 class Scheduler:
@@ -85,20 +85,11 @@ class Scheduler:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: empty prompt")
-        if min(prompt) < 0:
-            raise ValueError(f"request {request_id!r}: negative token id {min(prompt)}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"request {request_id!r}: max_new_tokens must be an int >= 1, "
-                             f"got {max_new_tokens!r}")
-        total = len(prompt) + max_new_tokens
-        if total > cfg.max_context_len:
-            raise ValueError(f"request {request_id!r}: prompt ({len(prompt)}) + max_new_tokens "
-                             f"({max_new_tokens}) = {total} exceeds max_context_len "
-                             f"{cfg.max_context_len}")
-        need = self.coord.solo_peak_pages(total, cfg.max_scheduled_tokens)
+        try:
+            prompt = self.check_prompt(prompt_token_ids, max_new_tokens)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        need = self.coord.solo_peak_pages(len(prompt) + max_new_tokens, cfg.max_scheduled_tokens)
         if need > self.pool.num_pages - 1:
             raise ValueError(f"request {request_id!r}: needs {need} cache pages even alone, the "
                              f"pool has {self.pool.num_pages - 1}")
@@ -109,6 +100,22 @@ class Scheduler:
                              f"at most {LOGIT_BIAS_WIDTH}")
         self._requests[request_id] = req
         self._waiting.append(req)
+
+    def check_prompt(self, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+        """The prompt as ints; ValueError naming the problem when it is empty, has a negative
+        id, or cannot fit max_context_len with max_new_tokens (the engine validates with it)."""
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("empty prompt")
+        if min(prompt) < 0:
+            raise ValueError(f"negative token id {min(prompt)}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        total, limit = len(prompt) + max_new_tokens, self.config.max_context_len
+        if total > limit:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} "
+                             f"exceeds max_context_len {limit}")
+        return prompt
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; its pages come back at once. Unknown ids are ignored."""
@@ -177,8 +184,9 @@ class Scheduler:
                     and pool.num_free >= self._reserved_total
                     and coord.grow_in_tail(cast("list[BlockTable]", req.tables), req.num_computed)):
                 req.num_decode_rows += 1
-                rows.append(ScheduledRow(req, req.num_scheduled, 1, False, True, None, no_sizes,
-                                         no_holes, True))
+                rows.append(ScheduledRow(req=req, start=req.num_scheduled, num_tokens=1,
+                                         full_refresh=False, samples=True, begins=None,
+                                         sizes=no_sizes, holes=no_holes, plain=True))
                 budget -= 1
                 i += 1
                 continue
@@ -232,6 +240,36 @@ class Scheduler:
     def _available_for(self, req: Request) -> int:
         return self.pool.num_free - (self._reserved_total - req.reserved)
 
+    def _needs_full_refresh(self, req: Request, holes: list[list[int]]) -> bool:
+        r"""Whether this row must rewrite the request's device row whole (DESIGN §6). Decided
+        before `_acquire_row` updates the request's counters. One group g, page size B:
+
+            tokens  0                          start = num_scheduled               start + n
+                    |--- cached, computed or in flight ---|------ this row's n tokens ------|
+            columns | 0 | 1 | ... | begins[g] - 1 |  begins[g] | ... | begins + sizes[g] - 1 |
+                    \____ held before this row _____/  \___ acquired now = the tail delta ___/
+                    (the row's first tokens may fill the free tail of the last held page)
+
+        A tail delta writes only the right-hand columns (+ `hole_slots`), so it is correct only
+        when every column left of begins[g] is already right on the device. That fails when:
+          (a) the device row is not this request's yet: a first prefill chunk (its slot, just
+              taken from the free list, holds a previous occupant's ids, and a prefix hit claims
+              columns [0, hit / B) that no delta carries), a retracted request resuming;
+          (b) publish adopted canonical copies and so repointed columns left of begins
+              (`needs_refresh`; the seed's aliasing bug: the freed private copy comes back as
+              the next tail page, and a tail-only mirror maps two columns to it);
+          (c) reclaim punched more holes this step than `hole_slots` (N_g columns) can carry.
+        Continuation prefill chunks and the first decode after prefill refresh too, as DESIGN §6
+        prescribes: a prefill row costs O(chunk) compute, its O(W) row copy is noise, and the
+        rule needs no proof that nothing moved at chunk boundaries. Plain decode -> decode is the
+        hot path and sends the delta only (the decode fast path in `schedule` is that case).
+        """
+        if not req.prefill_done:  # (a), and continuation chunks
+            return True
+        if req.needs_refresh or req.num_decode_rows == 0:  # (b), first decode after prefill
+            return True
+        return any(len(h) > lay.delta_width for h, lay in zip(holes, self.layouts))  # (c)
+
     def _acquire_row(self, req: Request, n: int, holes: list[list[int]]) -> ScheduledRow:
         tables = cast("list[BlockTable]", req.tables)  # running: set
         begins = [len(t.pages) for t in tables]
@@ -241,16 +279,14 @@ class Scheduler:
         req.reserved = 0
         sizes = [len(t.pages) - b for t, b in zip(tables, begins)]
         samples = n == req.remaining
+        refresh = self._needs_full_refresh(req, holes)
         if req.prefill_done:
-            refresh = req.needs_refresh or req.num_decode_rows == 0
             req.num_decode_rows += 1
         else:
-            refresh = True  # first or continuation prefill chunk
             req.prefill_done = samples
-        if not refresh and any(len(h) > lay.delta_width for h, lay in zip(holes, self.layouts)):
-            refresh = True
         req.needs_refresh = False
-        return ScheduledRow(req, req.num_scheduled, n, refresh, samples, begins, sizes, holes)
+        return ScheduledRow(req=req, start=req.num_scheduled, num_tokens=n, full_refresh=refresh,
+                            samples=samples, begins=begins, sizes=sizes, holes=holes)
 
     def _admit(self, req: Request, budget: int, headroom: int) -> ScheduledRow | None:
         cfg, coord = self.config, self.coord

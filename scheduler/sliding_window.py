@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from scheduler.block_pool import NULL_PAGE, BlockPool
-from scheduler.block_table import BlockTable
-from scheduler.manager_base import CacheGroupManager, SlotLookup, _ceil_div
+from scheduler.block_table import BlockTable, ceil_div
+from scheduler.full_history import CacheGroupManager, SlotLookup
 
 
 class SlidingWindowManager(CacheGroupManager):
@@ -25,7 +25,7 @@ class SlidingWindowManager(CacheGroupManager):
                              f"of block_size {block_size}")
         self.window = window
         self.live_tail_alignment = live_tail_alignment
-        self._resume = _ceil_div(window - 1, block_size)
+        self._resume = ceil_div(window - 1, block_size)
         self._period = live_tail_alignment // block_size  # slots per aligned span (0 = off)
 
     @property

@@ -255,7 +255,6 @@ class DistributedRunner:
         r = self.runner
         if ops.num_reqs == 0:
             return r.dispatch(ops)  # empty steps never reach the device (nor the followers)
-        r._warn_clamped(ops)
         bucket, level = r.step_shape(ops)
         return r.handle_for(ops, bucket, *self._lead(ops, bucket, level))
 

@@ -105,8 +105,6 @@ class Engine:
             ids = [int(t) for t in prompt]
         except (TypeError, ValueError):
             raise ValueError(f"prompt must be a list of token ids, got {prompt!r:.80}") from None
-        if not ids:
-            raise ValueError("empty prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
@@ -116,11 +114,7 @@ class Engine:
         bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        cfg = self.scheduler.config
-        if len(ids) + params.max_tokens > cfg.max_context_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds max_context_len {cfg.max_context_len}")
-        return ids
+        return self.scheduler.check_prompt(ids, params.max_tokens)  # empty, max_context_len
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -210,7 +204,7 @@ class Engine:
             self._stepping.release()
 
     def _dispatch(self, ops: StepOps, pipelined: bool) -> StepHandle:
-        handle = self.runner.dispatch(ops)  # the runner logs clamped rows by request id
+        handle = self.runner.dispatch(ops)
         self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_reqs, pipelined=pipelined)
         checker = self.scheduler.mirror_checker
         if checker is not None:

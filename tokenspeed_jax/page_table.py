@@ -7,7 +7,9 @@ rows. Each step applies the group's `GroupStepOps`:
   column past `row_len` is reset to the null page 0 (no stale id survives a refresh: the seed's
   aliasing bug came from refreshing only the tail after adoption repointed an earlier slot);
 * other rows get their tail delta `new_pages[i, :sizes[i]]` written at `begins[i]`;
-* columns past the mirror width are dropped (capacity clamp; `clamped_rows` names them host-side);
+* columns past the mirror width are dropped (capacity clamp; `add_request` admits no request whose
+  row can outgrow the width, and debug mode asserts it on the numpy oracle
+  `scheduler.mirror_check.update_rows_reference`, which tests compare this function against);
 * `hole_slots` columns are set to 0 (slots reclaimed into holes this step).
 
 Everything is fixed-shape and mask based. The tail path is an element scatter whose cost is
@@ -22,9 +24,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-__all__ = ["update_rows", "apply_holes", "clamped_rows"]
+__all__ = ["update_rows", "apply_holes"]
 
 
 @functools.partial(jax.jit, static_argnames=("honor_full_refresh",))
@@ -106,25 +107,3 @@ def apply_holes(table: jax.Array, req_slots: jax.Array, hole_slots: jax.Array) -
     h_cols = jnp.where(keep, hole_slots, width)
     return table.at[h_rows, h_cols].set(0, mode="drop")
 
-
-def clamped_rows(
-    req_slots: np.ndarray,
-    begins: np.ndarray,
-    sizes: np.ndarray,
-    full_refresh: np.ndarray,
-    row_lens: np.ndarray,
-    width: int,
-    honor_full_refresh: bool = True,
-) -> np.ndarray:
-    """Host-side twin of the capacity clamp: batch rows whose update does not fit the mirror.
-
-    Returns the indices i (int64[k]) of non-padding rows where `begin + size > width` after the
-    full-refresh substitution (begin 0, size row_len), so the engine can log a warning naming
-    `request_ids[i]` (the device silently copies only `max(0, width - begin)` pages).
-    """
-    req_slots = np.asarray(req_slots)
-    refresh = np.asarray(full_refresh, dtype=bool) & honor_full_refresh
-    b = np.where(refresh, 0, np.asarray(begins))
-    s = np.where(refresh, np.asarray(row_lens), np.asarray(sizes))
-    over = (req_slots >= 0) & (s > 0) & (b + s > width)
-    return np.nonzero(over)[0]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -45,7 +44,7 @@ from tokenspeed_jax.attention import get_paged_attention, get_short_conv, resolv
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
-from tokenspeed_jax.page_table import clamped_rows, update_rows
+from tokenspeed_jax.page_table import update_rows
 from tokenspeed_jax.sampling import (
     MAX_TOP_LOGPROBS,
     init_penalty_state,
@@ -57,8 +56,6 @@ from tokenspeed_jax.sampling import (
 from tokenspeed_jax.sharding import TensorParallel, place, prepare_model
 from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
 from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, unpack
-
-logger = logging.getLogger(__name__)
 
 # per-row StepOps fields (schema axis "row"): what the LM head / sampler slice to the used rows
 _ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
@@ -315,19 +312,6 @@ class ModelRunner:
             self.params, self.state, self.penalties, i32, f32, layout)
         return tokens, logprobs, plp, top
 
-    def _warn_clamped(self, ops: StepOps) -> None:
-        for g, (lay, grp) in enumerate(zip(self.layouts, ops.groups, strict=True)):
-            rows = clamped_rows(
-                ops.req_slots, grp.begins, grp.sizes, ops.full_refresh, grp.row_lens,
-                self.widths[g], self.honor_full_refresh,
-            )  # fmt: skip
-            for i in rows:
-                rid = ops.request_ids[i] if i < len(ops.request_ids) else f"row {i}"
-                logger.warning(
-                    "page-table row of request %s in group %s exceeds width %d; clamped",
-                    rid, lay.group_id, self.widths[g],
-                )  # fmt: skip
-
     def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None) -> int:
         """Compile the shape keys (token bucket x kv bucket, `shape_keys`) now, so serving does
         not stall on XLA, by running an all-padding StepOps through each: padding rows (slot -1)
@@ -362,7 +346,6 @@ class ModelRunner:
         step's output futures, so the next dispatch queues behind this one)."""
         if ops.num_reqs == 0:
             return StepHandle(None, None, None, 0)
-        self._warn_clamped(ops)
         bucket, level = self.step_shape(ops)
         return self.handle_for(ops, bucket, *self._run(ops, bucket, self.kv_levels[level][1]))
 

@@ -14,7 +14,6 @@ import pytest
 
 from pallas_kernels import (
     ShortConvConfig,
-    conv_write_indices,
     gpu_compile,
     short_conv,
     short_conv_reference,
@@ -166,20 +165,6 @@ def test_invalid_inputs_raise(impl: str, bad: str) -> None:
 def test_invalid_config_raises(kwargs) -> None:
     with pytest.raises(ValueError, match="ShortConvConfig"):
         ShortConvConfig(**kwargs)
-
-
-def test_conv_write_indices_drop_holes_and_padding() -> None:
-    rows = jnp.array([[0, 7, 3], [5, 0, 0], [2, 2, 2]], jnp.int32)
-    positions = jnp.array([9, 1, -1], jnp.int32)  # slot 1 (page 7), slot 0 (page 5), padding
-    idx = conv_write_indices(rows, positions, page_size=8, num_pages=10)
-    np.testing.assert_array_equal(np.asarray(idx), [7 * 8 + 1, 5 * 8 + 1, 80])
-    rows_hole = jnp.array([[0, 7, 3]], jnp.int32)
-    idx = conv_write_indices(rows_hole, jnp.array([3], jnp.int32), page_size=8, num_pages=10)
-    assert int(idx[0]) == 80  # slot 0 is a hole: live-tail keeps no page, the write is dropped
-    idx = conv_write_indices(rows_hole, jnp.array([24], jnp.int32), page_size=8, num_pages=10)
-    assert int(idx[0]) == 80  # past the row
-    pool = jnp.zeros((10 * 8, 2)).at[jnp.array([57, 80])].set(1.0, mode="drop")
-    assert float(pool.sum()) == 2.0
 
 
 @pytest.mark.skipif(gpu_compile.needs_plugin_to_lower() and gpu_compile.missing() is not None,

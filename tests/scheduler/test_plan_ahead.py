@@ -26,7 +26,7 @@ from scheduler import (
     SchedulerConfig,
     group_specs_from_layer_types,
 )
-from scheduler.tail_mirror import apply_group_ops
+from scheduler.mirror_check import apply_group_ops
 
 VOCAB = 40
 STOP = 3

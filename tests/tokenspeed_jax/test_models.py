@@ -203,3 +203,15 @@ def test_stale_mirror_corrupts(setup):
     full_g = lg[0]
     bad[full_g][2] = bad[full_g][0]  # logical pages 0 and 2 alias one physical page
     assert np.abs(run(bad) - dense).max() > 1e-2
+
+
+def test_write_idx_drops_holes_padding_and_columns_past_the_row():
+    """Token writes go to `page * B + pos % B`; holes, padding and columns >= W go out of range."""
+    mirror = jnp.array([[0, 7, 3], [5, 0, 0]], jnp.int32)  # slot 0: hole at column 0
+    rows = jnp.array([0, 1, 0, 0, 2, 3], jnp.int32)  # row 2: slot -1; row 3 = R: padding token
+    positions = jnp.array([9, 1, 3, 24, 0, 0], jnp.int32)
+    batch = make_paged_batch((mirror,), jnp.array([0, 1, -1]), jnp.array([0, 4, 5, 6]),
+                             jnp.array([25, 2, 1]), positions, rows, block_sizes=(8,),
+                             num_pages=10, layer_groups=(0,))
+    # slot 0 column 1 (page 7); slot 1 column 0 (page 5); hole; past W = 3; padding row; padding
+    np.testing.assert_array_equal(np.asarray(batch.write_idx[0]), [57, 41, 80, 80, 80, 80])

@@ -1,4 +1,4 @@
-"""update_rows: the DESIGN.md §6 cases literally, a numpy oracle under hypothesis, one compile."""
+"""update_rows: the DESIGN.md §6 cases literally, the numpy oracle under hypothesis, one compile."""
 
 from __future__ import annotations
 
@@ -8,44 +8,20 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenspeed_jax.page_table import apply_holes, clamped_rows, update_rows
+from scheduler.mirror_check import update_rows_reference
+from tokenspeed_jax.page_table import apply_holes, update_rows
 
 
-def oracle(
-    table,
-    req_slots,
-    begins,
-    sizes,
-    new_pages,
-    full_refresh,
-    rows,
-    row_lens,
-    honor=True,
-    hole_slots=None,
-):
-    """Straightforward per-request loop: the semantics of DESIGN.md §6."""
-    table = np.array(table, copy=True)
-    num_slots, width = table.shape
-    for i, slot in enumerate(req_slots):
-        if slot < 0 or slot >= num_slots:
-            continue
-        if honor and full_refresh[i]:
-            n = min(int(row_lens[i]), width, rows.shape[1])
-            table[slot, :] = 0
-            table[slot, :n] = rows[i, :n]
-        else:
-            size = min(int(sizes[i]), new_pages.shape[1])
-            b = int(begins[i])
-            n = max(0, min(size, width - b))
-            table[slot, b : b + n] = new_pages[i, :n]
-        if hole_slots is not None:
-            for c in hole_slots[i]:
-                if 0 <= c < width:
-                    table[slot, c] = 0
-    return table
+def oracle(table, *args, **kw):
+    """The shared numpy oracle on a copy: (updated table, rows whose writes were clamped)."""
+    table = np.array(table, np.int32, copy=True)
+    return table, update_rows_reference(table, *args, **kw)
 
 
 def run(table, req_slots, begins, sizes, new_pages, full_refresh, rows, row_lens, **kw):
+    """update_rows on device, checked against the numpy oracle on every call."""
+    args = (req_slots, begins, sizes, new_pages, full_refresh, rows, row_lens)
+    want, _ = oracle(table, *args, **{k: np.asarray(v) for k, v in kw.items()})
     out = update_rows(
         jnp.asarray(table, jnp.int32),
         jnp.asarray(req_slots, jnp.int32),
@@ -57,6 +33,7 @@ def run(table, req_slots, begins, sizes, new_pages, full_refresh, rows, row_lens
         jnp.asarray(row_lens, jnp.int32),
         **kw,
     )
+    np.testing.assert_array_equal(out, want)
     return np.asarray(out)
 
 
@@ -79,9 +56,8 @@ def test_capacity_clamp_copies_2_0_3():
     assert list(out[2, 100:103]) == [5, 6, 7] and out[2].sum() == 18
     copies = [np.count_nonzero(out[i]) for i in range(3)]
     assert copies == [2, 0, 3]
-    assert list(
-        clamped_rows([0, 1, 2], [400, 513, 100], [2, 1, 3], [False] * 3, [0, 0, 0], width)
-    ) == [1]
+    assert oracle(table, [0, 1, 2], [400, 513, 100], [2, 1, 3], new, [False] * 3,
+                  np.zeros((3, width), np.int32), [0, 0, 0])[1] == [1]
 
 
 def test_clamp_begin_512_size_4():
@@ -96,7 +72,8 @@ def test_clamp_begin_512_size_4():
         [0],
     )
     assert out[0, 512] == 700 and np.count_nonzero(out) == 1
-    assert list(clamped_rows([0], [512], [4], [False], [0], 513)) == [0]
+    assert oracle(np.zeros((1, 513)), [0], [512], [4], [[700, 701, 702, 703]], [False],
+                  np.zeros((1, 513)), [0])[1] == [0]
 
 
 def test_full_refresh_alias_regression_99_11_10():
@@ -120,7 +97,7 @@ def test_full_refresh_clamped_to_width_4():
     table = np.full((1, 4), 7, np.int32)
     out = run(table, [0], [0], [0], np.zeros((1, 2), np.int32), [True], rows, [6])
     assert list(out[0]) == [10, 11, 12, 13]
-    assert list(clamped_rows([0], [0], [0], [True], [6], 4)) == [0]
+    assert oracle(table, [0], [0], [0], np.zeros((1, 2)), [True], rows, [6])[1] == [0]
 
 
 def test_full_refresh_with_size_0_still_writes_and_resets_stale_columns():
@@ -212,7 +189,7 @@ def test_random_ops_match_numpy_oracle(case, honor):
         honor_full_refresh=honor,
         hole_slots=jnp.asarray(holes),
     )
-    want = oracle(table, slots, begins, sizes, new, refresh, rows, row_lens, honor, holes)
+    want, _ = oracle(table, slots, begins, sizes, new, refresh, rows, row_lens, honor, holes)
     np.testing.assert_array_equal(got, want)
 
 

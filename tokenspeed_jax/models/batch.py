@@ -14,9 +14,6 @@ class PagedBatch:
     """Packed-token step metadata. T = token bucket, R = batch rows, g = cache group.
 
     positions i32[T] absolute position of each token (0 on padding).
-    token_row i32[T] batch row of each token, clipped into [0, R) (use token_valid).
-    token_offset i32[T] index of the token inside its row's chunk (t - cu_q_lens[row]).
-    token_valid bool[T] False on padding tokens.
     kv_lens i32[R]; cu_q_lens i32[R+1]; num_seqs i32[1] (kernel contract, SPEC.md).
     page_tables[g] i32[R, C_g]: the first C_g columns of the batch's mirror rows
       (`mirror[g][req_slots, :C_g]`; C_g = the step's kv columns, see `make_paged_batch`).
@@ -26,9 +23,6 @@ class PagedBatch:
     """
 
     positions: jax.Array
-    token_row: jax.Array
-    token_offset: jax.Array
-    token_valid: jax.Array
     kv_lens: jax.Array
     cu_q_lens: jax.Array
     num_seqs: jax.Array
@@ -61,7 +55,6 @@ def make_paged_batch(
     writes still address the whole mirror.
     """
     r = req_slots.shape[0]
-    t = jnp.arange(positions.shape[0], dtype=jnp.int32)
     token_valid = (token_rows >= 0) & (token_rows < r)
     row = jnp.clip(token_rows, 0, r - 1)
     slot_ok = req_slots >= 0
@@ -78,9 +71,6 @@ def make_paged_batch(
         write_idx.append(jnp.where(ok, page * b + positions % b, num_pages * b))
     return PagedBatch(
         positions=positions,
-        token_row=row,
-        token_offset=t - query_start[row],
-        token_valid=token_valid,
         kv_lens=jnp.where(slot_ok, kv_lens, 0),
         cu_q_lens=query_start,
         num_seqs=jnp.sum(slot_ok, dtype=jnp.int32)[None],

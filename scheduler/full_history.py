@@ -1,9 +1,12 @@
-"""Cache-group managers: pure policy over (pool, table) pairs; no per-request state (DESIGN.md §3).
+"""Full-history cache groups, and the manager base whose defaults ARE full history (DESIGN §3).
 
-A manager answers three kinds of question for one group:
+Managers are pure policy over (pool, table) pairs, with no per-request state. A manager answers
+three kinds of question for one group:
 - growth: `acquire` (all-or-nothing) and its pure mirrors `blocks_needed_for[_sequential]`;
 - retention: `reclaim_expired` / `blocks_reclaimable_at` (sliding groups only);
 - prefix match: the largest cached boundary <= a limit, as a row with holes.
+`CacheGroupManager` keeps every slot real and reclaims nothing (full history);
+`sliding_window.py` overrides retention and prefix match for sliding-window and state groups.
 """
 
 from __future__ import annotations
@@ -11,14 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scheduler.block_pool import NULL_PAGE, BlockPool
-from scheduler.block_table import BlockTable
+from scheduler.block_table import BlockTable, ceil_div
 
 # slot -> cached page id, or None on a miss
 SlotLookup = Callable[[int], "int | None"]
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class CacheGroupManager:
@@ -42,7 +41,7 @@ class CacheGroupManager:
         if num_tokens <= tail_avail:
             return 0, tail_avail - num_tokens
         over = num_tokens - tail_avail
-        return _ceil_div(over, self.block_size), (-over) % self.block_size
+        return ceil_div(over, self.block_size), (-over) % self.block_size
 
     def _demand(self, num_slots: int, tail_avail: int, num_tokens: int) -> tuple[int, int, int]:
         """(real pages needed, new slots, new tail_avail) of one acquire on a table shape."""

@@ -1,0 +1,97 @@
+"""The numpy oracle of the page-table update rule, and the debug-mode mirror checker (DESIGN §6).
+
+`update_rows_reference` is the one host statement of the rule the device implements with
+`tokenspeed_jax.page_table.update_rows` (tests compare the two). Debug mode feeds a mirror with
+nothing but StepOps through it and checks it against the scheduler's authoritative rows after
+every schedule; a second, tail-only mirror counts how often the seed's aliasing bug would have
+struck.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from scheduler.step_ops import GroupStepOps, StepOps
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
+
+
+def update_rows_reference(table: np.ndarray, req_slots: ArrayLike, begins: ArrayLike,
+                          sizes: ArrayLike, new_pages: ArrayLike, full_refresh: ArrayLike,
+                          rows: ArrayLike, row_lens: ArrayLike, honor_full_refresh: bool = True,
+                          hole_slots: ArrayLike | None = None) -> list[int]:
+    """Applies one step's update to `table` (i32[S, W]) IN PLACE, one batch row at a time.
+
+    Arguments as SPEC.md `update_rows` (req_slots i32[B], -1 or >= S = padding; new_pages
+    i32[B, N]; rows i32[B, W2]; hole_slots i32[B, M], columns outside [0, W) = padding):
+    - full refresh (when honored): the row becomes `rows[i, :row_lens[i]]` from column 0 and
+      zeros after it, so no stale id survives;
+    - otherwise the tail delta `new_pages[i, :sizes[i]]` is written at column `begins[i]`;
+    - then the `hole_slots` columns become the null page 0.
+    Writes past column W are dropped (the device's capacity clamp). Returns the batch rows that
+    lost such writes: `add_request` admits no request whose row can outgrow W, so debug mode
+    asserts this list is empty.
+    """
+    num_slots, width = table.shape
+    new, full = np.asarray(new_pages), np.asarray(rows)
+    refresh = (np.asarray(full_refresh, bool) & honor_full_refresh).tolist()
+    starts, counts, lens = (np.asarray(a).tolist() for a in (begins, sizes, row_lens))
+    clamped = []
+    for i, slot in enumerate(np.asarray(req_slots).tolist()):
+        if not 0 <= slot < num_slots:
+            continue  # padding row
+        if refresh[i]:
+            begin, size = 0, max(0, min(lens[i], full.shape[1]))
+            table[slot] = 0
+            table[slot, :min(size, width)] = full[i, :min(size, width)]
+        else:
+            begin, size = starts[i], max(0, min(counts[i], new.shape[1]))
+            cols = np.arange(begin, begin + size)
+            keep = (cols >= 0) & (cols < width)
+            table[slot, cols[keep]] = new[i, :size][keep]
+        if size and begin + size > width:
+            clamped.append(i)
+        if hole_slots is not None:
+            holes = np.asarray(hole_slots)[i]
+            table[slot, holes[(holes >= 0) & (holes < width)]] = 0
+    return clamped
+
+
+def apply_group_ops(mirror: np.ndarray, ops: StepOps, gops: GroupStepOps, *,
+                    honor_full_refresh: bool = True) -> list[int]:
+    """`update_rows_reference` on one cache group's mirror, fed from a StepOps."""
+    return update_rows_reference(mirror, ops.req_slots, gops.begins, gops.sizes, gops.new_pages,
+                                 ops.full_refresh, gops.rows, gops.row_lens, honor_full_refresh,
+                                 gops.hole_slots)
+
+
+class MirrorChecker:
+    """Debug mode: an exact mirror and a tail-only mirror, checked after every schedule."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        slots = scheduler.config.num_live_slots
+        self.exact = [np.zeros((slots, lay.width), np.int32) for lay in scheduler.layouts]
+        self.tail_only = [np.zeros((slots, lay.width), np.int32) for lay in scheduler.layouts]
+        self.tail_only_divergences = 0
+
+    def apply(self, ops: StepOps) -> None:
+        rows = self.scheduler.authoritative_rows()
+        for g, gops in enumerate(ops.groups):
+            clamped = apply_group_ops(self.exact[g], ops, gops)
+            assert not clamped, (f"group {g}: rows of {[ops.request_ids[i] for i in clamped]} "
+                                 f"outgrow the mirror width {self.exact[g].shape[1]}")
+            apply_group_ops(self.tail_only[g], ops, gops, honor_full_refresh=False)
+        for i in range(ops.num_reqs):
+            slot = int(ops.req_slots[i])
+            for g, row in enumerate(rows[slot]):
+                exact = self.exact[g][slot]
+                assert list(exact[:len(row)]) == row and not exact[len(row):].any(), (
+                    f"mirror of {ops.request_ids[i]!r} group {g} diverged: "
+                    f"{list(exact[:len(row)])} != {row}")
+                if list(self.tail_only[g][slot, :len(row)]) != row:
+                    self.tail_only_divergences += 1
