@@ -223,7 +223,7 @@ class DistributedRunner:
                                f"layout of bucket {bucket}, kv level {level}")
         bufs = [global_array(np.ascontiguousarray(b), self._rep) for b in (i32, f32)]
         r.state, r.penalties, tokens, logprobs, plp, top = r._step(
-            r.params, r.state, r.penalties, *bufs, layout)
+            r.param_leaves, r.state, r.penalties, *bufs, layout)
         return tokens, logprobs, plp, top
 
     # ------------------------------------------------------------------ leader
