@@ -9,36 +9,35 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import TypeVar
+
+_N = TypeVar("_N", int, float)
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
-def int_at_least(lo: int):
-    def parse(text: str) -> int:
+def _at_least(kind: type[_N], lo: _N, expected: str) -> Callable[[str], _N]:
+    """argparse `type=`: parse `kind`, >= lo (NaN fails too), else a clear error."""
+    def parse(text: str) -> _N:
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return value
-
-    parse.__name__ = f"int>={lo}"
-    return parse
-
-
-def float_at_least(lo: float):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
         if not value >= lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
         return value
 
-    parse.__name__ = f"float>={lo}"
+    parse.__name__ = f"{kind.__name__}>={lo}"  # argparse names the type in its messages
     return parse
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    return _at_least(int, lo, "an integer")
+
+
+def float_at_least(lo: float) -> Callable[[str], float]:
+    return _at_least(float, lo, "a number")
 
 
 def port(text: str) -> int:

@@ -38,8 +38,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from scheduler import StepOps
 from tokenspeed_jax.distributed import DistributedConfig, Liveness
-from tokenspeed_jax.runner import ModelRunner, StepResult
+from tokenspeed_jax.runner import ModelRunner, StepHandle, StepOutputs, StepResult
 from tokenspeed_jax.step_inputs import pack
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class OpsChannel:
         """Leader passes its buffer (<= words, zero-padded); followers pass None and get it."""
         local = np.zeros((1, self.words), np.int32)
         if self.is_source:
+            if buf is None:
+                raise ValueError("the leader must pass the buffer it broadcasts")
             local[0, :len(buf)] = buf
         out = self._bcast(jax.make_array_from_callback(self._shape, self._rows, lambda idx: local))
         # finished on every local device before the step's collectives start (see "Ordering")
@@ -149,6 +152,8 @@ class DistributedGroup:
             raise RuntimeError("the distributed group is shut down")
         if msg.size <= self.channel.words:
             self.channel.broadcast(msg)
+        elif self.big_channel is None:
+            raise RuntimeError(f"a {msg.size}-word message exceeds every channel")
         else:
             announce = msg[:HEADER].copy()
             announce[1] |= _BIG
@@ -161,6 +166,8 @@ class DistributedGroup:
         """Follower only: the next message (header fields, i32 buffer, f32 buffer)."""
         msg = self.channel.broadcast(None)
         if int(msg[1]) & _BIG:
+            if self.big_channel is None:
+                raise RuntimeError("the leader announced a message larger than every channel")
             msg = self.big_channel.broadcast(None)
         head, i32, f32 = unframe(msg)
         if head["seq"] != self.seq:
@@ -207,7 +214,7 @@ class DistributedRunner:
         return getattr(self.runner, name)
 
     # ------------------------------------------------------------------ every process
-    def execute(self, bucket: int, level: int, i32: np.ndarray, f32: np.ndarray):
+    def execute(self, bucket: int, level: int, i32: np.ndarray, f32: np.ndarray) -> StepOutputs:
         """Dispatch one step on this process's devices (async); returns the device outputs."""
         r = self.runner
         layout = r._layout(bucket, r.kv_levels[level][1])
@@ -220,11 +227,13 @@ class DistributedRunner:
         return tokens, logprobs, plp, top
 
     # ------------------------------------------------------------------ leader
-    def _lead(self, ops, bucket: int, level: int):
-        r, group = self.runner, self.group
+    def _lead(self, ops: StepOps, bucket: int, level: int) -> StepOutputs:
+        r, group, liveness = self.runner, self.group, self.group.liveness
+        if liveness is None:
+            raise RuntimeError("only the leader runs steps (it owns the watchdog)")
         i32, f32 = pack(ops, r._layout(bucket, r.kv_levels[level][1]))
         with group.lock:
-            group.liveness.check()
+            liveness.check()
             if group.broken:
                 raise RuntimeError("an earlier collective failed; the distributed run is unusable")
             try:
@@ -234,24 +243,22 @@ class DistributedRunner:
                 # usually a follower died under the collective: wait for the watchdog's verdict
                 # (its default handler exits the process with the clear message)
                 group.broken = True
-                lost = group.liveness.wait_for_verdict()
+                lost = liveness.wait_for_verdict()
                 if lost is not None:
                     raise RuntimeError(lost) from e
                 raise
 
-    def dispatch(self, ops):
+    def dispatch(self, ops: StepOps) -> StepHandle:
         """Leader: broadcast `ops` and run it everywhere (blocks until every process ran it, so a
         dead follower surfaces here); returns the runner's `StepHandle`. Defined here, not left
         to the wrapped runner, so the overlapped engine loop broadcasts too."""
         r = self.runner
         if ops.num_reqs == 0:
             return r.dispatch(ops)  # empty steps never reach the device (nor the followers)
-        bucket = r.bucket_for(int(ops.num_tokens))
-        _, cols = r.kv_bucket_for(ops)
-        level = [c for _, c in r.kv_levels].index(cols)
+        bucket, level = r.step_shape(ops)
         return r.handle_for(ops, bucket, *self._lead(ops, bucket, level))
 
-    def step(self, ops) -> StepResult:
+    def step(self, ops: StepOps) -> StepResult:
         """Leader: one step on every process; host results as `ModelRunner.step`."""
         return self.runner.collect(self.dispatch(ops))
 

@@ -9,15 +9,20 @@ import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from scheduler import SchedulerConfig, cache_layout
 from tokenspeed_jax import distributed as dist
-from tokenspeed_jax.engine import Engine
+from tokenspeed_jax.engine import Engine, Runner
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenspeed_jax.distributed_runner import DistributedGroup, DistributedRunner
+    from tokenspeed_jax.runner import ModelRunner
 
 DEFAULT_TINY_CONTEXT = 2048
 DEFAULT_HF_CONTEXT = 8192
@@ -101,10 +106,11 @@ class LLM:
 
         self.distributed = dist.resolve(distributed)
         multi = self.distributed is not None and self.distributed.num_processes > 1
-        self.is_leader = not multi or self.distributed.is_leader
-        self._group = None
+        self.is_leader = self.distributed is None or self.distributed.is_leader  # 1 process: 0
+        self._group: DistributedGroup | None = None
+        self._dist_runners: list[DistributedRunner] = []  # this process's replicas (multi)
         if multi:  # before anything touches jax.devices()
-            dist.initialize(self.distributed)
+            dist.initialize(self._dist_config)
         tp, dp = tensor_parallel_size, data_parallel_size
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
@@ -162,9 +168,8 @@ class LLM:
                                  min_kv_bucket=more_options.get("min_kv_bucket",
                                                                 DEFAULT_MIN_KV_BUCKET),
                                  mesh=mesh)
-            if multi:
-                runner = self._distribute(runner, r)
-            self.engines.append(Engine(layout.scheduler_config, runner,
+            driven: Runner = self._distribute(runner, r) if multi else runner
+            self.engines.append(Engine(layout.scheduler_config, driven,
                                        vocab_size=self.model_config.vocab_size,
                                        eos_token_ids=eos_ids, tokenizer=self.tokenizer,
                                        async_scheduling=bool(overlap)))
@@ -176,29 +181,37 @@ class LLM:
             atexit.register(self.shutdown)  # releases the followers however the leader ends
 
     # ------------------------------------------------------------------ multi-process
-    def _distribute(self, runner, replica: int):
+    @property
+    def _dist_config(self) -> dist.DistributedConfig:
+        """`distributed`, on the paths only a multi-process run takes."""
+        if self.distributed is None:
+            raise RuntimeError("not a multi-process run")
+        return self.distributed
+
+    def _distribute(self, runner: ModelRunner, replica: int) -> DistributedRunner:
         from tokenspeed_jax.distributed_runner import DistributedGroup, DistributedRunner
 
         if self._group is None:
-            self._group = DistributedGroup(self.distributed, DistributedRunner.message_words(runner))
-        return DistributedRunner(runner, self._group, replica)
+            self._group = DistributedGroup(self._dist_config, DistributedRunner.message_words(runner))
+        self._dist_runners.append(DistributedRunner(runner, self._group, replica))
+        return self._dist_runners[-1]
 
     def _leader_only(self, what: str) -> None:
         if not self.is_leader:
             raise RuntimeError(f"{what} runs on the leader (process 0); process "
-                               f"{self.distributed.process_id} is a follower: call run_follower()")
+                               f"{self._dist_config.process_id} is a follower: call run_follower()")
 
     def run_follower(self, leave_runtime: bool = True) -> int:
         """Follower processes: replay the leader's steps until it shuts down, then leave the
         distributed runtime (unless `leave_runtime=False`: another LLM will follow on the same
         processes). Returns the number of steps replayed."""
-        if self.is_leader:
+        if self.is_leader or self._group is None:
             raise RuntimeError("run_follower() is for processes other than 0")
         from tokenspeed_jax.distributed_runner import follow
 
-        steps = follow(self._group, [e.runner for e in self.engines])
+        steps = follow(self._group, self._dist_runners)
         if leave_runtime:
-            dist.leave(self.distributed)
+            dist.leave(self._dist_config)
         return steps
 
     def shutdown(self, leave_runtime: bool = True) -> None:
@@ -210,7 +223,7 @@ class LLM:
         broken = self._group.broken
         self._group.shutdown()
         if leave_runtime and not broken:  # with a follower gone the barrier could only time out
-            dist.leave(self.distributed)
+            dist.leave(self._dist_config)
 
     # ------------------------------------------------------------------ API
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str] | str,
@@ -221,17 +234,15 @@ class LLM:
         prompts: token-id lists or strings (tokenized with the model's tokenizer). Invalid
         prompts or params raise ValueError before anything is queued."""
         self._leader_only("generate")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
+        given: list[Sequence[int] | str] = [prompts] if isinstance(prompts, str) else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+        params = ([sampling_params] * len(given) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if len(params) != len(given):
+            raise ValueError(f"{len(given)} prompts but {len(params)} sampling params")
         token_prompts = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, (p, sp) in enumerate(zip(given, params)):
             if isinstance(p, str) and self.tokenizer is None:
                 raise ValueError(f"prompt {i} is a string but the model has no tokenizer "
                                  f"(no tokenizer.json): pass token ids")

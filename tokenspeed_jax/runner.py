@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +62,9 @@ from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, 
 # per-row StepOps fields (schema axis "row"): what the LM head / sampler slice to the used rows
 _ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
 DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fewer compiles)
+# device outputs of one step: sampled ids i32[R], logprobs f32[R], prompt logprobs f32[T],
+# (top ids i32[R, K], top logprobs f32[R, K])
+StepOutputs: TypeAlias = tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +98,8 @@ class StepHandle:
 
     def is_ready(self) -> bool:
         """True once the device has finished the step (never blocks)."""
-        return self.tokens is None or self.tokens.is_ready()
+        # ArrayImpl.is_ready exists at run time; jax.Array's type stubs do not declare it
+        return self.tokens is None or self.tokens.is_ready()  # type: ignore[attr-defined]
 
 
 def token_buckets(max_scheduled_tokens: int, min_bucket: int = 16) -> tuple[int, ...]:
@@ -130,7 +136,7 @@ class ModelRunner:
         min_token_bucket: int = 16,
         min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET,
         mesh: Mesh | None = None,
-    ):
+    ) -> None:
         self.config = model_config
         self.layout = layout
         self.max_batch_requests = layout.scheduler_config.max_batch_requests
@@ -154,7 +160,7 @@ class ModelRunner:
             num_pages=layout.num_pages, max_live_requests=layout.max_live_requests,
         )  # fmt: skip
         self._attn = get_paged_attention(self.backend)
-        self._conv = get_short_conv(self.backend)
+        self._conv: Callable[..., jax.Array] | None = get_short_conv(self.backend)
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
         make_penalties = functools.partial(init_penalty_state, layout.max_live_requests,
                                            model_config.vocab_size)
@@ -184,8 +190,9 @@ class ModelRunner:
             )  # fmt: skip
 
     # ------------------------------------------------------------------ device side
-    def _step_impl(self, param_leaves: list, state: DeviceState, penalties, i32: jax.Array,
-                   f32: jax.Array, layout: StepLayout):
+    def _step_impl(self, param_leaves: list[jax.Array], state: DeviceState, penalties: Any,
+                   i32: jax.Array, f32: jax.Array,
+                   layout: StepLayout) -> tuple[DeviceState, Any, *StepOutputs]:
         self.num_compiles += 1  # Python body runs once per trace = once per compile
         ops = unpack(i32, f32, layout)
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._param_def, param_leaves))
@@ -265,7 +272,7 @@ class ModelRunner:
         """Every (token bucket, kv bucket tokens) pair a step can have: one compile each."""
         return tuple((b, t) for b in self.buckets for t, _ in self.kv_levels)
 
-    def kv_bucket_for(self, ops) -> tuple[int, tuple[int, ...]]:
+    def kv_bucket_for(self, ops: StepOps) -> tuple[int, tuple[int, ...]]:
         """(tokens, kv columns per group) of the shortest kv level covering the step's longest
         row (`kv_lens`) and every refreshed row's length (`row_lens`)."""
         need = int(ops.kv_lens.max())
@@ -283,7 +290,7 @@ class ModelRunner:
             lay = self._layouts[key] = layout_for(self.max_batch_requests, bucket, deltas, cols)
         return lay
 
-    def _run(self, ops, bucket: int, cols: tuple[int, ...]):
+    def _run(self, ops: StepOps, bucket: int, cols: tuple[int, ...]) -> StepOutputs:
         layout = self._layout(bucket, cols)
         i32, f32 = pack(ops, layout)
         if self._tp is not None:
@@ -294,7 +301,7 @@ class ModelRunner:
             self.param_leaves, self.state, self.penalties, i32, f32, layout)
         return tokens, logprobs, plp, top
 
-    def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
+    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None) -> int:
         """Compile the shape keys (token bucket x kv bucket, `shape_keys`) now, so serving does
         not stall on XLA, by running an all-padding StepOps through each: padding rows (slot -1)
         and padding tokens drop every write, so the device state is unchanged.
@@ -319,20 +326,25 @@ class ModelRunner:
         jax.block_until_ready(self.state)
         return self.num_compiles - before
 
-    def step(self, ops) -> StepResult:
+    def step(self, ops: StepOps) -> StepResult:
         """Applies one `StepOps`; returns the sampled tokens (numpy). Empty steps skip the device."""
         return self.collect(self.dispatch(ops))
 
-    def dispatch(self, ops) -> StepHandle:
+    def dispatch(self, ops: StepOps) -> StepHandle:
         """Enqueue one `StepOps` on the device and return at once (the state advances to the
         step's output futures, so the next dispatch queues behind this one)."""
         if ops.num_seqs == 0:
             return StepHandle(None, None, None, 0)
-        bucket = self.bucket_for(int(ops.num_tokens))
-        _, cols = self.kv_bucket_for(ops)
-        return self.handle_for(ops, bucket, *self._run(ops, bucket, cols))
+        bucket, level = self.step_shape(ops)
+        return self.handle_for(ops, bucket, *self._run(ops, bucket, self.kv_levels[level][1]))
 
-    def handle_for(self, ops, bucket: int, tokens, logprobs, plp, top) -> StepHandle:
+    def step_shape(self, ops: StepOps) -> tuple[int, int]:
+        """(token bucket, index into `kv_levels`) of a non-empty step: its compiled shape."""
+        _, cols = self.kv_bucket_for(ops)
+        return self.bucket_for(int(ops.num_tokens)), [c for _, c in self.kv_levels].index(cols)
+
+    def handle_for(self, ops: StepOps, bucket: int, tokens: jax.Array, logprobs: jax.Array,
+                   plp: jax.Array | None, top: tuple[jax.Array, jax.Array] | None) -> StepHandle:
         """Wrap one dispatched step's device outputs; copies back only what the step asked for."""
         for x in (tokens, logprobs):  # start the device->host copies now, not when collected
             x.copy_to_host_async()

@@ -41,7 +41,7 @@ def layer_cache_shapes(
     num_pages: int,
 ) -> list[dict[str, tuple[int, ...]]]:
     """Shape of each layer's pool arrays (see module docstring)."""
-    out = []
+    out: list[dict[str, tuple[int, ...]]] = []
     for layer, layer_type in enumerate(config.layer_types):
         b = page_sizes[layer_groups[layer]]
         if layer_type == "conv":

@@ -23,13 +23,14 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.typing import PathParts
 
 from tokenspeed_jax.hf.mxfp4 import dequantize_mxfp4
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
-Path = tuple[str | int, ...]
+Path = PathParts  # an nnx state path: attribute names (str) and list indices (int)
 # Checkpoint entries that are not parameters of the model (recomputed buffers).
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.rotary_emb\..*)$")
 _LINEARS = {
@@ -175,7 +176,8 @@ def load_model_from_tensors(
     variables (RoPE tables) come from a jitted construction whose parameter init XLA discards.
     """
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    # two filters give exactly three parts; nnx.split's annotation types the tail as variadic
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
     flat = list(nnx.to_flat_state(params))
     targets = {path: var.get_value().shape for path, var in flat}
     loaded = map_checkpoint(cfg, family, tensors, targets)
