@@ -15,8 +15,9 @@ process. The loaders therefore put a `ParamSource` in each parameter slot instea
   those of the eager single-device init.
 
 `READ_STATS` counts, per process, the bytes read from checkpoint files (`checkpoint_bytes`), the
-bytes of tensors that had to be read whole (`whole_tensor_bytes`: MXFP4-packed experts) and the
-per-device bytes of the generated programs (`generated_bytes`: XLA's output + temp sizes).
+bytes of tensors that had to be read whole (`whole_tensor_bytes`: MXFP4-packed experts) and, per
+device, XLA's output and temp (working memory) sizes of the generator programs
+(`generated_output_bytes`, `generated_temp_bytes`; summed over placements).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-READ_STATS: dict[str, int] = {"checkpoint_bytes": 0, "whole_tensor_bytes": 0, "generated_bytes": 0}
+READ_STATS: dict[str, int] = {"checkpoint_bytes": 0, "whole_tensor_bytes": 0,
+                              "generated_output_bytes": 0, "generated_temp_bytes": 0}
 
 
 def reset_stats() -> None:
@@ -131,10 +133,10 @@ class CheckpointSource(ParamSource):
         with safe_open(self.file, framework="numpy") as f:
             sl = f.get_slice(self.name)
             for combo in itertools.product(*runs):
-                key = tuple(slice(int(a), int(b)) for a, b in combo)
+                key = tuple((int(a), int(b)) for a, b in combo)  # slices hash only from 3.12
                 part = None if cache is None else cache.get((self.name, key))
                 if part is None:
-                    part = np.asarray(sl[key])
+                    part = np.asarray(sl[tuple(slice(a, b) for a, b in key)])
                     READ_STATS["checkpoint_bytes"] += part.nbytes
                     if cache is not None:
                         cache[(self.name, key)] = part
@@ -221,7 +223,8 @@ def materialize_generated(leaves: list[tuple[GeneratedSource, object]]) -> list[
     compiled = fn.lower().compile()
     mem = compiled.memory_analysis()
     if mem is not None:
-        READ_STATS["generated_bytes"] += int(mem.output_size_in_bytes + mem.temp_size_in_bytes)
+        READ_STATS["generated_output_bytes"] += int(mem.output_size_in_bytes)
+        READ_STATS["generated_temp_bytes"] += int(mem.temp_size_in_bytes)
     return compiled()
 
 
