@@ -7,8 +7,9 @@ process 2 devices, so the global mesh has 4). One pair runs, in order, on the sa
    greedy tokens == the leader's own single-device run, |logprob diff| <= 1e-4 (generated and
    prompt logprobs); a request aborted mid-flight ends "abort" with a prefix of its single-device
    tokens while the others finish unchanged, and no page leaks; at most one compile per shape key.
-2. tp=2 x dp=2 (each replica spans both processes): same checks; then the leader serves HTTP and
-   the openai client (httpx when openai is missing) gets the single-device completion.
+2. tp=2 x dp=2 (each replica spans both processes): same checks, and both replicas had a step
+   in flight at once (they overlap); then the leader serves HTTP and the openai client (httpx
+   when openai is missing) gets the single-device completion.
 3. clean shutdown: the leader's `shutdown()` releases the follower; both exit 0.
 
 0. (with torch + transformers) a real family: the tiny qwen3 checkpoint of tests/hf, tp=4.
@@ -225,6 +226,7 @@ def _leader_main(port: int, hf_path: str) -> dict:
     llm = LLM("tiny-random", tensor_parallel_size=2, data_parallel_size=2,
               distributed=_dist(0, port), async_scheduling=True, **SMALL)
     out["tp2dp2"] = _generate(llm)
+    out["tp2dp2_overlapped"] = llm._group.overlapped  # steps started while the other computed
     out["tp2dp2_abort"] = _abort_midflight(llm)
     out["tp2dp2_steps"] = [e.num_steps for e in llm.engines]
     out["tp2dp2_devices"] = [sorted((d.process_index, d.id) for d in e.runner.state.mirrors[0]
@@ -328,6 +330,10 @@ def test_global_mesh_layout(pair):
     # tp=2 x dp=2: every replica spans both processes
     assert pair["tp2dp2_devices"] == [[[0, 0], [1, 2048]], [[0, 1], [1, 2049]]]
     assert all(s > 0 for s in pair["tp2dp2_steps"])
+    # some step of one replica started while the other replica's step was still computing
+    assert pair["tp2dp2_overlapped"] > 0
+    print(f"tp2dp2: {pair['tp2dp2_overlapped']} of {sum(pair['tp2dp2_steps'])} steps overlapped "
+          f"the other replica's")
     assert 1 <= pair["tp4_compiles"] <= pair["tp4_shape_keys"]  # at most one per shape key
 
 
