@@ -36,10 +36,8 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from tokenspeed_jax.distributed import DistributedConfig, Liveness
 from tokenspeed_jax.runner import ModelRunner, StepResult
@@ -76,34 +74,6 @@ def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     process). Unlike `jax.device_put` onto a sharding that spans processes, this runs no
     cross-process equality check (a full broadcast + compare of the value)."""
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-
-class OpsChannel:
-    """Fixed-size int32 broadcast from process 0 to every process, over all devices (a jitted
-    all-reduce). Kept for `benchmarks/distributed.py`-style comparisons; the runner uses
-    `KVChannel`, which never touches the gloo / NCCL connections the steps use."""
-
-    def __init__(self, words: int) -> None:
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        nproc = jax.process_count()
-        mesh = Mesh(np.array(devices).reshape(nproc, -1), ("proc", "local"))
-        self.words = int(words)
-        self.is_source = jax.process_index() == 0
-        self._rows = NamedSharding(mesh, P("proc"))
-        self._shape = (nproc, self.words)
-        # sum over processes of (leader's buffer, zeros...) == the leader's buffer, replicated
-        self._bcast = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=NamedSharding(mesh, P()))
-
-    def broadcast(self, buf: np.ndarray | None) -> np.ndarray:
-        """Leader passes its buffer (<= words, zero-padded); followers pass None and get it."""
-        local = np.zeros((1, self.words), np.int32)
-        if self.is_source:
-            local[0, :len(buf)] = buf
-        out = self._bcast(jax.make_array_from_callback(self._shape, self._rows, lambda idx: local))
-        out.block_until_ready()
-        if self.is_source:
-            return local[0]
-        return np.asarray(out.addressable_data(0))
 
 
 _GROUPS = itertools.count()  # every process creates its groups in the same order
