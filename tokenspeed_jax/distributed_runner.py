@@ -99,7 +99,7 @@ class KVChannel:
             data = np.ascontiguousarray(buf, np.int32).tobytes()
             for k in range(1, self.nproc):
                 self._client.key_value_set_bytes(f"{self._prefix}/{k}/{seq}", data)
-            return buf
+            return np.asarray(buf, np.int32)
         key = f"{self._prefix}/{self.pid}/{seq}"
         while True:
             try:

@@ -90,10 +90,14 @@ class CheckpointSource(ParamSource):
         self.file_dtype = np.dtype(file_dtype)
         self.dtype = np.dtype(dtype) if dtype is not None else self.file_dtype
 
-    def _with(self, **kw) -> CheckpointSource:
-        args = dict(perm=self.perm, maps=self.maps, squeeze=self.squeeze, dtype=self.dtype)
-        args.update(kw)
-        return CheckpointSource(self.file, self.name, self.file_shape, self.file_dtype, **args)
+    def _with(self, *, perm: tuple[int, ...] | None = None,
+              maps: tuple[np.ndarray, ...] | None = None, squeeze: tuple[int, ...] | None = None,
+              dtype: np.dtype | None = None) -> CheckpointSource:
+        return CheckpointSource(
+            self.file, self.name, self.file_shape, self.file_dtype,
+            perm=self.perm if perm is None else perm, maps=self.maps if maps is None else maps,
+            squeeze=self.squeeze if squeeze is None else squeeze,
+            dtype=self.dtype if dtype is None else dtype)
 
     def take(self, axis: int, index: np.ndarray) -> CheckpointSource:
         maps = list(self.maps)
@@ -207,7 +211,8 @@ def materialize_checkpoint(src: CheckpointSource, sharding) -> jax.Array:
         if key not in slices:
             slices[key] = src.read(index, cache)
         arrays.append(jax.device_put(slices[key], device))
-    return jax.make_array_from_single_device_arrays(src.shape, sharding, arrays)
+    out: jax.Array = jax.make_array_from_single_device_arrays(src.shape, sharding, arrays)
+    return out
 
 
 def materialize_generated(leaves: list[tuple[GeneratedSource, object]]) -> list[jax.Array]:
@@ -225,7 +230,8 @@ def materialize_generated(leaves: list[tuple[GeneratedSource, object]]) -> list[
     if mem is not None:
         READ_STATS["generated_output_bytes"] += int(mem.output_size_in_bytes)
         READ_STATS["generated_temp_bytes"] += int(mem.temp_size_in_bytes)
-    return compiled()
+    arrays: list[jax.Array] = compiled()
+    return arrays
 
 
 def place_sources(leaves: list, shardings: list) -> list:

@@ -196,7 +196,7 @@ def place(tree, shardings):
     if not any(isinstance(x, ParamSource) for x in leaves):
         return tree
     # lazy parameters (multi-process loads): each process reads / generates only its shards
-    return jax.tree.unflatten(treedef, place_sources(leaves, treedef.flatten_up_to(shardings)))
+    return jax.tree.unflatten(treedef, place_sources(leaves, jax.tree.leaves(shardings)))
 
 
 def _path_str(path) -> str:

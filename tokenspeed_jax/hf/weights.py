@@ -19,6 +19,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +108,7 @@ def _st_dtype(code: str):
     return np.dtype(f"{kind}{code[1:]}")
 
 
-def iter_tensor_sources(files: dict[str, str]) -> Iterator[tuple[str, object]]:
+def iter_tensor_sources(files: dict[str, str]) -> Iterator[tuple[str, Any]]:
     """Like `iter_tensors`, but nothing is read: (name, `CheckpointSource`) per tensor, so that each
     process later reads only the slices its devices hold (`sharding.place`). MXFP4 halves
     (`*_blocks`, `*_scales`) are the exception: they are dequantized whole (read here, counted in
