@@ -52,8 +52,8 @@ class DistributedConfig:
     num_processes: processes in the run (one per host on GPUs); process_id: this one, 0 = leader.
     follower_timeout_s: a follower silent this long is declared dead (leader fails loudly).
     heartbeat_interval_s: how often followers report and the leader's watchdog checks.
-    keepalive_s: an idle leader broadcasts an empty message this often, so followers never sit
-      in one collective for long (collective transports have timeouts of their own).
+    keepalive_s: an idle leader sends an empty message this often, so a follower's blocking
+      read of the next message returns regularly.
     initialization_timeout_s: how long `jax.distributed.initialize` waits for every process.
     """
 

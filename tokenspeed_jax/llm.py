@@ -39,14 +39,20 @@ def default_context_len(model: str, config) -> int:
     return min(limit, default) if limit else default
 
 
-def _load(model: str, dtype: str, seed: int):
+def _load(model: str, dtype: str, seed: int, lazy: bool = False):
     """(model config, nnx model, tokenizer) for a built-in name, an alias (`MODEL_ALIASES`), a
-    .gguf file or a local HF checkpoint dir."""
+    .gguf file or a local HF checkpoint dir. lazy: parameters stay `param_sources.ParamSource`s
+    (built-in and safetensors models), so each process later makes only its own shards."""
     from tokenspeed_jax.models import registry
 
     if model in registry.BUILTIN_MODELS:
         from tokenspeed_jax.tokenizer import ByteTokenizer
 
+        if lazy:
+            from tokenspeed_jax.param_sources import generated_model
+
+            cfg = registry.tiny_random_config(dtype=dtype)
+            return cfg, generated_model(lambda: registry.build_model(cfg, seed)), ByteTokenizer()
         cfg, net = registry.load_builtin(model, seed=seed, dtype=dtype)
         return cfg, net, ByteTokenizer()
     if model in registry.MODEL_ALIASES:
@@ -60,7 +66,7 @@ def _load(model: str, dtype: str, seed: int):
             from tokenspeed_jax.hf import load_checkpoint
         except ImportError as e:  # pragma: no cover - until the HF loader lands
             raise ValueError(f"cannot load checkpoint directory {model!r}: {e}") from e
-        return load_checkpoint(model, dtype=dtype)
+        return load_checkpoint(model, dtype=dtype, lazy=lazy)
     raise ValueError(f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS}, an alias "
                      f"({', '.join(registry.MODEL_ALIASES)}), a local .gguf file or a local "
                      f"Hugging Face checkpoint directory (config.json + *.safetensors)")
@@ -124,10 +130,11 @@ class LLM:
                              f"{attention_backend!r}")
         from tokenspeed_jax.runner import DEFAULT_MIN_KV_BUCKET, ModelRunner
 
-        # Multi-process: the whole model is built / read into host memory only; each process
-        # then copies just its own shards onto its accelerators (`sharding.place`).
+        # Multi-process: parameters stay lazy (`param_sources`); each process reads / generates
+        # only its own shards when the runner places them (`sharding.place`). GGUF files are
+        # still read whole, into host memory only.
         with sharding.host_staging() if multi else contextlib.nullcontext():
-            self.model_config, net, self.tokenizer = _load(model, dtype, seed)
+            self.model_config, net, self.tokenizer = _load(model, dtype, seed, lazy=multi)
             sharding.validate(self.model_config, tp)
             # tp > kv heads: k/v projections widened to one KV head per shard (runtime config)
             runtime_config = sharding.replicate_kv_heads(net, self.model_config, tp)
