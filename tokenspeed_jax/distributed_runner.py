@@ -259,6 +259,7 @@ class DistributedRunner:
         r = self.runner
         if ops.num_reqs == 0:
             return r.dispatch(ops)  # empty steps never reach the device (nor the followers)
+        r.warn_clamped(ops)
         bucket, level = r.step_shape(ops)
         outs = self._lead(ops, bucket, level)
         group = self.group

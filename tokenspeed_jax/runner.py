@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -40,6 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from scheduler.cache_layout import CacheLayout
+from scheduler.mirror_check import clamped_rows
 from scheduler.step_ops import StepOps, device_schema
 from tokenspeed_jax.attention import get_paged_attention, resolve_backend
 from tokenspeed_jax.models.batch import make_paged_batch
@@ -58,6 +60,8 @@ from tokenspeed_jax.sampling import (
 from tokenspeed_jax.sharding import TensorParallel, place, prepare_model
 from tokenspeed_jax.state import DeviceState, init_state
 from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, unpack
+
+logger = logging.getLogger(__name__)
 
 # per-row StepOps fields (schema axis "row"): what the LM head / sampler slice to the used rows
 _ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
@@ -335,8 +339,22 @@ class ModelRunner:
         step's output futures, so the next dispatch queues behind this one)."""
         if ops.num_seqs == 0:
             return StepHandle(None, None, None, 0)
+        self.warn_clamped(ops)
         bucket, level = self.step_shape(ops)
         return self.handle_for(ops, bucket, *self._run(ops, bucket, self.kv_levels[level][1]))
+
+    def warn_clamped(self, ops: StepOps) -> None:
+        """DESIGN §6 rule 3: a row whose update outgrows its mirror is clamped on the device (never
+        a crash); name its request. `add_request` admits no such request, so this is the guard
+        for hand-built StepOps (vectorised: a few µs per step)."""
+        lay = self.layout
+        for g, grp in enumerate(ops.groups):
+            rows = clamped_rows(ops.req_slots, grp.begins, grp.sizes, ops.full_refresh,
+                                grp.row_lens, lay.widths[g], lay.honor_full_refresh)
+            for i in rows.tolist():
+                rid = ops.request_ids[i] if i < len(ops.request_ids) else f"row {i}"
+                logger.warning("page-table row of request %s in cache group %s outgrows width %d; "
+                               "clamped", rid, lay.groups[g].group_id, lay.widths[g])
 
     def step_shape(self, ops: StepOps) -> tuple[int, int]:
         """(token bucket, index into `kv_levels`) of a non-empty step: its compiled shape."""

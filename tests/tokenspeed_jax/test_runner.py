@@ -253,3 +253,22 @@ def test_adoption_alias_bug(model_setup, honor):
         assert err < 1e-5
     else:
         assert err > 1e-3  # the new tokens overwrote the prefix's K/V: output diverges
+
+
+def test_clamped_row_warns_naming_the_request(model_setup, caplog):
+    """DESIGN §6 rule 3: an update past the mirror width is clamped on the device (no crash) and
+    the runner logs a warning naming the request. `add_request` never emits one, so hand-build it."""
+    layout = make_layout(model_setup, r=2, t=16)
+    sched = MiniScheduler(layout, chunk=4)
+    runner = make_runner(model_setup, layout, min_token_bucket=16)
+    sched.add("ok", [1, 2, 3], 1)
+    sched.add("too-wide", [4, 5, 6], 1)
+    ops = sched.schedule()
+    grp, width = ops.groups[0], layout.widths[0]
+    ops.full_refresh[:2] = False
+    grp.begins[:2], grp.sizes[:2] = (0, width - 1), (1, 2)  # row 1 writes columns W-1 and W
+    with caplog.at_level("WARNING", logger="tokenspeed_jax.runner"):
+        runner.step(ops)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "too-wide" in warned[0] and layout.groups[0].group_id in warned[0]
+    assert f"width {width}" in warned[0]
