@@ -42,9 +42,10 @@ CONTEXTS = (4096, 32768, 131072)
 
 def group_specs(live_tail: bool = True) -> list[PagedCacheGroupSpec]:
     return [
-        PagedCacheGroupSpec("full", "full_history", 256, 1, None),
-        PagedCacheGroupSpec("sliding", "sliding_window", 128, 1, 511),
-        PagedCacheGroupSpec("conv", "sliding_window", 8, 1, 12, live_tail_alloc=live_tail),
+        PagedCacheGroupSpec.make("full", "full_history", page_size=256),
+        PagedCacheGroupSpec.make("sliding", "sliding_window", page_size=128, sliding_window_tokens=511),
+        PagedCacheGroupSpec.make("conv", "sliding_window", page_size=8, sliding_window_tokens=12,
+                                 live_tail_alloc=live_tail),
     ]
 
 

@@ -139,18 +139,19 @@ def ctx_table(model: str, prompts, contexts=(2048, 8192, 32768), decode: int = 3
             # compiles the keys this workload meets (lazily) and fills the prefix cache
             llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
             runner, times = llm.engine.runner, []
-            inner = runner.step
+            inner = runner.dispatch  # what the engine calls (then `collect`)
 
             def timed(ops, _inner=inner, _times=times):
                 t0 = time.perf_counter()
-                res = _inner(ops)  # returns host numpy arrays: the device work is finished
-                if ops.num_reqs and ops.num_tokens == ops.num_reqs:  # every row decodes one token
+                handle = _inner(ops)
+                if ops.num_seqs and ops.num_tokens == ops.num_seqs:  # every row decodes one token
+                    handle.tokens.block_until_ready()  # the device work is finished
                     _times.append(time.perf_counter() - t0)
-                return res
+                return handle
 
-            runner.step = timed
+            runner.dispatch = timed
             llm.generate(prompts, SamplingParams(max_tokens=decode, ignore_eos=True))
-            runner.step = inner
+            runner.dispatch = inner
             rows.append(dict(ctx=ctx, mode=mode, steps=len(times),
                              median_ms=statistics.median(times) * 1e3,
                              kv_levels=len(runner.kv_levels),

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import (
+    DECODE_TUNING_CANDIDATES,
     PagedAttentionConfig,
     default_config,
     paged_attention,
@@ -358,14 +359,7 @@ def main() -> int:
                                          sliding_window=window))
         report(f"ours {label}", bench(ours, *args, reps=reps, inner=inner), roof, nbytes, t_jax)
         if not ns.smoke and label == "decode B=64 ctx=32k page=16":
-            for cfg in (PagedAttentionConfig(pages_per_block=2, block_q=4, num_stages=3,
-                                             kv_splits=4),
-                        PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=2,
-                                             kv_splits=4),
-                        PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=4,
-                                             kv_splits=4),
-                        PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=3,
-                                             kv_splits=2)):
+            for cfg in DECODE_TUNING_CANDIDATES:
                 tuned = jax.jit(functools.partial(paged_attention, config=cfg))
                 report(f"ours {label} tile={cfg.pages_per_block * ps} stages={cfg.num_stages} "
                        f"splits={cfg.kv_splits}", bench(tuned, *args, reps=reps, inner=inner),

@@ -121,7 +121,7 @@ def _decode_step_ops(requests: int = 48, prompt: int = 450, ctx: int = 4096):
     for i in range(requests):
         sched.add_request(f"r{i}", rng.integers(0, 1000, prompt).tolist(), 64)
     ops = sched.schedule()
-    while ops.num_tokens != ops.num_reqs or ops.full_refresh.any():  # until a pure decode step
+    while ops.num_tokens != ops.num_seqs or ops.full_refresh.any():  # until a pure decode step
         sched.update(ops, np.ones(64, np.int32))
         ops = sched.schedule()
     return ops

@@ -114,9 +114,10 @@ def workloads(quick: bool) -> list[Workload]:
 # ---------------------------------------------------------------------- runners
 class OursRunner:
     def __init__(self, w: Workload) -> None:
-        groups = [PagedCacheGroupSpec("full", "full_history", PAGE, 1, None)]
+        groups = [PagedCacheGroupSpec.make("full", "full_history", page_size=PAGE)]
         if w.sliding_window:
-            groups.append(PagedCacheGroupSpec("swa", "sliding_window", PAGE, 1, w.sliding_window))
+            groups.append(PagedCacheGroupSpec.make("swa", "sliding_window", page_size=PAGE,
+                                                   sliding_window_tokens=w.sliding_window))
         self.sched = Scheduler(SchedulerConfig(
             num_pages=w.num_pages, page_size=PAGE, max_batch_requests=w.num_reqs,
             max_scheduled_tokens=BUDGET, max_context_len=w.max_context_len or w.context,
@@ -135,8 +136,8 @@ class OursRunner:
     def step(self, sampled: np.ndarray) -> None:
         ops = self.sched.schedule()
         self.sched.update(ops, sampled)
-        self.last_rows = ops.num_reqs
-        self.last_is_decode = ops.num_reqs > 0 and ops.num_tokens == ops.num_reqs
+        self.last_rows = ops.num_seqs
+        self.last_is_decode = ops.num_seqs > 0 and ops.num_tokens == ops.num_seqs
 
     def in_decode_phase(self) -> bool:
         """Nothing waiting and every running request past its prefill (benchmark only)."""

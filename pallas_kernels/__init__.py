@@ -1,6 +1,7 @@
 """Pallas GPU kernels, each beside its pure-jnp reference. Imports only jax (+numpy)."""
 
 from pallas_kernels.paged_attention import (
+    DECODE_TUNING_CANDIDATES,
     PagedAttentionConfig,
     default_config,
     paged_attention,
@@ -13,6 +14,7 @@ from pallas_kernels.short_conv import (
 )
 
 __all__ = [
+    "DECODE_TUNING_CANDIDATES",
     "PagedAttentionConfig",
     "ShortConvConfig",
     "default_config",

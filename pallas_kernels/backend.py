@@ -2,12 +2,11 @@
 
 Kernels in this package are written against the small surface below (`load`, `store`, `dot`,
 `compiler_params`, `pallas_call`) instead of calling `jax.experimental.pallas.triton` directly,
-because that API moved between jax releases:
-
-- jax <= 0.4.3x: `pl.load(ref, idx, mask=, other=)`, `pl.dot`, `plgpu.TritonCompilerParams`
-  (or a `{"triton": {...}}` dict);
-- jax 0.6 - 0.12: `plgpu.load(ref.at[idx], mask=, other=)`, `plgpu.CompilerParams`; `pl.dot` /
-  `plgpu.dot` come and go (we use `lax.dot_general`, which they wrap).
+because that API moved between jax releases (jax <= 0.4.3x had `pl.load(ref, idx, ...)` and
+`plgpu.TritonCompilerParams`; the jax >= 0.10 this project requires has
+`plgpu.load(ref.at[idx], mask=, other=)` and `plgpu.CompilerParams`; `pl.dot` / `plgpu.dot` come
+and go, so we use `lax.dot_general`, which they wrap). A jax release that moves it again needs
+only this module changed.
 
 Only the Triton lowering is implemented today (`BACKEND == "triton"`). A Mosaic GPU variant would
 add a second branch here (its kernels need warpgroup-level code, so it would also get its own
@@ -17,32 +16,25 @@ Everything here also works with `interpret=True` on CPU, where compiler params a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import bounds_check
 
-try:  # jax >= 0.4.31 ships the Triton-specific namespace.
-    from jax.experimental.pallas import triton as _plgpu
-except ImportError:  # pragma: no cover - very old jax
-    _plgpu = None
-
 BACKEND = "triton"
 
-# jax >= 0.6: load/store take a (possibly `.at[...]`-indexed) ref and no separate index.
-_REF_ONLY_LOAD = _plgpu is not None and hasattr(_plgpu, "load")
+# A kernel's view of one operand (a Pallas ref): jax exports no public type for it.
+Ref: TypeAlias = Any
 
 
-def _indexed(ref: Any, idx: Sequence[Any]) -> Any:
-    return ref.at[tuple(idx)]
-
-
-def load(ref: Any, idx: Sequence[Any], *, mask: jax.Array | None = None, other: Any = None
+def load(ref: Ref, idx: Sequence[Any], *, mask: jax.Array | None = None, other: Any = None
          ) -> jax.Array:
     """Gather `ref[idx]` where `mask`, else `other`; masked lanes are never dereferenced on GPU.
 
@@ -50,12 +42,11 @@ def load(ref: Any, idx: Sequence[Any], *, mask: jax.Array | None = None, other: 
     only discharges all-array indexers), so every load in our kernels is an explicit gather.
     """
     bounds_check.check_access("load", ref, idx, mask)  # no-op outside the test-only mode
-    if _REF_ONLY_LOAD:
-        return _plgpu.load(_indexed(ref, idx), mask=mask, other=other)
-    return pl.load(ref, tuple(idx), mask=mask, other=other)  # pragma: no cover - old jax
+    out: jax.Array = plgpu.load(ref.at[tuple(idx)], mask=mask, other=other)
+    return out
 
 
-def store(ref: Any, idx: Sequence[Any], val: jax.Array, *, mask: jax.Array | None = None
+def store(ref: Ref, idx: Sequence[Any], val: jax.Array, *, mask: jax.Array | None = None
           ) -> None:
     """Scatter `val` into `ref[idx]` where `mask`.
 
@@ -63,10 +54,7 @@ def store(ref: Any, idx: Sequence[Any], val: jax.Array, *, mask: jax.Array | Non
     lane writes back the old value, and a duplicate index could race with a real write.
     """
     bounds_check.check_access("store", ref, idx, mask)
-    if _REF_ONLY_LOAD:
-        _plgpu.store(_indexed(ref, idx), val, mask=mask)
-        return
-    pl.store(ref, tuple(idx), val, mask=mask)  # pragma: no cover - old jax
+    plgpu.store(ref.at[tuple(idx)], val, mask=mask)
 
 
 def dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
@@ -83,13 +71,9 @@ def dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def compiler_params(*, num_warps: int, num_stages: int) -> Any:
-    """Backend compiler parameters, whatever this jax release calls their class."""
-    for name in ("CompilerParams", "TritonCompilerParams"):
-        cls = getattr(_plgpu, name, None)
-        if cls is not None:
-            return cls(num_warps=num_warps, num_stages=num_stages)
-    return {"triton": {"num_warps": num_warps, "num_stages": num_stages}}  # pragma: no cover
+def compiler_params(*, num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+    """The Triton backend's compiler parameters."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def pallas_call(kernel: Callable[..., None], *, out_shape: Any, grid: tuple[int, ...],
@@ -100,7 +84,7 @@ def pallas_call(kernel: Callable[..., None], *, out_shape: Any, grid: tuple[int,
     if interpret and bounds_check.active():
         body = kernel
 
-        def kernel(*refs: Any) -> None:  # the checks report the program id of each access
+        def kernel(*refs: Ref) -> None:  # the checks report the program id of each access
             with bounds_check.program_ids(len(grid)):
                 body(*refs)
 
@@ -113,6 +97,20 @@ def pallas_call(kernel: Callable[..., None], *, out_shape: Any, grid: tuple[int,
         interpret=interpret,
         name=name,
     )
+
+
+def check_config(config: Any, *, powers_of_2: Sequence[str]) -> None:
+    """ValueError naming the field unless every field of the (dataclass) kernel `config` is an
+    int >= 1 and those in `powers_of_2` are powers of two (Triton tile sizes)."""
+    name = type(config).__name__
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}.{field.name}={value!r} must be an int >= 1")
+    for field_name in powers_of_2:
+        if not is_power_of_2(getattr(config, field_name)):
+            raise ValueError(f"{name}.{field_name}={getattr(config, field_name)} must be a power "
+                             "of two")
 
 
 def is_power_of_2(n: int) -> bool:

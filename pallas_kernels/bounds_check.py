@@ -62,7 +62,8 @@ def check_bounds() -> Iterator[list[str]]:
     """Check every kernel load/store traced inside the block; raise `BoundsViolation` at exit
     if any access went out of range. Yields the (live) list of violation messages."""
     outer = getattr(_state, "violations", None)
-    _state.violations = violations = []  # nested blocks report their own accesses
+    violations: list[str] = []
+    _state.violations = violations  # nested blocks report their own accesses
     try:
         yield violations
         jax.effects_barrier()  # callbacks run asynchronously; wait for all of them
@@ -99,7 +100,7 @@ def check_access(kind: str, ref: Any, idx: Sequence[Any], mask: jax.Array | None
     site = f"{caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno}"
     sink = _state.violations
 
-    def report(any_bad, n_bad, pid, index) -> None:
+    def report(any_bad: jax.Array, n_bad: jax.Array, pid: jax.Array, index: jax.Array) -> None:
         if bool(any_bad):
             sink.append(f"{site} {kind} of ref{list(shape)} at program_id={pid.tolist()}: "
                         f"index {index.tolist()} out of range ({int(n_bad)} lane(s) bad)")

@@ -17,9 +17,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from pallas_kernels import gpu_compile
-from pallas_kernels.paged_attention import PagedAttentionConfig, paged_attention
+from pallas_kernels.paged_attention import (
+    DECODE_TUNING_CANDIDATES,
+    PagedAttentionConfig,
+    paged_attention,
+)
 from pallas_kernels.short_conv import short_conv
 
 __all__ = ["H200", "Report", "Variant", "compile_variant", "problems", "variants"]
@@ -93,7 +98,8 @@ HEADER = ("| variant | grid | warps | stages | registers | spill bytes | smem Ki
 
 
 def _attention(name: str, *, q_lens: int, seqs: int, ctx: int, page_size: int, hkv: int = 8,
-               hq: int = 32, d: int = 128, dtype=jnp.bfloat16, window: int | None = None,
+               hq: int = 32, d: int = 128, dtype: DTypeLike = jnp.bfloat16,
+               window: int | None = None,
                soft_cap: float | None = None, sinks: bool = False,
                config: PagedAttentionConfig | None = None, decode: bool = False,
                real_programs: int | None = None) -> Variant:
@@ -104,17 +110,16 @@ def _attention(name: str, *, q_lens: int, seqs: int, ctx: int, page_size: int, h
     shapes = (_S((q_lens, hq, d), dtype), _S((pool, page_size, hkv, d), dtype),
               _S((pool, page_size, hkv, d), dtype), _S((seqs, max_pages), jnp.int32),
               _S((seqs,), jnp.int32), _S((seqs + 1,), jnp.int32), _S((1,), jnp.int32))
-    kw = dict(sliding_window=window, soft_cap=soft_cap, config=config)
 
-    def fn(*args):
+    def fn(*args: jax.Array) -> jax.Array:
         return paged_attention(*args, sinks=jnp.zeros((hq,), jnp.float32) if sinks else None,
-                               **kw)
+                               sliding_window=window, soft_cap=soft_cap, config=config)
 
     return Variant(name, fn, shapes, decode=decode, real_programs=real_programs)
 
 
 def _conv(name: str, *, tokens: int, seqs: int, channels: int, page_size: int, taps: int = 3,
-          dtype=jnp.bfloat16) -> Variant:
+          dtype: DTypeLike = jnp.bfloat16) -> Variant:
     pool = 4 * seqs + 1
     shapes = (_S((tokens, channels), dtype), _S((pool, page_size, channels), dtype),
               _S((seqs, 64), jnp.int32), _S((seqs,), jnp.int32), _S((seqs + 1,), jnp.int32),
@@ -157,14 +162,7 @@ def variants(full: bool = True) -> list[Variant]:
         out += [_attention(f"tuning: decode ctx=32k page=16 tile={cfg.pages_per_block * 16} "
                            f"stages={cfg.num_stages} splits={cfg.kv_splits}", q_lens=b, seqs=b,
                            ctx=32768, page_size=16, config=cfg, real_programs=b * 8)
-                for cfg in (PagedAttentionConfig(pages_per_block=2, block_q=4, num_stages=3,
-                                                 kv_splits=4),
-                            PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=2,
-                                                 kv_splits=4),
-                            PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=4,
-                                                 kv_splits=4),
-                            PagedAttentionConfig(pages_per_block=8, block_q=4, num_stages=2,
-                                                 kv_splits=4))]
+                for cfg in DECODE_TUNING_CANDIDATES]
     return out
 
 

@@ -35,9 +35,12 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
+
+if TYPE_CHECKING:
+    from jax._src.lib.triton import CompilationHandler, CompilationResult
 
 __all__ = ["PtxasInfo", "TritonKernel", "compile_to_ptx", "lower_for_cuda", "lower_triton_kernels",
            "missing", "needs_plugin_to_lower", "ptxas"]
@@ -112,12 +115,18 @@ def missing() -> str | None:
 
 
 @functools.cache
-def _compile_handler() -> Callable[..., Any]:
+def _compile_handler() -> CompilationHandler:
     """(ir, arch, num_warps, num_ctas, num_stages) -> result with `.asm` (PTX), `.smem_bytes`."""
     from jax._src.lib import triton, xla_client
 
     if triton.has_compilation_handler("CUDA"):  # the plugin initialised (JAX_PLATFORMS=cpu or GPU)
-        return functools.partial(triton.compile, "CUDA")
+        def registered(module: bytes, arch_name: str, num_warps: int, num_ctas: int,
+                       num_stages: int) -> CompilationResult:
+            # triton.compile takes the launch parameters by keyword only
+            return triton.compile("CUDA", module, arch_name, num_warps=num_warps,
+                                  num_ctas=num_ctas, num_stages=num_stages)
+
+        return registered
     from jax_plugins import xla_cuda12
 
     xla_cuda12._import_extensions()
@@ -126,8 +135,11 @@ def _compile_handler() -> Callable[..., Any]:
         raise RuntimeError("jax-cuda12-plugin's cuda_plugin_extension could not be imported")
     c_api = xla_client.load_pjrt_plugin_dynamically("cuda", str(xla_cuda12._get_library_path()))
 
-    def handler(ir: bytes, arch: str, num_warps: int, num_ctas: int, num_stages: int) -> Any:
-        return ext.compile_triton_to_asm(c_api, ir, arch, num_warps, num_ctas, num_stages)
+    def handler(module: bytes, arch_name: str, num_warps: int, num_ctas: int,
+                num_stages: int) -> CompilationResult:
+        result: CompilationResult = ext.compile_triton_to_asm(c_api, module, arch_name, num_warps,
+                                                              num_ctas, num_stages)
+        return result
 
     if _jaxlib_version() > (0, 10, 2):  # the lowering itself needs it from here on
         triton.register_compilation_handler("CUDA", handler)
@@ -216,8 +228,8 @@ def lower_triton_kernels(fn: Callable[..., Any], *shapes: jax.ShapeDtypeStruct
                 continue
             cfg = op.attributes["mhlo.backend_config"]
 
-            def i32(key: str, cfg=cfg) -> int:
-                return ir.IntegerAttr(cfg[key]).value
+            def i32(key: str, cfg: Any = cfg) -> int:
+                return int(ir.IntegerAttr(cfg[key]).value)
 
             out.append(TritonKernel(
                 name=ir.StringAttr(cfg["name"]).value, ir=ir.StringAttr(cfg["ir"]).value_bytes,
@@ -238,7 +250,8 @@ def _lower_capturing_compiles(jitted: Any, shapes: tuple[Any, ...]) -> list[Trit
     captured: list[tuple[Any, ...]] = []
     real = triton.compile
 
-    def spy(platform, module, arch_name, *, num_warps, num_ctas, num_stages):
+    def spy(platform: str, module: bytes, arch_name: str, *, num_warps: int, num_ctas: int,
+            num_stages: int) -> CompilationResult:
         res = real(platform, module, arch_name, num_warps=num_warps, num_ctas=num_ctas,
                    num_stages=num_stages)
         captured.append((module, num_warps, num_stages, res))

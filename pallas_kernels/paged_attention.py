@@ -32,10 +32,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
+from pallas_kernels.backend import Ref
 from pallas_kernels.ragged import check_ragged_metadata, sanitize
 
-__all__ = ["PagedAttentionConfig", "default_config", "paged_attention", "paged_attention_reference",
-           "reference_block_q"]
+__all__ = ["DECODE_TUNING_CANDIDATES", "PagedAttentionConfig", "default_config",
+           "paged_attention", "paged_attention_reference", "reference_block_q"]
 
 _LOG2E = math.log2(math.e)
 _MASK = -1e30  # finite: (mask - mask) must stay 0, never inf - inf = NaN
@@ -63,14 +64,7 @@ class PagedAttentionConfig:
     kv_splits: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("pages_per_block", "block_q", "num_warps", "num_stages", "kv_splits"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"PagedAttentionConfig.{field}={value!r} must be an int >= 1")
-        for field in ("pages_per_block", "block_q", "num_warps"):
-            if not backend.is_power_of_2(getattr(self, field)):
-                raise ValueError(f"PagedAttentionConfig.{field}={getattr(self, field)} must be "
-                                 "a power of two")
+        backend.check_config(self, powers_of_2=("pages_per_block", "block_q", "num_warps"))
 
 
 # Occupancy the decode default reaches on an H100/H200 (132 SMs): 3 programs per SM at ~148
@@ -103,6 +97,18 @@ def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: in
                                 num_warps=4 if decode else 8, num_stages=3, kv_splits=splits)
 
 
+# Alternatives to the decode default (tile size, pipeline stages, kv_splits) for 32k-context
+# decode at page 16: benchmarks/kernels.py times them on the GPU and compile_check.variants()
+# compiles them for sm_90a (registers, spills, pipelining depth), so both tables cover one list.
+DECODE_TUNING_CANDIDATES: tuple[PagedAttentionConfig, ...] = (
+    PagedAttentionConfig(pages_per_block=2, block_q=4, num_stages=3, kv_splits=4),
+    PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=2, kv_splits=4),
+    PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=4, kv_splits=4),
+    PagedAttentionConfig(pages_per_block=8, block_q=4, num_stages=2, kv_splits=4),
+    PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=3, kv_splits=2),
+)
+
+
 def _check_kernel_shapes(page_size: int, head_dim: int) -> None:
     """Triton tiles must be powers of two (the jnp reference has no such limit)."""
     if not backend.is_power_of_2(page_size):
@@ -118,8 +124,10 @@ def _check_config(cfg: PagedAttentionConfig, page_size: int, group: int) -> None
         raise ValueError(f"{cfg.block_q=} * next_pow2({group=}) must be >= 16 rows")
 
 
-def _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs, *,
-                  sm_scale, sliding_window, soft_cap, sinks) -> float:
+def _check_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                  kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
+                  sm_scale: float | None, sliding_window: int | None, soft_cap: float | None,
+                  sinks: jax.Array | None) -> float:
     """Static (shape/dtype/option) validation shared by kernel and reference; returns sm_scale."""
     floats = (jnp.float32, jnp.bfloat16)
     if q.ndim != 3:
@@ -179,7 +187,8 @@ def _block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
     return jnp.stack(meta).astype(jnp.int32), num_blocks
 
 
-def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int, block_q: int,
+def _kernel(meta_ref: Ref, pt_ref: Ref, q_ref: Ref, k_ref: Ref, v_ref: Ref, sinks_ref: Ref,
+            *refs: Ref, group: int, block_q: int,
             pages_per_block: int, page_size: int, head_dim: int, num_tokens: int,
             pool_tokens: int, scale: float, window: int | None, soft_cap: float | None,
             has_sinks: bool, kv_splits: int) -> None:
@@ -214,13 +223,15 @@ def _kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, *refs, group: int,
     in_page = kk % page_size
     qk_scale = scale if soft_cap is None else scale / soft_cap
 
-    def page_ids(j):
+    def page_ids(j: jax.Array | int) -> jax.Array:
         """The tile's page ids: one load per PAGE (not per token), masked past the key range."""
         slot = page_lo + j * pages_per_block + lax.iota(jnp.int32, pages_per_block)
         ok = slot < page_hi
         return backend.load(pt_ref, (seq, slot), mask=ok, other=0)
 
-    def body(j, carry):
+    Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+
+    def body(j: jax.Array, carry: Carry) -> Carry:
         # The tile's page ids come in through the carry, loaded one iteration earlier, so the K/V
         # loads of tile j+1 depend on nothing computed in iteration j+1: Triton's software
         # pipeliner can then issue them `num_stages - 1` tiles ahead (cp.async multi-buffering).
@@ -341,7 +352,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     # Outputs start from aliased buffers: rows no program writes (padding) stay at these values.
     if cfg.kv_splits == 1:
         inits = [jnp.zeros_like(q)]
-        grid = (num_blocks, hkv)
+        grid: tuple[int, ...] = (num_blocks, hkv)
     else:
         k = cfg.kv_splits
         inits = [jnp.zeros((k, t, hq, d), jnp.float32), jnp.full((k, t, hq), _MASK, jnp.float32),
@@ -358,8 +369,10 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     outs = call(meta, page_table.astype(jnp.int32), q, k_pages.reshape(flat_shape),
                 v_pages.reshape(flat_shape), sinks_arr, *inits)
     if cfg.kv_splits == 1:
-        return outs[0]
-    return _merge_splits(*outs, sinks, q.dtype)
+        out: jax.Array = outs[0]
+        return out
+    acc, m, denom = outs
+    return _merge_splits(acc, m, denom, sinks, q.dtype)
 
 
 def reference_block_q(num_tokens: int, num_seqs_max: int) -> int:
@@ -420,7 +433,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         tok = q0 + rows
         ok = tok < q1  # [bq] real query rows of this block
         qpos = tok + pos_off
-        first = 0
+        first: jax.Array | int = 0
         if sliding_window is not None:
             first = jnp.maximum(q0 + pos_off - sliding_window + 1, 0) // page_size
         cols = first + jnp.arange(n_cols, dtype=jnp.int32)

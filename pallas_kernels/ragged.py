@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 
-def check_ragged_metadata(page_table, kv_lens, cu_q_lens, num_seqs) -> None:
+def check_ragged_metadata(page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
+                          num_seqs: jax.Array) -> None:
     """ValueError unless page_table is int [S, max_pages], kv_lens int [S], cu_q_lens int [S+1]
     and num_seqs int [1] (the ragged-batch contract both kernels share)."""
     if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):

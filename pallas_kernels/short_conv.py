@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
+from pallas_kernels.backend import Ref
 from pallas_kernels.ragged import check_ragged_metadata, token_layout
 
 __all__ = ["ShortConvConfig", "short_conv", "short_conv_reference"]
@@ -41,17 +42,12 @@ class ShortConvConfig:
     num_stages: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("block_t", "block_c", "num_warps", "num_stages"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ShortConvConfig.{field}={value!r} must be an int >= 1")
-        for field in ("block_t", "block_c", "num_warps"):
-            if not backend.is_power_of_2(getattr(self, field)):
-                raise ValueError(f"ShortConvConfig.{field}={getattr(self, field)} must be a "
-                                 "power of two")
+        backend.check_config(self, powers_of_2=("block_t", "block_c", "num_warps"))
 
 
-def _check_inputs(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs, weight, bias) -> None:
+def _check_inputs(x: jax.Array, conv_pages: jax.Array, page_table: jax.Array,
+                  kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+                  weight: jax.Array, bias: jax.Array | None) -> None:
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{x.shape=} ({x.dtype}) must be float [T, C]")
     t, c = x.shape
@@ -67,7 +63,8 @@ def _check_inputs(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs, weigh
     check_ragged_metadata(page_table, kv_lens, cu_q_lens, num_seqs)
 
 
-def _kernel(meta_ref, pt_ref, x_ref, pool_ref, w_ref, b_ref, y_ref, *, taps: int, block_t: int,
+def _kernel(meta_ref: Ref, pt_ref: Ref, x_ref: Ref, pool_ref: Ref, w_ref: Ref, b_ref: Ref,
+            y_ref: Ref, *, taps: int, block_t: int,
             block_c: int, num_tokens: int, channels: int, page_size: int,
             pool_tokens: int) -> None:
     t = pl.program_id(0) * block_t + lax.iota(jnp.int32, block_t)
@@ -131,8 +128,9 @@ def short_conv(x: jax.Array, conv_pages: jax.Array, page_table: jax.Array, kv_le
         grid=(pl.cdiv(t, cfg.block_t), pl.cdiv(c, cfg.block_c)), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, interpret=interpret, name=f"short_conv_k{weight.shape[0]}")
     b = bias if bias is not None else jnp.zeros((c,), weight.dtype)
-    return call(meta.astype(jnp.int32), page_table.astype(jnp.int32), x,
-                conv_pages.reshape(num_pages * page_size, c), weight, b)
+    y: jax.Array = call(meta.astype(jnp.int32), page_table.astype(jnp.int32), x,
+                        conv_pages.reshape(num_pages * page_size, c), weight, b)
+    return y
 
 
 def short_conv_reference(x: jax.Array, conv_pages: jax.Array, page_table: jax.Array,

@@ -23,8 +23,9 @@ __all__ = [
     "compute_paged_cache_group_page_counts", "group_specs_from_layer_types", "layer_group_indices",
 ]
 
+from scheduler.cache_layout import CacheLayout, cache_layout  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.request import RequestOutput  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
 
-__all__ += ["RequestOutput", "Scheduler", "SchedulerConfig"]
+__all__ += ["CacheLayout", "RequestOutput", "Scheduler", "SchedulerConfig", "cache_layout"]

@@ -33,8 +33,8 @@ class BlockTable:
     def num_blocks(self) -> int:
         return len(self.pages)
 
-    def extent_tokens(self, block_size: int) -> int:
-        return len(self.pages) * block_size - self.tail_avail
+    def extent_tokens(self, page_size: int) -> int:
+        return len(self.pages) * page_size - self.tail_avail
 
     def reset(self) -> None:
         self.pages = []

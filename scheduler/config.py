@@ -14,7 +14,8 @@ from scheduler.step_ops import GroupLayout
 class SchedulerConfig:
     """Scheduler settings. StepOps shapes depend only on these.
 
-    groups: cache groups (None = one full-history group of `page_size` tokens per page).
+    groups: cache groups (None = one full-history group of `page_size` tokens per page);
+        `scheduler.cache_layout` sets a model's groups, built from `page_size`.
     max_live_requests: device page-table mirror slots (requests holding pages at once);
         None = max_batch_requests.
     decode_reserve_tokens: decode tokens promised (and reserved) when a first chunk is admitted.
@@ -57,7 +58,7 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.decode_reserve_tokens must be >= 0, got "
                              f"{self.decode_reserve_tokens}")
         if self.groups is None:
-            self.groups = [PagedCacheGroupSpec("full", "full_history", self.page_size, 1, None)]
+            self.groups = [PagedCacheGroupSpec.make("full", "full_history", page_size=self.page_size)]
         elif not self.groups:
             raise ValueError("SchedulerConfig.groups is empty")
 
@@ -65,14 +66,13 @@ class SchedulerConfig:
     def num_live_slots(self) -> int:
         return self.max_live_requests or self.max_batch_requests
 
-    def group_width(self, spec: PagedCacheGroupSpec) -> int:
-        return ceil_div(self.max_context_len, spec.page_tokens)
-
-    def group_delta_width(self, spec: PagedCacheGroupSpec) -> int:
-        return min(self.group_width(spec), ceil_div(self.max_scheduled_tokens, spec.page_tokens) + 1)
-
     def group_layouts(self) -> tuple[GroupLayout, ...]:
-        """Static shape facts (block size, mirror width, delta width) of every group."""
-        return tuple(GroupLayout(spec.group_id, spec.page_tokens, self.group_width(spec),
-                                 self.group_delta_width(spec))
-                     for spec in cast("list[PagedCacheGroupSpec]", self.groups))
+        """Static shape facts of every group: page size, mirror width
+        W_g = ceil(max_context_len / page_size), delta width N_g = min(W_g, ceil(T / page_size) + 1)."""
+        out = []
+        for spec in cast("list[PagedCacheGroupSpec]", self.groups):
+            width = ceil_div(self.max_context_len, spec.page_size)
+            delta = min(width, ceil_div(self.max_scheduled_tokens, spec.page_size) + 1)
+            out.append(GroupLayout(group_id=spec.group_id, page_size=spec.page_size, width=width,
+                                   delta_width=delta))
+        return tuple(out)

@@ -25,18 +25,18 @@ class CacheCoordinator:
             raise ValueError(f"duplicate group ids in {ids}")
         self.specs = list(specs)
         self.pool = pool
-        sizes = [s.page_tokens for s in specs]
+        sizes = [s.page_size for s in specs]
         self.base = reduce(math.gcd, sizes)
         self.lcm = reduce(math.lcm, sizes)
         self.managers: list[CacheGroupManager] = [self._make_manager(s) for s in specs]
         # base pages per group page: group page i is keyed by base hash (i+1)*k - 1
         self._base_per_page = [b // self.base for b in sizes]
         # (group, W - 1, B) of every sliding group: the reclaim-due test of `grow_in_tail`
-        self._sliding = [(g, m.window - 1, m.block_size) for g, m in enumerate(self.managers)
+        self._sliding = [(g, m.window - 1, m.page_size) for g, m in enumerate(self.managers)
                          if isinstance(m, SlidingWindowManager)]
 
     def _make_manager(self, spec: PagedCacheGroupSpec) -> CacheGroupManager:
-        b = spec.page_tokens
+        b = spec.page_size
         if spec.family == "state":
             return StateManager(b)
         if spec.retention == "full_history":
@@ -91,7 +91,7 @@ class CacheCoordinator:
         alone with chunks of at most `max_chunk_tokens` (sliding groups: window + chunk)."""
         need = 0
         for m, spec in zip(self.managers, self.specs):
-            b = spec.page_tokens
+            b = spec.page_size
             full = ceil_div(total_tokens, b)
             if spec.retention == "full_history":
                 need += full
@@ -145,7 +145,7 @@ class CacheCoordinator:
         """Point fresh tables at matched rows and take a reference on every hit page."""
         for m, t, row in zip(self.managers, tables, rows):
             assert not t.pages, "claim_prefix needs fresh tables"
-            assert len(row) * m.block_size == num_tokens
+            assert len(row) * m.page_size == num_tokens
             self.pool.touch(row)
             t.pages = list(row)
             t.tail_avail = 0
@@ -171,7 +171,7 @@ class CacheCoordinator:
         changed: list[list[int]] = []
         for g, (spec, t) in enumerate(zip(self.specs, tables)):
             k = self._base_per_page[g]
-            b = spec.page_tokens
+            b = spec.page_size
             complete = min(num_tokens // b, len(base_hashes) // k, len(t.pages))
             moved: list[int] = []
             start = t.num_published

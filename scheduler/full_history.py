@@ -26,7 +26,7 @@ class CacheGroupManager:
     def __init__(self, block_size: int) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self.block_size = block_size
+        self.page_size = block_size  # SPEC.md spells the constructor argument `block_size`
 
     # --- which new slots get a real page (overridden by live-tail) -------------------------
     def _count_real(self, first_slot: int, num_slots: int, end: int) -> int:
@@ -41,7 +41,7 @@ class CacheGroupManager:
         if num_tokens <= tail_avail:
             return 0, tail_avail - num_tokens
         over = num_tokens - tail_avail
-        return ceil_div(over, self.block_size), (-over) % self.block_size
+        return ceil_div(over, self.page_size), (-over) % self.page_size
 
     def _demand(self, num_slots: int, tail_avail: int, num_tokens: int) -> tuple[int, int, int]:
         """(real pages needed, new slots, new tail_avail) of one acquire on a table shape."""
@@ -50,7 +50,7 @@ class CacheGroupManager:
         k, new_tail = self._new_slots(num_slots, tail_avail, num_tokens)
         if k == 0:
             return 0, 0, new_tail
-        end = num_slots * self.block_size - tail_avail + num_tokens
+        end = num_slots * self.page_size - tail_avail + num_tokens
         return self._count_real(num_slots, k, end), k, new_tail
 
     def blocks_needed_for(self, table: BlockTable, num_tokens: int) -> int:
@@ -74,7 +74,7 @@ class CacheGroupManager:
             if need == k:
                 table.pages.extend(pool.allocate(need))
             else:
-                end = first * self.block_size - table.tail_avail + num_tokens
+                end = first * self.page_size - table.tail_avail + num_tokens
                 fresh = iter(pool.allocate(need))
                 table.pages.extend(next(fresh) if self._is_real(s, end) else NULL_PAGE
                                    for s in range(first, first + k))
@@ -106,7 +106,7 @@ class CacheGroupManager:
         raise NotImplementedError
 
     def match(self, lookup: SlotLookup, max_slots: int, limit_tokens: int) -> tuple[int, list[int]]:
-        """Largest boundary (tokens, multiple of block_size) <= limit_tokens that is a valid
+        """Largest boundary (tokens, multiple of page_size) <= limit_tokens that is a valid
         resume point given the cached pages, and the row (holes = 0) that resumes there."""
         raise NotImplementedError
 
@@ -116,9 +116,9 @@ class FullHistoryManager(CacheGroupManager):
 
     def match(self, lookup: SlotLookup, max_slots: int, limit_tokens: int) -> tuple[int, list[int]]:
         pages: list[int] = []
-        for slot in range(min(max_slots, limit_tokens // self.block_size)):
+        for slot in range(min(max_slots, limit_tokens // self.page_size)):
             page = lookup(slot)
             if page is None:
                 break
             pages.append(page)
-        return len(pages) * self.block_size, pages
+        return len(pages) * self.page_size, pages

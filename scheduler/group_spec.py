@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal, cast
 
 from scheduler.block_table import ceil_div
@@ -24,7 +25,7 @@ class PagedCacheGroupSpec:
 
     A page holds `rows_per_page` rows of `entry_stride_tokens` tokens each, i.e.
     `P = rows_per_page * entry_stride_tokens` tokens; `block_size` (tokens per scheduler page)
-    defaults to P.
+    defaults to P. (SPEC.md's fields; our code builds with `make(page_size=)`, reads `page_size`.)
     """
 
     group_id: str
@@ -60,14 +61,21 @@ class PagedCacheGroupSpec:
         if self.family == "state" and self.retention != "sliding_window":
             raise ValueError(f"group {g!r}: a state group must use sliding_window retention")
 
-    @property
-    def tokens_per_page(self) -> int:
-        return self.rows_per_page * self.entry_stride_tokens
+    @classmethod
+    def make(cls, group_id: str, retention: Retention, *, page_size: int,
+             sliding_window_tokens: int | None = None, family: Family = "history",
+             live_tail_alloc: bool = False) -> PagedCacheGroupSpec:
+        """A group of `page_size`-token pages (one token per row), built by keyword."""
+        return cls(group_id, retention, rows_per_page=page_size, entry_stride_tokens=1,
+                   sliding_window_tokens=sliding_window_tokens, family=family,
+                   live_tail_alloc=live_tail_alloc)
 
     @property
-    def page_tokens(self) -> int:
-        """Tokens per scheduler page (block size B)."""
-        return self.block_size if self.block_size is not None else self.tokens_per_page
+    def page_size(self) -> int:
+        """Tokens per page of this group (SPEC's `block_size`, defaulting to P)."""
+        if self.block_size is not None:
+            return self.block_size
+        return self.rows_per_page * self.entry_stride_tokens
 
 
 def group_specs_from_layer_types(*, layer_types: list[str] | tuple[str, ...],
@@ -93,30 +101,30 @@ def group_specs_from_layer_types(*, layer_types: list[str] | tuple[str, ...],
                              f"(known: {sorted(LAYER_TYPE_GROUPS)})")
         if kind in specs:
             continue
+        make = PagedCacheGroupSpec.make
         if kind == "full":
-            spec = PagedCacheGroupSpec("full", "full_history", page_size, 1, None)
+            spec = make("full", "full_history", page_size=page_size)
         elif kind == "sliding":
             if not sliding_window_tokens or sliding_window_tokens <= 0:
                 raise ValueError(f"layer {i} ({layer_type}) needs a positive "
                                  f"sliding_window_tokens, got {sliding_window_tokens!r}")
-            spec = PagedCacheGroupSpec("sliding", "sliding_window", page_size, 1,
-                                       sliding_window_tokens)
+            spec = make("sliding", "sliding_window", page_size=page_size,
+                        sliding_window_tokens=sliding_window_tokens)
         elif kind == "state":
-            spec = PagedCacheGroupSpec("state", "sliding_window", state_page_size or page_size, 1,
-                                       2, family="state")
+            spec = make("state", "sliding_window", page_size=state_page_size or page_size,
+                        sliding_window_tokens=2, family="state")
         else:
             if not conv_kernel_size or conv_kernel_size <= 0:
                 raise ValueError(f"layer {i} (conv) needs a positive conv_kernel_size, got "
                                  f"{conv_kernel_size!r}")
-            spec = PagedCacheGroupSpec("conv", "sliding_window", conv_page_size, 1,
-                                       conv_kernel_size, live_tail_alloc=True)
+            spec = make("conv", "sliding_window", page_size=conv_page_size,
+                        sliding_window_tokens=conv_kernel_size, live_tail_alloc=True)
         specs[kind] = spec
     return list(specs.values())
 
 
-def layer_group_indices(layer_types: list[str] | tuple[str, ...],
-                        specs: list[PagedCacheGroupSpec]) -> list[int]:
-    """Index into `specs` of the group each layer belongs to."""
+def layer_group_indices(layer_types: Sequence[str], specs: list[PagedCacheGroupSpec]) -> list[int]:
+    """Index into `specs` of the group each layer belongs to (the one layer -> group map)."""
     index = {spec.group_id: i for i, spec in enumerate(specs)}
     out = []
     for i, layer_type in enumerate(layer_types):
@@ -146,7 +154,7 @@ def compute_paged_cache_group_page_counts(
     r, s, t, c = max_live_requests, max_scheduled_tokens, max_total_tokens, max_context_len
     out: dict[str, int] = {}
     for spec in specs:
-        p = spec.tokens_per_page
+        p = spec.rows_per_page * spec.entry_stride_tokens  # DESIGN.md §8's P
         protected = r * ceil_div(overlap_schedule_depth * decode_input_tokens, p)
         if spec.family == "state":
             core = min(2 * r + t // p, ceil_div(t, p) + r)
@@ -166,7 +174,7 @@ def compute_max_logical_pages_for_capture(spec: PagedCacheGroupSpec, *, max_cont
     _check_counts(max_context_len=max_context_len, max_tokens_per_req=max_tokens_per_req)
     if overlap_schedule_depth not in (0, 1):
         raise ValueError(f"overlap_schedule_depth must be 0 or 1, got {overlap_schedule_depth!r}")
-    p = spec.tokens_per_page
+    p = spec.rows_per_page * spec.entry_stride_tokens  # DESIGN.md §8's P
     extra = (overlap_schedule_depth + 1) * max_tokens_per_req
     if spec.retention == "full_history":
         return ceil_div(max_context_len + extra, p)

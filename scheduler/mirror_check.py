@@ -40,12 +40,11 @@ def update_rows_reference(table: np.ndarray, req_slots: ArrayLike, begins: Array
     new, full = np.asarray(new_pages), np.asarray(rows)
     refresh = (np.asarray(full_refresh, bool) & honor_full_refresh).tolist()
     starts, counts, lens = (np.asarray(a).tolist() for a in (begins, sizes, row_lens))
-    clamped = []
     for i, slot in enumerate(np.asarray(req_slots).tolist()):
         if not 0 <= slot < num_slots:
             continue  # padding row
         if refresh[i]:
-            begin, size = 0, max(0, min(lens[i], full.shape[1]))
+            size = max(0, min(lens[i], full.shape[1]))
             table[slot] = 0
             table[slot, :min(size, width)] = full[i, :min(size, width)]
         else:
@@ -53,12 +52,30 @@ def update_rows_reference(table: np.ndarray, req_slots: ArrayLike, begins: Array
             cols = np.arange(begin, begin + size)
             keep = (cols >= 0) & (cols < width)
             table[slot, cols[keep]] = new[i, :size][keep]
-        if size and begin + size > width:
-            clamped.append(i)
         if hole_slots is not None:
             holes = np.asarray(hole_slots)[i]
             table[slot, holes[(holes >= 0) & (holes < width)]] = 0
-    return clamped
+    over = clamped_rows(req_slots, begins, np.minimum(np.asarray(sizes), new.shape[1]),
+                        full_refresh, np.minimum(np.asarray(row_lens), full.shape[1]), width,
+                        honor_full_refresh, num_slots)
+    return [int(i) for i in over]
+
+
+def clamped_rows(req_slots: ArrayLike, begins: ArrayLike, sizes: ArrayLike,
+                 full_refresh: ArrayLike, row_lens: ArrayLike, width: int,
+                 honor_full_refresh: bool = True, num_slots: int | None = None) -> np.ndarray:
+    """Batch rows (int64[k]) whose update does not fit a mirror of `width` columns: after the
+    full-refresh substitution (begin 0, size row_len), `begin + size > width` (DESIGN §6 rule 3).
+
+    The device copies only `max(0, width - begin)` of their pages; the runner logs a warning
+    naming each such request. Vectorised, so it is cheap enough to run on every step.
+    """
+    slots = np.asarray(req_slots)
+    refresh = np.asarray(full_refresh, dtype=bool) & honor_full_refresh
+    begin = np.where(refresh, 0, np.asarray(begins))
+    size = np.maximum(np.where(refresh, np.asarray(row_lens), np.asarray(sizes)), 0)
+    live = (slots >= 0) if num_slots is None else (slots >= 0) & (slots < num_slots)
+    return np.flatnonzero(live & (size > 0) & (begin + size > width))
 
 
 def apply_group_ops(mirror: np.ndarray, ops: StepOps, gops: GroupStepOps, *,
@@ -86,7 +103,7 @@ class MirrorChecker:
             assert not clamped, (f"group {g}: rows of {[ops.request_ids[i] for i in clamped]} "
                                  f"outgrow the mirror width {self.exact[g].shape[1]}")
             apply_group_ops(self.tail_only[g], ops, gops, honor_full_refresh=False)
-        for i in range(ops.num_reqs):
+        for i in range(ops.num_seqs):
             slot = int(ops.req_slots[i])
             for g, row in enumerate(rows[slot]):
                 exact = self.exact[g][slot]

@@ -92,7 +92,7 @@ class OpsBuilder:
         positions = np.zeros(T, i32)
         token_rows = self._R_T.copy()
         prompt_targets = self._minus1_T.copy()
-        query_start = np.zeros(R + 1, i32)
+        cu_q_lens = np.zeros(R + 1, i32)
         groups = [self._empty_group(g, lay) for g, lay in enumerate(self.layouts)]
         extra = {k: v.copy() for k, v in self._sampling_pad.items()}
         q = sum(lens)
@@ -109,8 +109,8 @@ class OpsBuilder:
             sample_index[:n] = [len(r.tokens) + r.num_pending - r.prompt_len for r in reqs]
             extra["prompt_lens"][:n] = [r.prompt_len for r in reqs]
             self._fill_extras(extra, reqs)
-            np.cumsum(lens, out=query_start[1:n + 1])
-            query_start[n + 1:] = q
+            np.cumsum(lens, out=cu_q_lens[1:n + 1])
+            cu_q_lens[n + 1:] = q
             if q == n:  # every row has one token (decodes)
                 # a start past the known tokens is the pending token of the step in flight
                 token_ids[:n] = [r.tokens[s] if s < len(r.tokens) else PLACEHOLDER_TOKEN
@@ -118,7 +118,7 @@ class OpsBuilder:
                 positions[:n] = starts
                 token_rows[:n] = self._row_index[:n]
             else:
-                qs = query_start[:n]
+                qs = cu_q_lens[:n]
                 token_rows[:q] = np.repeat(self._row_index[:n], lens)
                 positions[:q] = np.arange(q, dtype=i32) - np.repeat(qs - np.asarray(starts, i32),
                                                                    lens)
@@ -145,10 +145,10 @@ class OpsBuilder:
                                  if r.begins is None else r.begins[g] for r in rows]
             self._fill_busy(g, arrays, busy)
         return StepOps(
-            num_reqs=n, num_tokens=q,
+            num_seqs=n, num_tokens=q,
             request_ids=tuple(r.request_id for r in reqs),
             req_slots=req_slots, full_refresh=full_refresh,
-            query_start=query_start, kv_lens=kv_lens, sample_mask=sample_mask,
+            cu_q_lens=cu_q_lens, kv_lens=kv_lens, sample_mask=sample_mask,
             token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
             positions=positions, token_rows=token_rows,
             prompt_targets=prompt_targets, temperature=temperature, top_p=top_p, top_k=top_k,

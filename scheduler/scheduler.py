@@ -431,9 +431,9 @@ class Scheduler:
         Steps must be fed back in the order they were scheduled (at most the in-flight ones).
         Returns the requests that finished in this step."""
         sampled = np.asarray(sampled_token_ids)
-        if sampled.shape[0] < ops.num_reqs:
-            raise ValueError(f"{sampled.shape=} has fewer entries than the step's {ops.num_reqs} rows")
-        if ops.num_reqs == 0:
+        if sampled.shape[0] < ops.num_seqs:
+            raise ValueError(f"{sampled.shape=} has fewer entries than the step's {ops.num_seqs} rows")
+        if ops.num_seqs == 0:
             self.last_update_rows = []
             return []  # an empty step is never recorded (nothing ran)
         if not self._flights or self._flights[0][0] is not ops:
@@ -444,10 +444,10 @@ class Scheduler:
         coord, base = self.coord, self.coord.base
         adopt = self.config.enable_adoption
         max_len = self.config.max_context_len
-        n = ops.num_reqs
+        n = ops.num_seqs
         # plain Python values once per step (numpy scalar access per row is slow)
         sample_mask = ops.sample_mask[:n].tolist()
-        qs = ops.query_start[:n + 1].tolist()
+        qs = ops.cu_q_lens[:n + 1].tolist()
         sampled_list = sampled[:n].tolist()
         running, done = Status.RUNNING, Status.FINISHED
         applied = [True] * n

@@ -34,7 +34,7 @@ class SlidingWindowManager(CacheGroupManager):
 
     def slid_out_bound(self, num_tokens: int) -> int:
         """Slots strictly below this are fully slid out at extent `num_tokens`."""
-        return max(0, (num_tokens - self.window + 1) // self.block_size)
+        return max(0, (num_tokens - self.window + 1) // self.page_size)
 
     # --- live-tail -------------------------------------------------------------------------
     def _live_tail_off(self) -> bool:
@@ -104,7 +104,7 @@ class SlidingWindowManager(CacheGroupManager):
         """Right to left: the highest boundary whose `resume_pages` slots just behind it are
         cached (or whose cached run reaches slot 0). Slots below the run become holes."""
         need = self._resume
-        j = min(max_slots, limit_tokens // self.block_size)
+        j = min(max_slots, limit_tokens // self.page_size)
         while j > 0:
             run: list[int] = []
             slot = j - 1
@@ -116,7 +116,7 @@ class SlidingWindowManager(CacheGroupManager):
                 slot -= 1
             if len(run) >= need or slot < 0:
                 run.reverse()
-                return j * self.block_size, [NULL_PAGE] * (j - len(run)) + run
+                return j * self.page_size, [NULL_PAGE] * (j - len(run)) + run
             j = slot  # the miss at `slot` rules out every boundary above it
         return 0, []
 

@@ -19,7 +19,7 @@ into one int32 and one float32 buffer) and a new field needs no runner edit. Axe
   "row,delta" [R, N_g], "row,width" [R, W_g] (the runner cuts it to the step's kv bucket: only
   columns below the longest row of the step can hold a page), "row,bias" [R, B].
 dtypes: "i32", "bool" and "u32" travel in the int32 buffer (bit-exact), "f32" in the float32 one.
-Fields without an axis (num_reqs, num_tokens, request_ids) stay on the host.
+Fields without an axis (num_seqs, num_tokens, request_ids) stay on the host.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class GroupLayout:
     """Static shape facts of one cache group, derived from the config."""
 
     group_id: str
-    block_size: int  # tokens per page of this group
-    width: int  # W_g: columns of the page-table mirror = ceil(max_context_len / block_size)
+    page_size: int  # tokens per page of this group
+    width: int  # W_g: columns of the page-table mirror = ceil(max_context_len / page_size)
     delta_width: int  # N_g: tail-delta columns per row and step
 
 
@@ -75,17 +75,18 @@ class GroupStepOps:
 class StepOps:
     """Everything the device needs for one step. Built by `Scheduler.schedule()`.
 
-    Token layout: the query tokens of batch row i are `token_ids[query_start[i]:query_start[i+1]]`
-    and sit at the last `query_start[i+1] - query_start[i]` positions of its `kv_lens[i]` tokens.
+    Token layout: the query tokens of batch row i are `token_ids[cu_q_lens[i]:cu_q_lens[i+1]]`
+    and sit at the last `cu_q_lens[i+1] - cu_q_lens[i]` positions of its `kv_lens[i]` tokens
+    (the kernels' `cu_q_lens` / `num_seqs` contract, SPEC.md).
     """
 
-    num_reqs: int  # rows in use this step (rows >= num_reqs are padding)
+    num_seqs: int  # rows in use this step (rows >= num_seqs are padding); SPEC: `num_reqs`
     num_tokens: int  # tokens in use this step (tokens >= num_tokens are padding)
     request_ids: tuple[str, ...]  # host only: request id of each used row, in row order
     req_slots: np.ndarray = _dev("row", "i32")  # i32[R] device mirror slot of each row; -1 padding
     # bool[R] rewrite the whole mirror row from column 0; False padding
     full_refresh: np.ndarray = _dev("row", "bool")
-    query_start: np.ndarray = _dev("row+1", "i32")  # i32[R+1] cu_q_lens; padding rows repeat num_tokens
+    cu_q_lens: np.ndarray = _dev("row+1", "i32")  # i32[R+1]; padding rows repeat num_tokens
     # i32[R] tokens in cache after this step (incl. this step's); 0 padding
     kv_lens: np.ndarray = _dev("row", "i32")
     # bool[R] the row's last token yields a sampled token; False padding
@@ -122,6 +123,11 @@ class StepOps:
     # mypy takes the `_dev(...)` fields above for defaults; they have none (dataclasses.field)
     groups: tuple[GroupStepOps, ...]  # type: ignore[misc]  # one per cache group, in config.groups order
 
+    @property
+    def num_reqs(self) -> int:
+        """SPEC.md's name of `num_seqs`."""
+        return self.num_seqs
+
     def row_of(self, request_id: str) -> int:
         """Batch row of `request_id` in this step (ValueError if it is not scheduled)."""
         try:
@@ -130,7 +136,7 @@ class StepOps:
             raise ValueError(f"request {request_id!r} is not in this step") from None
 
     def num_query_tokens(self, row: int) -> int:
-        return int(self.query_start[row + 1] - self.query_start[row])
+        return int(self.cu_q_lens[row + 1] - self.cu_q_lens[row])
 
 
 def device_schema(cls: type) -> tuple[tuple[str, str, str], ...]:

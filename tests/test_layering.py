@@ -21,3 +21,11 @@ def test_pallas_kernels_imports_only_jax():
     loaded = _loaded_after_import("pallas_kernels")
     assert "jax" in loaded
     assert not loaded & {"scheduler", "tokenspeed_jax", "flax"}
+
+
+def test_cli_and_load_generator_do_not_import_jax():
+    """The CLI's parsing, the workload definition and `bench serve`'s HTTP load generator load
+    without jax (`tokenspeed_jax/__init__` imports LLM on first use only)."""
+    loaded = _loaded_after_import("tokenspeed_jax.cli, tokenspeed_jax.bench_serve, "
+                                  "tokenspeed_jax.server.loadgen, tokenspeed_jax.workload")
+    assert not loaded & {"jax", "jaxlib", "flax", "pallas_kernels"}

@@ -1,9 +1,9 @@
 """Attention backends: the switch between the two paged implementations, plus a dense oracle.
 
-One implementation per op, both in `pallas_kernels` and both checked by the shared kernel test
-bodies (tests/pallas_kernels): "reference" = `paged_attention_reference` / `short_conv_reference`
-(pure jnp; the runner hands them page tables cut to the step's kv bucket), "pallas" = the Pallas
-kernels (interpret mode off GPU), "auto" = pallas on GPU, reference elsewhere.
+Both implementations live in `pallas_kernels` and are checked by the shared kernel test bodies
+(tests/pallas_kernels): "reference" = `paged_attention_reference` (pure jnp; the runner hands it
+page tables cut to the step's kv bucket), "pallas" = the Pallas kernel (interpret mode off GPU),
+"auto" = pallas on GPU, reference elsewhere. The conv layers' choice is `models.conv.get_short_conv`.
 `dense_attention` is the whole-sequence oracle of the model's `dense` forward (tests only).
 """
 
@@ -15,13 +15,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = [
-    "BACKENDS",
-    "dense_attention",
-    "get_paged_attention",
-    "get_short_conv",
-    "resolve_backend",
-]
+from pallas_kernels import paged_attention, paged_attention_reference
+
+__all__ = ["BACKENDS", "dense_attention", "get_paged_attention", "resolve_backend"]
 
 BACKENDS = ("auto", "pallas", "reference")
 
@@ -67,42 +63,14 @@ def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and _pallas_kernel() else "reference"
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
     return backend
-
-
-def _pallas_kernel() -> Callable | None:
-    try:
-        from pallas_kernels import paged_attention
-    except ImportError:
-        return None
-    return paged_attention
-
-
-def get_short_conv(backend: str) -> Callable:
-    """The paged short-conv function of `backend` (`pallas_kernels.short_conv` signature)."""
-    backend = resolve_backend(backend)
-    try:
-        from pallas_kernels import short_conv, short_conv_reference
-    except ImportError as e:
-        raise ValueError(f"attention_backend={backend!r} but pallas_kernels.short_conv is missing") from e
-    if backend == "reference":
-        return short_conv_reference
-    if jax.default_backend() != "gpu":
-        return functools.partial(short_conv, interpret=True)
-    return short_conv
 
 
 def get_paged_attention(backend: str) -> Callable:
     """The paged-attention function of `backend` (SPEC.md kernel signature)."""
-    backend = resolve_backend(backend)
-    if backend == "reference":
-        from pallas_kernels import paged_attention_reference
-
+    if resolve_backend(backend) == "reference":
         return paged_attention_reference
-    kernel = _pallas_kernel()
-    if kernel is None:
-        raise ValueError("attention_backend='pallas' but pallas_kernels.paged_attention is missing")
     if jax.default_backend() != "gpu":
-        return functools.partial(kernel, interpret=True)
-    return kernel
+        return functools.partial(paged_attention, interpret=True)
+    return paged_attention

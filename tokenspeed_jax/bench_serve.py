@@ -18,8 +18,9 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
-from tokenspeed_jax.server.loadgen import Workload, run_level, summarize
+from tokenspeed_jax.server.loadgen import run_level, summarize
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,7 +92,17 @@ def _plots(levels: list[dict], pages: list, marks: list[tuple[float, str]], out_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    paths: list[str] = []
+
+    def save(fig: Any, axes: Any, name: str) -> None:
+        for ax in axes:
+            ax.legend()
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     x = [lv["request_throughput"] for lv in levels]
     for ax, metric in zip(axes, ("ttft", "tpot")):
@@ -100,12 +111,7 @@ def _plots(levels: list[dict], pages: list, marks: list[tuple[float, str]], out_
         ax.set_xlabel("achieved throughput (requests / s)")
         ax.set_ylabel(f"{metric.upper()} (ms)")
         ax.set_title(f"{metric.upper()} vs load")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "latency_vs_load.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    save(fig, axes, "latency_vs_load.png")
     if pages:
         fig, ax = plt.subplots(figsize=(11, 4))
         groups = sorted({g for _, d in pages for g in d})
@@ -117,12 +123,7 @@ def _plots(levels: list[dict], pages: list, marks: list[tuple[float, str]], out_
         ax.set_xlabel("time (s)")
         ax.set_ylabel("pages in use")
         ax.set_title("pages in use per cache group (levels marked)")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "pages_over_time.png"))
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
+        save(fig, [ax], "pages_over_time.png")
     return paths
 
 
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     rates = _floats(args.request_rates, "--request-rates")
     caps = [int(c) for c in _floats(args.max_concurrency, "--max-concurrency")]
     model = args.served_model_name or args.model
+    from tokenspeed_jax.cli import _workload_config
+
+    wl = _workload_config(args)
     server = None
     url = args.url
     if url is None:
@@ -138,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         from tokenspeed_jax.server.app import build_app, describe
         from tokenspeed_jax.server.thread import ServerThread
 
-        longest = args.system_tokens + args.turns * (args.user_tokens + args.max_tokens)
-        llm, status = _checked_llm(args, longest)
+        llm, status = _checked_llm(args, wl.longest_request)
         if llm is None:
             return status
         server = ServerThread(build_app(llm, model_name=model))
@@ -152,9 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         url = url.rstrip("/")
         vocab = 256
-    wl = Workload(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
-                  user_tokens=args.user_tokens, max_tokens=args.max_tokens, vocab=vocab,
-                  seed=args.seed)
     sampler = _PageSampler(url)
     levels, marks = [], []
     head = (f"{'rate':>6} {'conc':>5} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} "
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         for cap in caps:
             for rate in rates:
                 marks.append((time.perf_counter() - sampler.t0, f"rate={rate:g} conc={cap}"))
-                records, wall = asyncio.run(run_level(url, model, wl, rate=rate,
+                records, wall = asyncio.run(run_level(url, model, wl, rate=rate, vocab=vocab,
                                                       max_concurrency=cap, arrival=args.arrival))
                 lv = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": cap,
                       **summarize(records, wall, slo_ttft_s=args.slo_ttft_ms / 1e3,
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "backend": "tokenspeed-jax" if args.url is None else "openai", "url": args.url,
-        "model": model, "arrival": args.arrival, "workload": vars(wl),
+        "model": model, "arrival": args.arrival, "workload": {**vars(wl), "vocab": vocab},
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "levels": levels,
         "pages_over_time": [{"t": round(t, 3), **d} for t, d in sampler.samples],
     }

@@ -13,9 +13,11 @@ import os
 import runpy
 import sys
 import time
+from typing import Any
 
 from tokenspeed_jax.cli_checks import DTYPES, float_at_least, int_at_least, port, preflight
 from tokenspeed_jax.distributed import add_cli_args, config_from_args, follow_cli
+from tokenspeed_jax.workload import WorkloadConfig
 
 BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap")
 
@@ -83,6 +85,13 @@ def _add_workload_args(p: argparse.ArgumentParser, *, sessions: int, turns: int,
     p.add_argument("--max-tokens", type=int_at_least(1), default=24, help="tokens per reply")
 
 
+def _workload_config(args: argparse.Namespace, **more: Any) -> WorkloadConfig:
+    """The `WorkloadConfig` of the `_add_workload_args` flags and --seed (+ `more` fields)."""
+    return WorkloadConfig(sessions=args.sessions, turns=args.turns,
+                          system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                          max_tokens=args.max_tokens, seed=args.seed, **more)
+
+
 def _make_llm(args):
     from tokenspeed_jax.llm import LLM
 
@@ -109,12 +118,10 @@ def _checked_llm(args, longest_request: int | None):
 
 
 def cmd_run(args) -> int:
-    from tokenspeed_jax.workload import WorkloadConfig, run_workload
+    from tokenspeed_jax.workload import run_workload
 
-    wl = WorkloadConfig(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
-                        user_tokens=args.user_tokens, max_tokens=args.max_tokens,
-                        temperature=args.temperature, seed=args.seed)
-    longest = wl.system_tokens + wl.turns * (wl.user_tokens + wl.max_tokens)
+    wl = _workload_config(args, temperature=args.temperature)
+    longest = wl.longest_request
     t0 = time.perf_counter()
     llm, status = _checked_llm(args, longest)
     if llm is None:

@@ -9,36 +9,35 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import TypeVar
+
+_N = TypeVar("_N", int, float)
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
-def int_at_least(lo: int):
-    def parse(text: str) -> int:
+def _at_least(kind: type[_N], lo: _N, expected: str) -> Callable[[str], _N]:
+    """argparse `type=`: parse `kind`, >= lo (NaN fails too), else a clear error."""
+    def parse(text: str) -> _N:
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return value
-
-    parse.__name__ = f"int>={lo}"
-    return parse
-
-
-def float_at_least(lo: float):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
         if not value >= lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
         return value
 
-    parse.__name__ = f"float>={lo}"
+    parse.__name__ = f"{kind.__name__}>={lo}"  # argparse names the type in its messages
     return parse
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    return _at_least(int, lo, "an integer")
+
+
+def float_at_least(lo: float) -> Callable[[str], float]:
+    return _at_least(float, lo, "a number")
 
 
 def port(text: str) -> int:
@@ -81,25 +80,21 @@ def preflight(args, *, longest_request: int | None) -> str | None:
         return f"--model {model!r}: {e}"
     if cfg is None:
         return None
-    from scheduler import Scheduler, SchedulerConfig
-    from tokenspeed_jax.llm import DEFAULT_HF_CONTEXT, DEFAULT_TINY_CONTEXT
+    from scheduler import Scheduler, SchedulerConfig, cache_layout
+    from tokenspeed_jax.llm import default_context_len
 
-    ctx = args.max_context_len
-    if ctx is None:
-        default = DEFAULT_TINY_CONTEXT if model in registry.BUILTIN_MODELS else DEFAULT_HF_CONTEXT
-        limit = getattr(cfg, "max_position_embeddings", None)
-        ctx = min(limit, default) if limit else default
+    ctx = default_context_len(model, cfg) if args.max_context_len is None else args.max_context_len
     total = ctx if longest_request is None else longest_request
     if total > ctx:
         return (f"the longest request ({total} tokens) exceeds --max-context-len {ctx}: raise it "
                 f"or shorten the workload")
     if args.num_pages is None:
         return None
-    specs = registry.cache_group_specs(cfg, page_size=args.page_size)
-    sched = Scheduler(SchedulerConfig(num_pages=args.num_pages, page_size=args.page_size,
-                                      max_batch_requests=args.max_batch_requests,
-                                      max_scheduled_tokens=args.max_scheduled_tokens,
-                                      max_context_len=ctx, groups=specs))
+    layout = cache_layout(SchedulerConfig(num_pages=args.num_pages, page_size=args.page_size,
+                                          max_batch_requests=args.max_batch_requests,
+                                          max_scheduled_tokens=args.max_scheduled_tokens,
+                                          max_context_len=ctx), cfg)
+    sched = Scheduler(layout.scheduler_config)
     need = sched.coord.solo_peak_pages(total, args.max_scheduled_tokens)
     if need > args.num_pages - 1:
         return (f"--num-pages {args.num_pages}: a {total}-token request needs {need + 1} pages "

@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ class DistributedConfig:
     num_processes: processes in the run (one per host on GPUs); process_id: this one, 0 = leader.
     follower_timeout_s: a follower silent this long is declared dead (leader fails loudly).
     heartbeat_interval_s: how often followers report and the leader's watchdog checks.
-    keepalive_s: an idle leader broadcasts an empty message this often, so followers never sit
-      in one collective for long (collective transports have timeouts of their own).
+    keepalive_s: an idle leader sends an empty message this often, so a follower's blocking
+      read of the next message returns regularly.
     initialization_timeout_s: how long `jax.distributed.initialize` waits for every process.
     """
 
@@ -87,9 +88,9 @@ class DistributedConfig:
         """Config from TOKENSPEED_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID; None when the
         coordinator is unset. `overrides` (non-None values) win over the environment."""
         env = os.environ if env is None else env
-        values = {"coordinator": env.get(ENV_COORDINATOR),
-                  "num_processes": env.get(ENV_NUM_PROCESSES),
-                  "process_id": env.get(ENV_PROCESS_ID)}
+        values: dict[str, Any] = {"coordinator": env.get(ENV_COORDINATOR),
+                                  "num_processes": env.get(ENV_NUM_PROCESSES),
+                                  "process_id": env.get(ENV_PROCESS_ID)}
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values["coordinator"] is None:
             given = [k for k in ("num_processes", "process_id") if values[k] is not None]

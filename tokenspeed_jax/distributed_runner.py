@@ -5,41 +5,44 @@ Per step, on the leader (process 0, which owns the scheduler):
      int32 + one float32 buffer for the step's shape key = token bucket x kv bucket) and frame
      them as ONE int32 message `[MAGIC, control, seq, replica, bucket, kv_level, n_i32, n_f32]
      + i32 + f32 bits`;
-  2. broadcast it to every process: a jitted all-reduce over a ("proc", "local") mesh of all
-     devices, where only the leader's row is non-zero (what `multihost_utils.broadcast_one_to_all`
-     does, kept compiled for fixed sizes: a small channel that fits every step of the shortest
-     kv bucket, and a full-size one announced by the small one only for longer steps);
+  2. send it to every process through the coordination service's key-value store
+     (`KVChannel`: one key per follower and message, deleted by its reader);
   3. every process builds the same global replicated input arrays from the buffers (no
-     cross-process equality check, unlike `jax.device_put`) and calls the runner's own jitted step
-     on its replica's mesh; the sampled ids come out replicated, so the leader reads them locally.
+     cross-process equality check, unlike `jax.device_put`) and dispatches the runner's own
+     jitted step on its replica's mesh without waiting for it; the sampled ids come out
+     replicated, so the leader reads them locally when the engine collects the step.
 Followers loop on 2-3 until the control word says SHUTDOWN. They hold no request state: admissions
 and aborts are already folded into the StepOps by the leader's scheduler, so the control word
 (STEP / SHUTDOWN / NOOP), the step counter and the replica index are all that travels besides the ops.
 
-Ordering: every collective program must run in the same order on every process. One lock covers
-"broadcast + step" on the leader, and followers run in broadcast order, so data-parallel replicas
-stepped from several leader threads stay consistent. Each step is also waited for before the next
-broadcast: the replicas of a dp run live on disjoint device sets, and two collective programs
-running at once on disjoint devices of the same processes share the gloo connections between the
-processes and corrupt each other ("collective mismatch"; the broadcast, over all devices, is
-waited for too). So multi-process dp replicas take turns (no overlap between replicas); tp within
-a replica is unaffected.
+Ordering: every collective program must be dispatched in the same order on every process. One
+lock covers "send + dispatch" on the leader and followers dispatch in message order, so
+data-parallel replicas stepped from several leader threads stay consistent. Steps are not waited
+for: the replicas of a dp run live on disjoint device sets (disjoint gloo / NCCL cliques), and
+their programs run at the same time correctly (measured; docs/distributed.md), so replica 1's
+step overlaps replica 0's. What must never overlap a step is a collective over a device set that
+shares processes with it: an earlier version broadcast the ops with a jitted all-reduce over all
+devices, and a broadcast running while a step ran on the same gloo connections failed with
+"Received data size doesn't match expected size ... collective mismatch". That is why the
+messages go through the key-value store (gRPC, off the devices), and why replicas used to take
+turns.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from typing import NoReturn
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding
 
+from scheduler import StepOps
 from tokenspeed_jax.distributed import DistributedConfig, Liveness
-from tokenspeed_jax.runner import ModelRunner, StepResult
+from tokenspeed_jax.runner import ModelRunner, StepHandle, StepOutputs, StepResult
 from tokenspeed_jax.step_inputs import pack
 
 logger = logging.getLogger(__name__)
@@ -47,7 +50,6 @@ logger = logging.getLogger(__name__)
 MAGIC = 0x7A5E_D157
 STEP, SHUTDOWN, NOOP = 1, 2, 3  # NOOP: a bare broadcast (keep-alive, benchmarks)
 HEADER = 8
-_BIG = 1 << 30  # header flag (in the control word): the message follows on the full-size channel
 
 
 def frame(control: int, seq: int, replica: int = 0, bucket: int = 0, level: int = 0,
@@ -76,31 +78,40 @@ def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-class OpsChannel:
-    """Fixed-size int32 broadcast from process 0 to every process, over all devices."""
+_GROUPS = itertools.count()  # every process creates its groups in the same order
 
-    def __init__(self, words: int) -> None:
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        nproc = jax.process_count()
-        mesh = Mesh(np.array(devices).reshape(nproc, -1), ("proc", "local"))
-        self.words = int(words)
-        self.is_source = jax.process_index() == 0
-        self._rows = NamedSharding(mesh, P("proc"))
-        self._shape = (nproc, self.words)
-        # sum over processes of (leader's buffer, zeros...) == the leader's buffer, replicated
-        self._bcast = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=NamedSharding(mesh, P()))
+
+class KVChannel:
+    """Leader -> followers messages through the coordination service's key-value store: the
+    leader writes message `seq` under one key per follower, each follower blocks on its key and
+    deletes it. No device program runs, so a message never waits for (or interleaves with) the
+    steps still running on the devices; see "Ordering" in the module docstring."""
+
+    _POLL_MS = 60_000  # a follower's blocking get re-arms after this (the leader may be idle)
+
+    def __init__(self, client, process_id: int, num_processes: int) -> None:
+        self._client, self.pid, self.nproc = client, process_id, num_processes
+        self._prefix = f"tokenspeed/ops/{next(_GROUPS)}"
+        self._seq = 0
 
     def broadcast(self, buf: np.ndarray | None) -> np.ndarray:
-        """Leader passes its buffer (<= words, zero-padded); followers pass None and get it."""
-        local = np.zeros((1, self.words), np.int32)
-        if self.is_source:
-            local[0, :len(buf)] = buf
-        out = self._bcast(jax.make_array_from_callback(self._shape, self._rows, lambda idx: local))
-        # finished on every local device before the step's collectives start (see "Ordering")
-        out.block_until_ready()
-        if self.is_source:
-            return local[0]  # the leader knows the value; its copy of the result is not needed
-        return np.asarray(out.addressable_data(0))
+        """Leader passes its message (any size); followers pass None and get the next one."""
+        seq, self._seq = self._seq, self._seq + 1
+        if self.pid == 0:
+            data = np.ascontiguousarray(buf, np.int32).tobytes()
+            for k in range(1, self.nproc):
+                self._client.key_value_set_bytes(f"{self._prefix}/{k}/{seq}", data)
+            return np.asarray(buf, np.int32)
+        key = f"{self._prefix}/{self.pid}/{seq}"
+        while True:
+            try:
+                data = self._client.blocking_key_value_get_bytes(key, self._POLL_MS)
+                break
+            except Exception as e:  # deadline exceeded: keep waiting (the leader is alive or
+                if "DEADLINE" not in str(e).upper():  # the runtime terminates this process)
+                    raise
+        self._client.key_value_delete(key)
+        return np.frombuffer(data, np.int32).copy()
 
 
 class DistributedGroup:
@@ -108,14 +119,16 @@ class DistributedGroup:
     watchdog, shared by every replica."""
 
     def __init__(self, cfg: DistributedConfig, message_words: tuple[int, int]) -> None:
+        from tokenspeed_jax.distributed import _client
+
         self.cfg = cfg
-        small_words, full_words = message_words
-        # Fixed sizes (one compile each): every message starts on the small channel; one that
-        # does not fit (a long-context step: its page-table rows scale with the kv bucket) is
-        # announced there and follows on the full-size channel.
-        self.channel = OpsChannel(max(HEADER, small_words))
-        self.big_channel = OpsChannel(full_words) if full_words > small_words else None
+        self.max_words = max(HEADER, *message_words)  # the largest step's message
+        self.channel = KVChannel(_client(), cfg.process_id, cfg.num_processes)
         self.lock = threading.Lock()
+        # leader, dp overlap evidence: each replica's latest step output, and how many steps
+        # were dispatched while another replica's step was still computing
+        self.running: dict[int, jax.Array] = {}
+        self.overlapped = 0
         # leader: the watchdog over the followers' heartbeats (which run per process)
         self.liveness = Liveness(cfg) if cfg.is_leader else None
         self.seq = 0
@@ -147,22 +160,15 @@ class DistributedGroup:
         """Leader only; call with `lock` held. `msg` from `frame(..., seq=self.seq)`."""
         if self.closed:
             raise RuntimeError("the distributed group is shut down")
-        if msg.size <= self.channel.words:
-            self.channel.broadcast(msg)
-        else:
-            announce = msg[:HEADER].copy()
-            announce[1] |= _BIG
-            self.channel.broadcast(announce)
-            self.big_channel.broadcast(msg)
+        if msg.size > self.max_words:
+            raise RuntimeError(f"step message of {msg.size} words exceeds {self.max_words}")
+        self.channel.broadcast(msg)
         self.seq += 1
         self._last_send = time.monotonic()
 
     def recv(self) -> tuple[dict, np.ndarray, np.ndarray]:
         """Follower only: the next message (header fields, i32 buffer, f32 buffer)."""
-        msg = self.channel.broadcast(None)
-        if int(msg[1]) & _BIG:
-            msg = self.big_channel.broadcast(None)
-        head, i32, f32 = unframe(msg)
+        head, i32, f32 = unframe(self.channel.broadcast(None))
         if head["seq"] != self.seq:
             raise RuntimeError(f"follower {self.cfg.process_id} out of sync with the leader: "
                                f"step {head['seq']}, expected step {self.seq}")
@@ -207,7 +213,7 @@ class DistributedRunner:
         return getattr(self.runner, name)
 
     # ------------------------------------------------------------------ every process
-    def execute(self, bucket: int, level: int, i32: np.ndarray, f32: np.ndarray):
+    def execute(self, bucket: int, level: int, i32: np.ndarray, f32: np.ndarray) -> StepOutputs:
         """Dispatch one step on this process's devices (async); returns the device outputs."""
         r = self.runner
         layout = r._layout(bucket, r.kv_levels[level][1])
@@ -220,40 +226,61 @@ class DistributedRunner:
         return tokens, logprobs, plp, top
 
     # ------------------------------------------------------------------ leader
-    def _lead(self, ops, bucket: int, level: int):
-        r, group = self.runner, self.group
+    def _lead(self, ops: StepOps, bucket: int, level: int) -> StepOutputs:
+        r, group, liveness = self.runner, self.group, self.group.liveness
+        if liveness is None:
+            raise RuntimeError("only the leader runs steps (it owns the watchdog)")
         i32, f32 = pack(ops, r._layout(bucket, r.kv_levels[level][1]))
         with group.lock:
-            group.liveness.check()
+            liveness.check()
             if group.broken:
                 raise RuntimeError("an earlier collective failed; the distributed run is unusable")
             try:
                 group.send(frame(STEP, group.seq, self.replica, bucket, level, i32, f32))
-                return jax.block_until_ready(self.execute(bucket, level, i32, f32))
+                # dispatched, not waited for: another replica's step may run meanwhile
+                return self.execute(bucket, level, i32, f32)
             except Exception as e:
-                # usually a follower died under the collective: wait for the watchdog's verdict
-                # (its default handler exits the process with the clear message)
-                group.broken = True
-                lost = group.liveness.wait_for_verdict()
-                if lost is not None:
-                    raise RuntimeError(lost) from e
-                raise
+                self._fail(e)
 
-    def dispatch(self, ops):
+    def _fail(self, e: Exception) -> NoReturn:
+        """A step failed, usually because a follower died under its collective: wait for the
+        watchdog's verdict (its default handler exits the process with the clear message)."""
+        self.group.broken = True
+        liveness = self.group.liveness
+        lost = liveness.wait_for_verdict() if liveness is not None else None
+        if lost is not None:
+            raise RuntimeError(lost) from e
+        raise e
+
+    def dispatch(self, ops: StepOps) -> StepHandle:
         """Leader: broadcast `ops` and run it everywhere (blocks until every process ran it, so a
         dead follower surfaces here); returns the runner's `StepHandle`. Defined here, not left
         to the wrapped runner, so the overlapped engine loop broadcasts too."""
         r = self.runner
         if ops.num_reqs == 0:
             return r.dispatch(ops)  # empty steps never reach the device (nor the followers)
-        bucket = r.bucket_for(int(ops.num_tokens))
-        _, cols = r.kv_bucket_for(ops)
-        level = [c for _, c in r.kv_levels].index(cols)
-        return r.handle_for(ops, bucket, *self._lead(ops, bucket, level))
+        r.warn_clamped(ops)
+        bucket, level = r.step_shape(ops)
+        outs = self._lead(ops, bucket, level)
+        group = self.group
+        with group.lock:
+            # another replica's step still computing while this one starts: device overlap
+            if any(not a.is_ready()  # type: ignore[attr-defined]  # jax.Array stubs lack is_ready
+                   for rep, a in group.running.items() if rep != self.replica):
+                group.overlapped += 1
+            group.running[self.replica] = outs[0]
+        return r.handle_for(ops, bucket, *outs)
 
-    def step(self, ops) -> StepResult:
+    def collect(self, handle: StepHandle) -> StepResult:
+        """Leader: the host results of a dispatched step (waits for it on every process)."""
+        try:
+            return self.runner.collect(handle)
+        except Exception as e:
+            self._fail(e)
+
+    def step(self, ops: StepOps) -> StepResult:
         """Leader: one step on every process; host results as `ModelRunner.step`."""
-        return self.runner.collect(self.dispatch(ops))
+        return self.collect(self.dispatch(ops))
 
     def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
         """Leader: compile the shape keys on every process with all-padding steps (the same
@@ -269,7 +296,7 @@ class DistributedRunner:
         before = self.runner.num_compiles
         for bucket in self.runner.buckets:
             for level in range(top + 1):
-                self._lead(padding_ops, bucket, level)
+                jax.block_until_ready(self._lead(padding_ops, bucket, level))
         return self.runner.num_compiles - before
 
 
@@ -286,8 +313,9 @@ def follow(group: DistributedGroup, runners: list[DistributedRunner]) -> int:
                 continue
             if head["control"] != STEP:
                 raise RuntimeError(f"unknown control word {head['control']} from the leader")
-            outs = runners[head["replica"]].execute(head["bucket"], head["level"], i32, f32)
-            jax.block_until_ready(outs)  # see "Ordering" in the module docstring
+            # dispatched, not waited for (see "Ordering"): the next message may be another
+            # replica's step, which then runs alongside this one
+            runners[head["replica"]].execute(head["bucket"], head["level"], i32, f32)
             steps += 1
         for r in runners:
             jax.block_until_ready(r.runner.state)

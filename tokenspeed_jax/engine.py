@@ -18,6 +18,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -25,6 +27,30 @@ from scheduler import Scheduler, SchedulerConfig, StepOps
 from tokenspeed_jax.outputs import CompletionOutput, RequestMetrics
 from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.step_clock import StepClock
+
+if TYPE_CHECKING:  # the runner module imports jax; the engine itself does not need it
+    from scheduler.cache_layout import CacheLayout
+    from tokenspeed_jax.runner import StepHandle, StepResult
+
+
+class Runner(Protocol):
+    """What an `Engine` drives: `runner.ModelRunner`, or `distributed_runner.DistributedRunner`
+    on the leader of a multi-process run."""
+
+    num_compiles: int  # jit traces so far (one per step shape key)
+    layout: CacheLayout  # the setup value the runner was built from (honor_full_refresh)
+
+    def dispatch(self, ops: StepOps) -> StepHandle:
+        """Enqueue one step on the device and return at once."""
+
+    def collect(self, handle: StepHandle) -> StepResult:
+        """Block until a dispatched step is done; its host results."""
+
+    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None) -> int:
+        """Compile the step shapes with all-padding steps; returns the compilations run."""
+
+    def host_mirrors(self) -> list[np.ndarray]:
+        """The device page-table mirrors after the last dispatched step (debug checks)."""
 
 
 class _Track:
@@ -45,25 +71,19 @@ class _Track:
 class Engine:
     """Continuous-batching engine over one `Scheduler` and one model runner.
 
-    runner: an object with `dispatch(ops: StepOps) -> handle` (enqueue, return at once),
-    `collect(handle) -> result` (block) where result has numpy fields `sampled` i32[R],
-    `logprobs` f32[R] and `prompt_logprobs` f32[T] (NaN where none); a runner with only
-    `step(ops) -> result` runs the synchronous loop.
+    runner: the device side (`Runner`): `dispatch(ops)` enqueues a step and returns at once,
+    `collect(handle)` blocks for its `StepResult` (numpy `sampled` i32[R], `logprobs` f32[R],
+    `prompt_logprobs` f32[T], NaN where none).
     async_scheduling: overlap planning step N+1 with the device running step N.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, runner, *, vocab_size: int,
-                 eos_token_ids: tuple[int, ...] = (), tokenizer=None,
+    def __init__(self, scheduler_config: SchedulerConfig, runner: Runner, *, vocab_size: int,
+                 eos_token_ids: tuple[int, ...] = (), tokenizer: Any = None,
                  async_scheduling: bool = False) -> None:
         self.scheduler = Scheduler(scheduler_config)
         self.runner = runner
-        if not hasattr(runner, "dispatch"):  # a plain `step` runner: wrap it, synchronous only
-            if async_scheduling:
-                raise ValueError("async_scheduling needs a runner with dispatch/collect")
-            runner = _SyncRunner(runner)
-        self._runner = runner
         self.async_scheduling = bool(async_scheduling)
-        self._inflight: tuple[StepOps, object] | None = None  # overlapped: step N, not collected
+        self._inflight: tuple[StepOps, StepHandle] | None = None  # overlapped: step N, not collected
         self.clock = StepClock()
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -79,7 +99,7 @@ class Engine:
         self._stepping = threading.Lock()
 
     # ------------------------------------------------------------------ requests
-    def validate(self, prompt: list[int], params: SamplingParams) -> list[int]:
+    def validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         """Check one request without queueing it; returns the prompt as a list of ints."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
@@ -98,7 +118,7 @@ class Engine:
             raise ValueError(f"logit_bias token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         return self.scheduler.check_prompt(ids, params.max_tokens)  # empty, max_context_len
 
-    def add_request(self, prompt: list[int], params: SamplingParams,
+    def add_request(self, prompt: Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
         """Queue a request; raises ValueError (and queues nothing) on bad input."""
         ids = self.validate(prompt, params)
@@ -185,30 +205,30 @@ class Engine:
         finally:
             self._stepping.release()
 
-    def _dispatch(self, ops: StepOps, pipelined: bool):
-        handle = self._runner.dispatch(ops)
+    def _dispatch(self, ops: StepOps, pipelined: bool) -> StepHandle:
+        handle = self.runner.dispatch(ops)
         self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_reqs, pipelined=pipelined)
         checker = self.scheduler.mirror_checker
-        if checker is not None and hasattr(self._runner, "host_mirrors"):
+        if checker is not None:
             self._check_device_mirrors(checker)
         return handle
 
     def _check_device_mirrors(self, checker) -> None:
         """Debug mode: the device page tables after the step just dispatched must equal the
         scheduler's numpy twin (itself checked against the authoritative rows) in every slot."""
-        honor = getattr(self._runner, "honor_full_refresh", True)
+        honor = self.runner.layout.honor_full_refresh  # the runner's `scheduler.CacheLayout`
         twins = checker.exact if honor else checker.tail_only
-        for g, (dev, twin) in enumerate(zip(self._runner.host_mirrors(), twins, strict=True)):
+        for g, (dev, twin) in enumerate(zip(self.runner.host_mirrors(), twins, strict=True)):
             if not np.array_equal(dev, twin):
                 bad = np.flatnonzero((dev != twin).any(axis=1)).tolist()
                 raise AssertionError(f"device page-table mirror of group {g} differs from the "
                                      f"scheduler's in slots {bad}")
 
-    def _finish(self, ops: StepOps, handle) -> list[CompletionOutput]:
+    def _finish(self, ops: StepOps, handle: StepHandle) -> list[CompletionOutput]:
         """Wait for a dispatched step, feed it back, and turn finished requests into outputs."""
         blocked = not handle.is_ready()
         t = time.perf_counter()
-        result = self._runner.collect(handle)
+        result = self.runner.collect(handle)
         now = time.perf_counter()
         self.clock.waited(now - t, blocked)
         finished = self.scheduler.update(ops, result.sampled)
@@ -224,14 +244,16 @@ class Engine:
             outs.append(self._output(fin.request_id, track, fin.token_ids, fin.finish_reason))
         return outs
 
-    def _route_logprobs(self, ops: StepOps, result, now: float, applied: list[bool]) -> None:
+    def _route_logprobs(self, ops: StepOps, result: StepResult, now: float,
+                        applied: list[bool]) -> None:
         """Logprobs of the rows whose results the scheduler applied (a row planned behind a
         request that finished or was aborted meanwhile produced nothing for anyone)."""
         # plain Python over the rows (numpy scalar indexing per row costs more than the work)
         rids, tracks = ops.request_ids, self._tracks
         n = ops.num_reqs
         mask = ops.sample_mask[:n].tolist()
-        logprobs = top_ids = top_lp = None
+        logprobs: np.ndarray | None = None  # read only once a row asks for logprobs
+        top_ids, top_lp = result.top_ids, result.top_logprobs
         count = 0
         for i in range(n):
             if not (mask[i] and applied[i]):
@@ -248,10 +270,8 @@ class Engine:
             if params.logprobs or k:
                 if logprobs is None:
                     logprobs = np.asarray(result.logprobs)
-                    top_ids = getattr(result, "top_ids", None)
-                    top_lp = getattr(result, "top_logprobs", None)
                 track.logprobs.append(float(logprobs[i]))
-                if k and top_ids is not None:
+                if k and top_ids is not None and top_lp is not None:
                     track.top.append(list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
         self.num_generated_tokens += count
         targets = np.flatnonzero(ops.prompt_targets[:ops.num_tokens] >= 0)
@@ -280,8 +300,6 @@ class Engine:
     def warmup(self, max_kv_len: int | None = None) -> int:
         """Compile the runner's shape keys now (`ModelRunner.warmup`: every (token, kv) bucket
         pair, or those with kv buckets up to `max_kv_len`); returns how many were compiled."""
-        if max_kv_len is None:
-            return self.runner.warmup(self.scheduler.padding_ops())
         return self.runner.warmup(self.scheduler.padding_ops(), max_kv_len=max_kv_len)
 
     # ------------------------------------------------------------------ stats
@@ -292,26 +310,6 @@ class Engine:
         out["num_generated_tokens"] = self.num_generated_tokens
         out["async_scheduling"] = self.async_scheduling
         out.update(self.clock.summary())
-        if hasattr(self.runner, "num_compiles"):
-            out["num_compiles"] = self.runner.num_compiles
+        out["num_compiles"] = self.runner.num_compiles
         return out
 
-
-class _SyncRunner:
-    """dispatch/collect over a runner that only has `step` (the step runs inside dispatch)."""
-
-    class _Done:
-        def __init__(self, result) -> None:
-            self.result = result
-
-        def is_ready(self) -> bool:
-            return True
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-
-    def dispatch(self, ops: StepOps) -> _SyncRunner._Done:
-        return self._Done(self.runner.step(ops))
-
-    def collect(self, handle: _SyncRunner._Done):
-        return handle.result

@@ -9,28 +9,50 @@ import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
-from scheduler import SchedulerConfig
+from scheduler import SchedulerConfig, cache_layout
 from tokenspeed_jax import distributed as dist
-from tokenspeed_jax.engine import Engine
+from tokenspeed_jax.engine import Engine, Runner
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from tokenspeed_jax.distributed_runner import DistributedGroup, DistributedRunner
+    from tokenspeed_jax.runner import ModelRunner
+
 DEFAULT_TINY_CONTEXT = 2048
 DEFAULT_HF_CONTEXT = 8192
+# LLM options that go to SchedulerConfig unchanged (its defaults apply when not given)
+SCHEDULER_OPTIONS = ("max_live_requests", "enable_adoption", "decode_reserve_tokens",
+                     "max_prefill_chunk_tokens", "debug_checks")
 
 
-def _load(model: str, dtype: str, seed: int):
+def default_context_len(model: str, config) -> int:
+    """max_context_len=None: DEFAULT_TINY_CONTEXT (built-in) / DEFAULT_HF_CONTEXT tokens, capped at
+    the model's max_position_embeddings."""
+    default = DEFAULT_TINY_CONTEXT if model == "tiny-random" else DEFAULT_HF_CONTEXT
+    limit = getattr(config, "max_position_embeddings", None)
+    return min(limit, default) if limit else default
+
+
+def _load(model: str, dtype: str, seed: int, lazy: bool = False):
     """(model config, nnx model, tokenizer) for a built-in name, an alias (`MODEL_ALIASES`), a
-    .gguf file or a local HF checkpoint dir."""
+    .gguf file or a local HF checkpoint dir. lazy: parameters stay `param_sources.ParamSource`s
+    (built-in and safetensors models), so each process later makes only its own shards."""
     from tokenspeed_jax.models import registry
 
     if model in registry.BUILTIN_MODELS:
         from tokenspeed_jax.tokenizer import ByteTokenizer
 
+        if lazy:
+            from tokenspeed_jax.param_sources import generated_model
+
+            cfg = registry.tiny_random_config(dtype=dtype)
+            return cfg, generated_model(lambda: registry.build_model(cfg, seed)), ByteTokenizer()
         cfg, net = registry.load_builtin(model, seed=seed, dtype=dtype)
         return cfg, net, ByteTokenizer()
     if model in registry.MODEL_ALIASES:
@@ -44,7 +66,7 @@ def _load(model: str, dtype: str, seed: int):
             from tokenspeed_jax.hf import load_checkpoint
         except ImportError as e:  # pragma: no cover - until the HF loader lands
             raise ValueError(f"cannot load checkpoint directory {model!r}: {e}") from e
-        return load_checkpoint(model, dtype=dtype)
+        return load_checkpoint(model, dtype=dtype, lazy=lazy)
     raise ValueError(f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS}, an alias "
                      f"({', '.join(registry.MODEL_ALIASES)}), a local .gguf file or a local "
                      f"Hugging Face checkpoint directory (config.json + *.safetensors)")
@@ -90,83 +112,72 @@ class LLM:
 
         self.distributed = dist.resolve(distributed)
         multi = self.distributed is not None and self.distributed.num_processes > 1
-        self.is_leader = not multi or self.distributed.is_leader
-        self._group = None
+        self.is_leader = self.distributed is None or self.distributed.is_leader  # 1 process: 0
+        self._group: DistributedGroup | None = None
+        self._dist_runners: list[DistributedRunner] = []  # this process's replicas (multi)
         if multi:  # before anything touches jax.devices()
-            dist.initialize(self.distributed)
+            dist.initialize(self._dist_config)
         tp, dp = tensor_parallel_size, data_parallel_size
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
-        known = {"conv_page_size", "enable_adoption", "max_live_requests", "debug_checks",
-                 "honor_full_refresh", "decode_reserve_tokens", "max_prefill_chunk_tokens",
-                 "min_kv_bucket", "async_scheduling"}
+        known = {*SCHEDULER_OPTIONS, "conv_page_size", "honor_full_refresh", "min_kv_bucket",
+                 "async_scheduling"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
         if attention_backend not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
                              f"{attention_backend!r}")
-        from tokenspeed_jax.models.registry import cache_group_specs, layer_groups
         from tokenspeed_jax.runner import DEFAULT_MIN_KV_BUCKET, ModelRunner
 
-        # Multi-process: the whole model is built / read into host memory only; each process
-        # then copies just its own shards onto its accelerators (`sharding.place`).
+        # Multi-process: parameters stay lazy (`param_sources`); each process reads / generates
+        # only its own shards when the runner places them (`sharding.place`). GGUF files are
+        # still read whole, into host memory only.
         with sharding.host_staging() if multi else contextlib.nullcontext():
-            self.model_config, net, self.tokenizer = _load(model, dtype, seed)
+            self.model_config, net, self.tokenizer = _load(model, dtype, seed, lazy=multi)
             sharding.validate(self.model_config, tp)
             # tp > kv heads: k/v projections widened to one KV head per shard (runtime config)
             runtime_config = sharding.replicate_kv_heads(net, self.model_config, tp)
         self.dtype = dtype
         if max_context_len is None:
-            limit = getattr(self.model_config, "max_position_embeddings", None)
-            default = DEFAULT_TINY_CONTEXT if model == "tiny-random" else DEFAULT_HF_CONTEXT
-            max_context_len = min(limit, default) if limit else default
-        specs = cache_group_specs(self.model_config, page_size=page_size,
-                                  conv_page_size=more_options.get("conv_page_size", 8))
-        groups = layer_groups(self.model_config, specs)
-        block_sizes = tuple(s.page_tokens for s in specs)
+            max_context_len = default_context_len(model, self.model_config)
+        sched_cfg = SchedulerConfig(
+            num_pages=2 if num_pages is None else num_pages, page_size=page_size,
+            max_batch_requests=max_batch_requests, max_scheduled_tokens=max_scheduled_tokens,
+            max_context_len=max_context_len, enable_prefix_cache=enable_prefix_cache,
+            **{k: more_options[k] for k in SCHEDULER_OPTIONS if k in more_options})
+        # the one setup value: the Scheduler is built from layout.scheduler_config, the runner
+        # from the layout itself (num_pages=None: 2 until the pool is sized just below)
+        layout = cache_layout(sched_cfg, self.model_config,
+                              conv_page_size=more_options.get("conv_page_size", 8),
+                              honor_full_refresh=more_options.get("honor_full_refresh", True))
         if num_pages is None:
             from tokenspeed_jax.state import pages_from_memory
 
             device = None if meshes[0] is None else next(
                 d for d in meshes[0].devices.flat if d.process_index == jax.process_index())
-            num_pages = pages_from_memory(runtime_config, groups, block_sizes, device=device,
-                                          shards=tp)
+            num_pages = pages_from_memory(runtime_config, layout.layer_groups, layout.page_sizes,
+                                          device=device, shards=tp)
             if multi:  # every process must build the same shapes: the smallest fit wins
                 from jax.experimental import multihost_utils
 
                 num_pages = int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
-        sched_cfg = SchedulerConfig(
-            num_pages=num_pages, page_size=page_size, max_batch_requests=max_batch_requests,
-            max_scheduled_tokens=max_scheduled_tokens, max_context_len=max_context_len,
-            groups=specs, enable_prefix_cache=enable_prefix_cache,
-            max_live_requests=more_options.get("max_live_requests"),
-            enable_adoption=more_options.get("enable_adoption", True),
-            decode_reserve_tokens=more_options.get("decode_reserve_tokens", 1),
-            max_prefill_chunk_tokens=more_options.get("max_prefill_chunk_tokens"),
-            debug_checks=more_options.get("debug_checks", False))
+            layout = layout.with_num_pages(num_pages)
         eos = self.model_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         overlap = more_options.get("async_scheduling")
         if overlap is None:
-            import jax
-
             device = jax.devices()[0] if meshes[0] is None else meshes[0].devices.flat[0]
             overlap = device.platform != "cpu"
         self.engines: list[Engine] = []
         for r, mesh in enumerate(meshes):
-            runner = ModelRunner(runtime_config, net, sched_cfg.group_layouts(),
-                                 num_pages=num_pages, max_live_requests=sched_cfg.num_live_slots,
-                                 max_batch_requests=max_batch_requests,
-                                 max_scheduled_tokens=max_scheduled_tokens, layer_groups=groups,
-                                 backend=attention_backend,
-                                 honor_full_refresh=more_options.get("honor_full_refresh", True),
+            runner = ModelRunner(runtime_config, net, layout, backend=attention_backend,
                                  min_kv_bucket=more_options.get("min_kv_bucket",
                                                                 DEFAULT_MIN_KV_BUCKET),
                                  mesh=mesh)
-            if multi:
-                runner = self._distribute(runner, r)
-            self.engines.append(Engine(sched_cfg, runner, vocab_size=self.model_config.vocab_size,
+            driven: Runner = self._distribute(runner, r) if multi else runner
+            self.engines.append(Engine(layout.scheduler_config, driven,
+                                       vocab_size=self.model_config.vocab_size,
                                        eos_token_ids=eos_ids, tokenizer=self.tokenizer,
                                        async_scheduling=bool(overlap)))
         self.engine = self.engines[0]
@@ -177,29 +188,37 @@ class LLM:
             atexit.register(self.shutdown)  # releases the followers however the leader ends
 
     # ------------------------------------------------------------------ multi-process
-    def _distribute(self, runner, replica: int):
+    @property
+    def _dist_config(self) -> dist.DistributedConfig:
+        """`distributed`, on the paths only a multi-process run takes."""
+        if self.distributed is None:
+            raise RuntimeError("not a multi-process run")
+        return self.distributed
+
+    def _distribute(self, runner: ModelRunner, replica: int) -> DistributedRunner:
         from tokenspeed_jax.distributed_runner import DistributedGroup, DistributedRunner
 
         if self._group is None:
-            self._group = DistributedGroup(self.distributed, DistributedRunner.message_words(runner))
-        return DistributedRunner(runner, self._group, replica)
+            self._group = DistributedGroup(self._dist_config, DistributedRunner.message_words(runner))
+        self._dist_runners.append(DistributedRunner(runner, self._group, replica))
+        return self._dist_runners[-1]
 
     def _leader_only(self, what: str) -> None:
         if not self.is_leader:
             raise RuntimeError(f"{what} runs on the leader (process 0); process "
-                               f"{self.distributed.process_id} is a follower: call run_follower()")
+                               f"{self._dist_config.process_id} is a follower: call run_follower()")
 
     def run_follower(self, leave_runtime: bool = True) -> int:
         """Follower processes: replay the leader's steps until it shuts down, then leave the
         distributed runtime (unless `leave_runtime=False`: another LLM will follow on the same
         processes). Returns the number of steps replayed."""
-        if self.is_leader:
+        if self.is_leader or self._group is None:
             raise RuntimeError("run_follower() is for processes other than 0")
         from tokenspeed_jax.distributed_runner import follow
 
-        steps = follow(self._group, [e.runner for e in self.engines])
+        steps = follow(self._group, self._dist_runners)
         if leave_runtime:
-            dist.leave(self.distributed)
+            dist.leave(self._dist_config)
         return steps
 
     def shutdown(self, leave_runtime: bool = True) -> None:
@@ -211,7 +230,7 @@ class LLM:
         broken = self._group.broken
         self._group.shutdown()
         if leave_runtime and not broken:  # with a follower gone the barrier could only time out
-            dist.leave(self.distributed)
+            dist.leave(self._dist_config)
 
     # ------------------------------------------------------------------ API
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str] | str,
@@ -222,17 +241,15 @@ class LLM:
         prompts: token-id lists or strings (tokenized with the model's tokenizer). Invalid
         prompts or params raise ValueError before anything is queued."""
         self._leader_only("generate")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
+        given: list[Sequence[int] | str] = [prompts] if isinstance(prompts, str) else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+        params = ([sampling_params] * len(given) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if len(params) != len(given):
+            raise ValueError(f"{len(given)} prompts but {len(params)} sampling params")
         token_prompts = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, (p, sp) in enumerate(zip(given, params)):
             if isinstance(p, str) and self.tokenizer is None:
                 raise ValueError(f"prompt {i} is a string but the model has no tokenizer "
                                  f"(no tokenizer.json): pass token ids")

@@ -8,7 +8,8 @@ rows. Each step applies the group's `GroupStepOps`:
   aliasing bug came from refreshing only the tail after adoption repointed an earlier slot);
 * other rows get their tail delta `new_pages[i, :sizes[i]]` written at `begins[i]`;
 * columns past the mirror width are dropped (capacity clamp; `add_request` admits no request whose
-  row can outgrow the width, and debug mode asserts it on the numpy oracle
+  row can outgrow the width; the runner warns naming any request that does (hand-built ops),
+  and debug mode asserts it never happens on the numpy oracle
   `scheduler.mirror_check.update_rows_reference`, which tests compare this function against);
 * `hole_slots` columns are set to 0 (slots reclaimed into holes this step).
 

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +40,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from scheduler.cache_layout import CacheLayout
+from scheduler.mirror_check import clamped_rows
 from scheduler.step_ops import StepOps, device_schema
-from tokenspeed_jax.attention import get_paged_attention, get_short_conv, resolve_backend
+from tokenspeed_jax.attention import get_paged_attention, resolve_backend
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.models.conv import get_short_conv
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.page_table import update_rows
 from tokenspeed_jax.sampling import (
@@ -53,12 +58,17 @@ from tokenspeed_jax.sampling import (
     top_logprobs,
 )
 from tokenspeed_jax.sharding import TensorParallel, place, prepare_model
-from tokenspeed_jax.state import DeviceState, init_state, pages_from_memory
+from tokenspeed_jax.state import DeviceState, init_state
 from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, unpack
+
+logger = logging.getLogger(__name__)
 
 # per-row StepOps fields (schema axis "row"): what the LM head / sampler slice to the used rows
 _ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
 DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fewer compiles)
+# device outputs of one step: sampled ids i32[R], logprobs f32[R], prompt logprobs f32[T],
+# (top ids i32[R, K], top logprobs f32[R, K])
+StepOutputs: TypeAlias = tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +102,8 @@ class StepHandle:
 
     def is_ready(self) -> bool:
         """True once the device has finished the step (never blocks)."""
-        return self.tokens is None or self.tokens.is_ready()
+        # ArrayImpl.is_ready exists at run time; jax.Array's type stubs do not declare it
+        return self.tokens is None or self.tokens.is_ready()  # type: ignore[attr-defined]
 
 
 def token_buckets(max_scheduled_tokens: int, min_bucket: int = 16) -> tuple[int, ...]:
@@ -110,14 +121,10 @@ class ModelRunner:
     Args:
       model_config: the model's `ModelConfig`.
       model: the `CausalLM` (split once into a static graphdef + a params pytree argument).
-      layouts: `GroupLayout` per cache group, in `config.groups` order (block_size, width).
-      layer_groups: group index of each layer; default: matched by group_id through
-        `scheduler.layer_group_indices` (full / sliding / conv naming).
-      num_pages: page ids per pool (null page included); None sizes from device memory.
-      max_live_requests: device mirror slots (StepOps.req_slots index them).
-      max_batch_requests, max_scheduled_tokens: R and T of the StepOps.
+      layout: the `scheduler.CacheLayout` the Scheduler was built from (`scheduler.cache_layout`):
+        group page sizes and widths, pool size, mirror slots, layer -> group map, R and T of
+        the StepOps, honor_full_refresh.
       backend: "auto" | "pallas" | "reference" attention.
-      honor_full_refresh: False reproduces the tail-only mirror (aliasing bug) for experiments.
       min_token_bucket, min_kv_bucket: the shortest token bucket and kv bucket (in tokens).
       mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.sharding`);
         None = the default device, unsharded (the single-device path, unchanged).
@@ -127,41 +134,24 @@ class ModelRunner:
         self,
         model_config: ModelConfig,
         model: CausalLM,
-        layouts: Sequence,
+        layout: CacheLayout,
         *,
-        num_pages: int | None,
-        max_live_requests: int,
-        max_batch_requests: int,
-        max_scheduled_tokens: int,
-        layer_groups: Sequence[int] | None = None,
         backend: str = "auto",
-        honor_full_refresh: bool = True,
         min_token_bucket: int = 16,
         min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET,
         mesh: Mesh | None = None,
-    ):
+    ) -> None:
         self.config = model_config
-        self.layouts = tuple(layouts)
-        if layer_groups is None:
-            from scheduler import layer_group_indices
-
-            layer_groups = layer_group_indices(model_config.layer_types, self.layouts)
-        self.layer_groups = tuple(int(g) for g in layer_groups)
-        self.block_sizes = tuple(int(lay.block_size) for lay in self.layouts)
-        self.widths = tuple(int(lay.width) for lay in self.layouts)
-        if num_pages is None:
-            num_pages = pages_from_memory(model_config, self.layer_groups, self.block_sizes)
-        self.num_pages = int(num_pages)
-        self.max_batch_requests = max_batch_requests
-        self.max_scheduled_tokens = max_scheduled_tokens
+        self.layout = layout
+        self.max_batch_requests = layout.scheduler_config.max_batch_requests
+        self.max_scheduled_tokens = layout.scheduler_config.max_scheduled_tokens
         self.backend = resolve_backend(backend)
-        self.honor_full_refresh = honor_full_refresh
-        self.buckets = token_buckets(max_scheduled_tokens, min_token_bucket)
-        self.delta_widths = tuple(int(lay.delta_width) for lay in self.layouts)
+        self.buckets = token_buckets(self.max_scheduled_tokens, min_token_bucket)
+        widths, page_sizes = layout.widths, layout.page_sizes
         if self.backend == "reference":
-            self.kv_levels = kv_levels(self.widths, self.block_sizes, min_kv_bucket)
+            self.kv_levels = kv_levels(widths, page_sizes, min_kv_bucket)
         else:  # Pallas: loops bounded by kv_len on the device; one full-width level
-            self.kv_levels = ((max(w * b for w, b in zip(self.widths, self.block_sizes)), self.widths),)
+            self.kv_levels = ((max(w * b for w, b in zip(widths, page_sizes)), widths),)
         self.num_compiles = 0
         self._layouts: dict[tuple[int, tuple[int, ...]], StepLayout] = {}
 
@@ -170,13 +160,13 @@ class ModelRunner:
             prepare_model(model, self._tp.tp)  # conv in_proj re-layout (before the split)
         self._graphdef, self.params = nnx.split(model)
         make_state = functools.partial(
-            init_state, model_config, self.layer_groups, self.block_sizes, self.widths,
-            num_pages=self.num_pages, max_live_requests=max_live_requests,
+            init_state, model_config, layout.layer_groups, page_sizes, widths,
+            num_pages=layout.num_pages, max_live_requests=layout.max_live_requests,
         )  # fmt: skip
         self._attn = get_paged_attention(self.backend)
-        self._conv = get_short_conv(self.backend)
+        self._conv: Callable[..., jax.Array] | None = get_short_conv(self.backend)
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
-        make_penalties = functools.partial(init_penalty_state, max_live_requests,
+        make_penalties = functools.partial(init_penalty_state, layout.max_live_requests,
                                            model_config.vocab_size)
         if self._tp is None:
             self.state = make_state()
@@ -204,8 +194,9 @@ class ModelRunner:
             )  # fmt: skip
 
     # ------------------------------------------------------------------ device side
-    def _step_impl(self, param_leaves: list, state: DeviceState, penalties, i32: jax.Array,
-                   f32: jax.Array, layout: StepLayout):
+    def _step_impl(self, param_leaves: list[jax.Array], state: DeviceState, penalties: Any,
+                   i32: jax.Array, f32: jax.Array,
+                   layout: StepLayout) -> tuple[DeviceState, Any, *StepOutputs]:
         self.num_compiles += 1  # Python body runs once per trace = once per compile
         ops = unpack(i32, f32, layout)
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._param_def, param_leaves))
@@ -213,14 +204,14 @@ class ModelRunner:
             update_rows(
                 mirror, ops["req_slots"], g["begins"], g["sizes"], g["new_pages"],
                 ops["full_refresh"], g["rows"], g["row_lens"],
-                honor_full_refresh=self.honor_full_refresh, hole_slots=g["hole_slots"],
+                honor_full_refresh=self.layout.honor_full_refresh, hole_slots=g["hole_slots"],
             )
             for mirror, g in zip(state.mirrors, ops["groups"], strict=True)
         )  # fmt: skip
         batch = make_paged_batch(
-            mirrors, ops["req_slots"], ops["query_start"], ops["kv_lens"], ops["positions"],
-            ops["token_rows"], block_sizes=self.block_sizes, num_pages=self.num_pages,
-            layer_groups=self.layer_groups, kv_cols=layout.cols,
+            mirrors, ops["req_slots"], ops["cu_q_lens"], ops["kv_lens"], ops["positions"],
+            ops["token_rows"], page_sizes=self.layout.page_sizes, num_pages=self.layout.num_pages,
+            layer_groups=self.layout.layer_groups, kv_cols=layout.cols,
         )  # fmt: skip
         slots = ops["req_slots"]
         num_slots = state.last_tokens.shape[0]
@@ -237,7 +228,7 @@ class ModelRunner:
         # the sampler only run on the first n rows (a 16-token decode bucket pays for 16, not R).
         n = min(self.max_batch_requests, t)
         rows = {k: ops[k][:n] for k in _ROW_FIELDS}
-        last = jnp.clip(ops["query_start"][1 : n + 1] - 1, 0, t - 1)  # each row's last token
+        last = jnp.clip(ops["cu_q_lens"][1 : n + 1] - 1, 0, t - 1)  # each row's last token
         logits = model.logits(hidden[last])
         if self._tp is not None:  # vocab-sharded under TP: the sort / argmax want whole rows
             logits = self._tp.gather_logits(logits)
@@ -285,7 +276,7 @@ class ModelRunner:
         """Every (token bucket, kv bucket tokens) pair a step can have: one compile each."""
         return tuple((b, t) for b in self.buckets for t, _ in self.kv_levels)
 
-    def kv_bucket_for(self, ops) -> tuple[int, tuple[int, ...]]:
+    def kv_bucket_for(self, ops: StepOps) -> tuple[int, tuple[int, ...]]:
         """(tokens, kv columns per group) of the shortest kv level covering the step's longest
         row (`kv_lens`) and every refreshed row's length (`row_lens`)."""
         need = int(ops.kv_lens.max())
@@ -299,11 +290,11 @@ class ModelRunner:
         key = (bucket, cols)
         lay = self._layouts.get(key)
         if lay is None:
-            lay = self._layouts[key] = layout_for(self.max_batch_requests, bucket,
-                                                  self.delta_widths, cols)
+            deltas = tuple(g.delta_width for g in self.layout.groups)
+            lay = self._layouts[key] = layout_for(self.max_batch_requests, bucket, deltas, cols)
         return lay
 
-    def _run(self, ops, bucket: int, cols: tuple[int, ...]):
+    def _run(self, ops: StepOps, bucket: int, cols: tuple[int, ...]) -> StepOutputs:
         layout = self._layout(bucket, cols)
         i32, f32 = pack(ops, layout)
         if self._tp is not None:
@@ -314,7 +305,7 @@ class ModelRunner:
             self.param_leaves, self.state, self.penalties, i32, f32, layout)
         return tokens, logprobs, plp, top
 
-    def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
+    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None) -> int:
         """Compile the shape keys (token bucket x kv bucket, `shape_keys`) now, so serving does
         not stall on XLA, by running an all-padding StepOps through each: padding rows (slot -1)
         and padding tokens drop every write, so the device state is unchanged.
@@ -324,8 +315,8 @@ class ModelRunner:
         tokens; a step whose longest row is longer compiles its key on first use (once; counted
         in `num_compiles`, at most `len(shape_keys)` in all). Returns the compilations it ran.
         """
-        if padding_ops.num_reqs:
-            raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
+        if padding_ops.num_seqs:
+            raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_seqs} rows")
         levels = self.kv_levels
         if max_kv_len is not None:
             if max_kv_len < 1:
@@ -339,20 +330,39 @@ class ModelRunner:
         jax.block_until_ready(self.state)
         return self.num_compiles - before
 
-    def step(self, ops) -> StepResult:
+    def step(self, ops: StepOps) -> StepResult:
         """Applies one `StepOps`; returns the sampled tokens (numpy). Empty steps skip the device."""
         return self.collect(self.dispatch(ops))
 
-    def dispatch(self, ops) -> StepHandle:
+    def dispatch(self, ops: StepOps) -> StepHandle:
         """Enqueue one `StepOps` on the device and return at once (the state advances to the
         step's output futures, so the next dispatch queues behind this one)."""
-        if ops.num_reqs == 0:
+        if ops.num_seqs == 0:
             return StepHandle(None, None, None, 0)
-        bucket = self.bucket_for(int(ops.num_tokens))
-        _, cols = self.kv_bucket_for(ops)
-        return self.handle_for(ops, bucket, *self._run(ops, bucket, cols))
+        self.warn_clamped(ops)
+        bucket, level = self.step_shape(ops)
+        return self.handle_for(ops, bucket, *self._run(ops, bucket, self.kv_levels[level][1]))
 
-    def handle_for(self, ops, bucket: int, tokens, logprobs, plp, top) -> StepHandle:
+    def warn_clamped(self, ops: StepOps) -> None:
+        """DESIGN §6 rule 3: a row whose update outgrows its mirror is clamped on the device (never
+        a crash); name its request. `add_request` admits no such request, so this is the guard
+        for hand-built StepOps (vectorised: a few µs per step)."""
+        lay = self.layout
+        for g, grp in enumerate(ops.groups):
+            rows = clamped_rows(ops.req_slots, grp.begins, grp.sizes, ops.full_refresh,
+                                grp.row_lens, lay.widths[g], lay.honor_full_refresh)
+            for i in rows.tolist():
+                rid = ops.request_ids[i] if i < len(ops.request_ids) else f"row {i}"
+                logger.warning("page-table row of request %s in cache group %s outgrows width %d; "
+                               "clamped", rid, lay.groups[g].group_id, lay.widths[g])
+
+    def step_shape(self, ops: StepOps) -> tuple[int, int]:
+        """(token bucket, index into `kv_levels`) of a non-empty step: its compiled shape."""
+        _, cols = self.kv_bucket_for(ops)
+        return self.bucket_for(int(ops.num_tokens)), [c for _, c in self.kv_levels].index(cols)
+
+    def handle_for(self, ops: StepOps, bucket: int, tokens: jax.Array, logprobs: jax.Array,
+                   plp: jax.Array | None, top: tuple[jax.Array, jax.Array] | None) -> StepHandle:
         """Wrap one dispatched step's device outputs; copies back only what the step asked for."""
         for x in (tokens, logprobs):  # start the device->host copies now, not when collected
             x.copy_to_host_async()

@@ -117,7 +117,7 @@ def init_penalty_state(num_slots: int, vocab_size: int) -> PenaltyState:
                         jnp.zeros((num_slots, vocab_size), bool))
 
 
-def update_penalty_state(state: PenaltyState, req_slots, kv_lens, query_start, prompt_lens,
+def update_penalty_state(state: PenaltyState, req_slots, kv_lens, cu_q_lens, prompt_lens,
                          token_ids, positions, token_rows) -> PenaltyState:
     """Fold one step's input tokens into the slots' statistics.
 
@@ -128,12 +128,12 @@ def update_penalty_state(state: PenaltyState, req_slots, kv_lens, query_start, p
     sampling point is therefore counted exactly when that row samples. Padding rows (slot -1)
     and padding tokens (row R) are dropped (scatter index = dimension size, mode="drop").
 
-    req_slots i32[R]; kv_lens i32[R]; query_start i32[R+1]; prompt_lens i32[R];
+    req_slots i32[R]; kv_lens i32[R]; cu_q_lens i32[R+1]; prompt_lens i32[R];
     token_ids, positions, token_rows i32[T].
     """
     s, v = state.counts.shape
     r = req_slots.shape[0]
-    starts_fresh = (req_slots >= 0) & (kv_lens - (query_start[1:] - query_start[:-1]) == 0)
+    starts_fresh = (req_slots >= 0) & (kv_lens - (cu_q_lens[1:] - cu_q_lens[:-1]) == 0)
     reset = jnp.where(starts_fresh, req_slots, s)
     counts = state.counts.at[reset].set(0, mode="drop")
     seen = state.seen.at[reset].set(False, mode="drop")
@@ -168,7 +168,7 @@ def apply_penalties(logits, counts, seen, presence, frequency, repetition, bias_
 def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: dict):
     """One step's penalty work: (state after this step's inputs, logits f32[n, V] after bias and
     penalties; logits are the first n <= R rows). `ops` holds the step's StepOps arrays
-    (req_slots, kv_lens, query_start, prompt_lens, token_ids, positions, token_rows and the
+    (req_slots, kv_lens, cu_q_lens, prompt_lens, token_ids, positions, token_rows and the
     penalty / logit_bias fields). Both
     parts run under lax.cond, so steps without penalties or logit_bias pay nothing for them."""
     use = ((ops["presence_penalty"] != 0) | (ops["frequency_penalty"] != 0)
@@ -176,7 +176,7 @@ def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: dict):
     penalties = jax.lax.cond(
         jnp.any(use),
         lambda p: update_penalty_state(
-            p, ops["req_slots"], ops["kv_lens"], ops["query_start"], ops["prompt_lens"],
+            p, ops["req_slots"], ops["kv_lens"], ops["cu_q_lens"], ops["prompt_lens"],
             ops["token_ids"], ops["positions"], ops["token_rows"]),
         lambda p: p, penalties,
     )

@@ -55,6 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.param_sources import ParamSource, place_sources
 
 AXIS = "tp"
 
@@ -148,14 +149,22 @@ def replicate_kv_heads(model, config: ModelConfig, tp: int) -> ModelConfig:
         attn = getattr(layer, "self_attn", None)
         if attn is None or attn.num_kv_heads == tp:
             continue
+        # column c of the widened projection = column (c // d // rep) * d + c % d of the original
+        cols = np.arange(tp * d)
+        cols = (cols // d // rep) * d + cols % d
         for proj in (attn.k_proj, attn.v_proj):
-            w = proj.kernel[...]
-            proj.kernel.set_value(jnp.repeat(w.reshape(w.shape[0], hkv, d), rep, axis=1).reshape(
-                w.shape[0], tp * d))
+            proj.kernel.set_value(_take(proj.kernel.get_value(), cols, axis=1))
             if proj.bias is not None:
-                proj.bias.set_value(jnp.repeat(proj.bias[...].reshape(hkv, d), rep, axis=0).reshape(-1))
+                proj.bias.set_value(_take(proj.bias.get_value(), cols, axis=0))
         attn.num_kv_heads = tp
     return dataclasses.replace(config, num_key_value_heads=tp)
+
+
+def _take(x, index: np.ndarray, axis: int):
+    """x.take(index, axis) for arrays, or the lazy equivalent for a `ParamSource` (nothing read)."""
+    if isinstance(x, ParamSource):
+        return x.take(axis, index)
+    return jnp.take(x, jnp.asarray(index), axis=axis)
 
 
 def host_staging():
@@ -172,14 +181,22 @@ def place(tree, shardings):
     """`jax.device_put(tree, shardings)`, except that leaves whose sharding spans several
     processes are assembled per shard with `jax.make_array_from_callback`: each process copies
     only the shards its devices hold, and no cross-process equality check (which would broadcast
-    and compare every weight) runs."""
+    and compare every weight) runs. `param_sources.ParamSource` leaves (lazy loads) are read /
+    generated per shard (`param_sources.place_sources`)."""
     def one(x, sh):
+        if isinstance(x, ParamSource):
+            return x  # below, all together
         if sh.is_fully_addressable:
             return jax.device_put(x, sh)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
 
-    return jax.tree.map(one, tree, shardings)
+    tree = jax.tree.map(one, tree, shardings)
+    leaves, treedef = jax.tree.flatten(tree)
+    if not any(isinstance(x, ParamSource) for x in leaves):
+        return tree
+    # lazy parameters (multi-process loads): each process reads / generates only its shards
+    return jax.tree.unflatten(treedef, place_sources(leaves, jax.tree.leaves(shardings)))
 
 
 def _path_str(path) -> str:
@@ -211,12 +228,12 @@ def prepare_model(model, tp: int) -> None:
         old = getattr(conv, "gate_shards", 1)
         if old == tp:
             continue
-        h = conv.conv_weight[...].shape[-1]
+        h = conv.conv_weight.get_value().shape[-1]
         # old layout -> canonical [B | C | x] -> new layout
         order = np.argsort(_gate_perm(h, old))[_gate_perm(h, tp)]
-        conv.in_proj.kernel[...] = conv.in_proj.kernel[...][:, order]
+        conv.in_proj.kernel.set_value(_take(conv.in_proj.kernel.get_value(), order, axis=1))
         if conv.in_proj.bias is not None:
-            conv.in_proj.bias[...] = conv.in_proj.bias[...][order]
+            conv.in_proj.bias.set_value(_take(conv.in_proj.bias.get_value(), order, axis=0))
         conv.gate_shards = tp
 
 

@@ -37,13 +37,13 @@ class DeviceState:
 def layer_cache_shapes(
     config: ModelConfig,
     layer_groups: tuple[int, ...],
-    block_sizes: tuple[int, ...],
+    page_sizes: tuple[int, ...],
     num_pages: int,
 ) -> list[dict[str, tuple[int, ...]]]:
     """Shape of each layer's pool arrays (see module docstring)."""
-    out = []
+    out: list[dict[str, tuple[int, ...]]] = []
     for layer, layer_type in enumerate(config.layer_types):
-        b = block_sizes[layer_groups[layer]]
+        b = page_sizes[layer_groups[layer]]
         if layer_type == "conv":
             out.append({"conv": (num_pages, b, config.hidden_size)})
         else:
@@ -52,10 +52,10 @@ def layer_cache_shapes(
     return out
 
 
-def bytes_per_page(config: ModelConfig, layer_groups: tuple[int, ...], block_sizes: tuple[int, ...]) -> int:
+def bytes_per_page(config: ModelConfig, layer_groups: tuple[int, ...], page_sizes: tuple[int, ...]) -> int:
     """Device bytes one page id costs summed over every layer's pool."""
     itemsize = jnp.dtype(config.dtype).itemsize
-    shapes = layer_cache_shapes(config, layer_groups, block_sizes, 1)
+    shapes = layer_cache_shapes(config, layer_groups, page_sizes, 1)
     return sum(int(np.prod(s)) * itemsize for c in shapes for s in c.values())
 
 
@@ -76,7 +76,7 @@ def _free_host_bytes() -> int:
 def pages_from_memory(
     config: ModelConfig,
     layer_groups: tuple[int, ...],
-    block_sizes: tuple[int, ...],
+    page_sizes: tuple[int, ...],
     *,
     device=None,
     memory_fraction: float = GPU_MEMORY_FRACTION,
@@ -92,7 +92,7 @@ def pages_from_memory(
     (pools are sharded on kv heads / channels). CPU devices share one host RAM, so no scaling.
     """
     device = device or jax.devices()[0]
-    per_page = bytes_per_page(config, layer_groups, block_sizes)
+    per_page = bytes_per_page(config, layer_groups, page_sizes)
     free = _free_device_bytes(device)
     if free is not None:
         per_page = -(-per_page // max(1, shards))
@@ -107,7 +107,7 @@ def pages_from_memory(
 def init_state(
     config: ModelConfig,
     layer_groups: tuple[int, ...],
-    block_sizes: tuple[int, ...],
+    page_sizes: tuple[int, ...],
     widths: tuple[int, ...],
     *,
     num_pages: int,
@@ -120,7 +120,7 @@ def init_state(
     mirrors = tuple(jnp.zeros((max_live_requests, w), jnp.int32) for w in widths)
     caches = tuple(
         {k: jnp.zeros(s, dtype) for k, s in c.items()}
-        for c in layer_cache_shapes(config, layer_groups, block_sizes, num_pages)
+        for c in layer_cache_shapes(config, layer_groups, page_sizes, num_pages)
     )
     last_tokens = jnp.zeros((max_live_requests,), jnp.int32)
     return DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens)

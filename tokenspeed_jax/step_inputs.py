@@ -107,7 +107,7 @@ def unpack(i32: jax.Array, f32: jax.Array, layout: StepLayout) -> dict:
     return out
 
 
-def kv_levels(widths: tuple[int, ...], block_sizes: tuple[int, ...], min_tokens: int
+def kv_levels(widths: tuple[int, ...], page_sizes: tuple[int, ...], min_tokens: int
               ) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """The kv-bucket ladder: (tokens covered, kv columns per group), shortest first.
 
@@ -115,10 +115,10 @@ def kv_levels(widths: tuple[int, ...], block_sizes: tuple[int, ...], min_tokens:
     shorter than the widest group's capacity, then the full mirror widths. Group g reads
     `min(W_g, ceil(tokens / B_g))` columns at a level; duplicates collapse.
     """
-    cap = max(w * b for w, b in zip(widths, block_sizes, strict=True))
+    cap = max(w * b for w, b in zip(widths, page_sizes, strict=True))
     levels, seen, t = [], set(), max(1, min_tokens)
     while t < cap:
-        cols = tuple(min(w, -(-t // b)) for w, b in zip(widths, block_sizes, strict=True))
+        cols = tuple(min(w, -(-t // b)) for w, b in zip(widths, page_sizes, strict=True))
         if cols not in seen:
             levels.append((t, cols))
             seen.add(cols)

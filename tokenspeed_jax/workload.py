@@ -2,7 +2,9 @@
 
 Each session's turn k+1 is sent when turn k finishes, with the whole conversation so far as its
 prompt (system prompt + every earlier user message and reply + a new user message): the shape of
-agent loops and chat, and the best case for a prefix cache. Driven directly on an `Engine`.
+agent loops and chat, and the best case for a prefix cache. `run_workload` drives it directly on
+an `Engine`; `server.loadgen` sends the same `WorkloadConfig` to an HTTP server (`bench serve`).
+This module imports no jax (nor does `engine`), so the load generator stays jax-free.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from tokenspeed_jax.sampling_params import SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadConfig:
+    """The workload's shape: `sessions` conversations of `turns` requests each, sharing a
+    `system_tokens`-token system prompt; every turn adds `user_tokens` and asks for `max_tokens`."""
+
     sessions: int = 16
     turns: int = 3
     system_tokens: int = 384
@@ -29,6 +34,11 @@ class WorkloadConfig:
     temperature: float = 0.0
     seed: int = 0
     ignore_eos: bool = True  # fixed-length replies (comparable runs); chat text stops at EOS
+
+    @property
+    def longest_request(self) -> int:
+        """Tokens (prompt + reply) of a session's last turn: the longest request sent."""
+        return self.system_tokens + self.turns * (self.user_tokens + self.max_tokens)
 
 
 @dataclasses.dataclass
@@ -115,7 +125,7 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
             done += 1
             prompt_tokens += len(out.prompt_token_ids)
             generated += len(out.token_ids)
-            if out.metrics.ttft is not None:
+            if out.metrics is not None and out.metrics.ttft is not None:
                 ttft.append(out.metrics.ttft)
             if out.tpot is not None:
                 tpot.append(out.tpot)

@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from scheduler import SchedulerConfig, cache_layout  # noqa: E402
 from tests.hf.conftest import FAMILIES  # noqa: E402
 from tokenspeed_jax.hf import SUPPORTED_ARCHITECTURES, load_checkpoint, load_config  # noqa: E402
 from tokenspeed_jax.hf.mxfp4 import dequantize_mxfp4  # noqa: E402
-from tokenspeed_jax.models import cache_group_specs, layer_groups  # noqa: E402
 from tokenspeed_jax.models.rope import rope_parameters  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -56,8 +56,9 @@ def test_config_mapping_and_cache_groups(hf_checkpoints):
         assert (cfg.layer_types, cfg.sliding_window) == (types, window), family
         assert cfg.eos_token_id == (2, 4)  # generation_config.json wins over config.json's 2
         assert cfg.max_position_embeddings == 512
-        specs = cache_group_specs(cfg, page_size=4)
-        for layer, g in enumerate(layer_groups(cfg, specs)):
+        layout = cache_layout(SchedulerConfig(num_pages=64, page_size=4), cfg)
+        specs = layout.scheduler_config.groups
+        for layer, g in enumerate(layout.layer_groups):
             spec, kind = specs[g], cfg.layer_types[layer]
             if kind == "full_attention":
                 assert spec.retention == "full_history"

@@ -98,7 +98,7 @@ class CacheCoreMachine(RuleBasedStateMachine):
         self.pool.check_invariants(self._refs())
         for r in self.live:
             for m, t in zip(self.coord.managers, r["tables"]):
-                assert t.extent_tokens(m.block_size) == r["computed"] or not t.pages
+                assert t.extent_tokens(m.page_size) == r["computed"] or not t.pages
 
 
 TestCacheCore = CacheCoreMachine.TestCase

@@ -62,8 +62,8 @@ def test_specs_from_layer_types():
         sliding_window_tokens=64, page_size=16, conv_kernel_size=3)
     assert [s.group_id for s in specs] == ["conv", "full", "sliding", "state"]
     conv, full, swa, state = specs
-    assert conv.live_tail_alloc and conv.sliding_window_tokens == 3 and conv.page_tokens == 8
-    assert full.retention == "full_history" and full.page_tokens == 16
+    assert conv.live_tail_alloc and conv.sliding_window_tokens == 3 and conv.page_size == 8
+    assert full.retention == "full_history" and full.page_size == 16
     assert swa.sliding_window_tokens == 64
     assert state.family == "state" and state.sliding_window_tokens == 2
     assert layer_group_indices(["conv", "full_attention", "sliding_attention"], specs) == [0, 1, 2]

@@ -67,8 +67,8 @@ def test_live_tail_300_fresh():
 ])
 def test_live_tail_degenerates_to_full_allocation(m, tokens):
     t = BlockTable()
-    plain = SlidingWindowManager(m.block_size, m.window)
-    assert m.blocks_needed_for(t, tokens) == plain.blocks_needed_for(t, tokens) == -(-tokens // m.block_size)
+    plain = SlidingWindowManager(m.page_size, m.window)
+    assert m.blocks_needed_for(t, tokens) == plain.blocks_needed_for(t, tokens) == -(-tokens // m.page_size)
 
 
 def test_live_tail_demand_is_non_monotonic_and_sequential_charge():

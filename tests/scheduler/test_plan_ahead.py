@@ -42,14 +42,14 @@ class FakeDevice:
         slots = cfg.num_live_slots
         self.mirrors = [np.zeros((slots, lay.width), np.int32) for lay in cfg.group_layouts()]
         self.g = full_group
-        self.block = cfg.group_layouts()[full_group].block_size
+        self.block = cfg.group_layouts()[full_group].page_size
         self.kv = np.full((cfg.num_pages, self.block), -7, np.int64)  # token id per cached position
         self.last = np.full(slots, -5, np.int32)  # last sampled token per slot
 
     def run(self, ops) -> np.ndarray:
         for mirror, gops in zip(self.mirrors, ops.groups):
             apply_group_ops(mirror, ops, gops)
-        n, q = ops.num_reqs, ops.num_tokens
+        n, q = ops.num_seqs, ops.num_tokens
         tokens = ops.token_ids[:q].astype(np.int64)
         rows = ops.token_rows[:q]
         flag = ops.token_from_prev[:q]
@@ -117,7 +117,7 @@ def run_overlapped(cfg: SchedulerConfig, seed: int, abort_at: dict[int, str] | N
         ops = sched.schedule()
         assert sched.num_in_flight <= 2
         rows += int(ops.sample_mask.sum())
-        cur = (ops, dev.run(ops)) if ops.num_reqs else None
+        cur = (ops, dev.run(ops)) if ops.num_seqs else None
         if prev is not None:
             for o in sched.update(*prev):
                 assert o.request_id not in outs
@@ -183,7 +183,7 @@ def test_length_limit_is_not_planned_ahead():
     s0 = sched.schedule()
     s1 = sched.schedule()  # decode of token 1 -> samples token 2 (the last)
     s2 = sched.schedule()  # token 2 ends it by length: nothing to plan
-    assert s1.num_reqs == 1 and s2.num_reqs == 0
+    assert s1.num_seqs == 1 and s2.num_seqs == 0
     sched.update(s0, np.full(5, 9, np.int32))
     out = sched.update(s1, np.full(5, 10, np.int32))
     assert out[0].token_ids == [9, 10] and out[0].finish_reason == "length"
@@ -224,7 +224,7 @@ def test_retracted_request_with_token_in_flight_keeps_it():
     while sched.has_unfinished() or prev is not None:
         ops = sched.schedule()
         retracted_pending += sum(1 for r in sched._waiting if r.num_pending)
-        cur = (ops, dev.run(ops)) if ops.num_reqs else None
+        cur = (ops, dev.run(ops)) if ops.num_seqs else None
         if prev is not None:
             outs.update((o.request_id, o) for o in sched.update(*prev))
         prev = cur
@@ -262,7 +262,7 @@ class OverlappedMachine(SchedulerMachine):
             sampled = ((ops.kv_lens * 5 + 3) % 12).astype(np.int32)
         else:
             sampled = self.rng.integers(0, 12, size=self.cfg.max_batch_requests).astype(np.int32)
-        cur = (ops, sampled) if ops.num_reqs else None
+        cur = (ops, sampled) if ops.num_seqs else None
         if self.prev is not None:
             for out in self.sched.update(*self.prev):
                 assert PLACEHOLDER_TOKEN not in out.token_ids

@@ -58,7 +58,7 @@ def test_chunked_prefill_mixed_with_decode_and_stepops_layout():
     s.add_request("b", list(range(20, 32)), 2)  # 12 tokens, budget 8: chunks of 7 and 5
     ops = s.schedule()
     assert ops.request_ids == ("a", "b")
-    assert ops.query_start[:3].tolist() == [0, 1, 8] and ops.query_start[-1] == 8
+    assert ops.cu_q_lens[:3].tolist() == [0, 1, 8] and ops.cu_q_lens[-1] == 8
     assert ops.token_ids[:8].tolist() == [9, 20, 21, 22, 23, 24, 25, 26]
     assert ops.positions[:8].tolist() == [3, 0, 1, 2, 3, 4, 5, 6]
     assert ops.token_rows.tolist() == [0, 1, 1, 1, 1, 1, 1, 1]
@@ -143,7 +143,7 @@ def test_decode_reserve_never_blocks_a_request_that_fits_alone(max_new):
     s.add_request("a", list(range(36 - max_new + 1)), max_new)
     for _ in range(max_new + 1):
         ops = s.schedule()
-        assert ops.num_reqs == 1
+        assert ops.num_seqs == 1
         out = s.update(ops, np.full(2, 7, np.int32))
         if out:
             break

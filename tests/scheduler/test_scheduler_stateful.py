@@ -24,7 +24,7 @@ SPECS = group_specs_from_layer_types(
 
 
 def _shapes(ops):
-    out = [ops.req_slots.shape, ops.query_start.shape, ops.token_ids.shape, ops.seeds.shape]
+    out = [ops.req_slots.shape, ops.cu_q_lens.shape, ops.token_ids.shape, ops.seeds.shape]
     for g in ops.groups:
         out += [g.new_pages.shape, g.rows.shape, g.hole_slots.shape]
     return out

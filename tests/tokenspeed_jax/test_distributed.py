@@ -7,8 +7,9 @@ process 2 devices, so the global mesh has 4). One pair runs, in order, on the sa
    greedy tokens == the leader's own single-device run, |logprob diff| <= 1e-4 (generated and
    prompt logprobs); a request aborted mid-flight ends "abort" with a prefix of its single-device
    tokens while the others finish unchanged, and no page leaks; at most one compile per shape key.
-2. tp=2 x dp=2 (each replica spans both processes): same checks; then the leader serves HTTP and
-   the openai client (httpx when openai is missing) gets the single-device completion.
+2. tp=2 x dp=2 (each replica spans both processes): same checks, and both replicas had a step
+   in flight at once (they overlap); then the leader serves HTTP and the openai client (httpx
+   when openai is missing) gets the single-device completion.
 3. clean shutdown: the leader's `shutdown()` releases the follower; both exit 0.
 
 0. (with torch + transformers) a real family: the tiny qwen3 checkpoint of tests/hf, tp=4.
@@ -156,24 +157,53 @@ def _hf_phase(pid: int, port: int, path: str) -> dict | None:
     leader's single-device run. Skipped (None) when the parent could not build it."""
     if path == "-":
         return None
-    from tokenspeed_jax import LLM
+    from tokenspeed_jax import LLM, param_sources
 
     kw = dict(SMALL, max_context_len=48)
+    param_sources.reset_stats()
     llm = LLM(path, tensor_parallel_size=4, distributed=_dist(pid, port), **kw)
+    read = {"stats": dict(param_sources.READ_STATS), "total": _checkpoint_bytes(path)}
     if pid:
-        return {"steps": llm.run_follower(leave_runtime=False)}
+        return {"steps": llm.run_follower(leave_runtime=False), "read": read}
     got = _generate(llm)
     llm.shutdown(leave_runtime=False)
-    return {"base": _generate(LLM(path, **kw)), "tp4": got}
+    return {"base": _generate(LLM(path, **kw)), "tp4": got, "read": read}
+
+
+def _checkpoint_bytes(path: str) -> int:
+    """Bytes of every tensor in the checkpoint's safetensors files."""
+    from safetensors import safe_open
+
+    from tokenspeed_jax.hf.weights import checkpoint_files
+
+    total = 0
+    for name, file in checkpoint_files(path).items():
+        with safe_open(file, framework="numpy") as f:
+            total += f.get_tensor(name).nbytes
+    return total
+
+
+def _held_bytes(llm) -> list[int]:
+    """[bytes of the parameter shards on this process's devices, bytes of the whole model]."""
+    import jax
+
+    leaves = jax.tree.leaves(llm.engine.runner.params)
+    return [sum(s.data.nbytes for x in leaves for s in x.addressable_shards),
+            sum(x.nbytes for x in leaves)]
 
 
 def _leader_main(port: int, hf_path: str) -> dict:
     from tokenspeed_jax import LLM, SamplingParams
 
     out: dict = {"hf": _hf_phase(0, port, hf_path)}
+    from tokenspeed_jax import param_sources
+
     t0 = time.perf_counter()
+    param_sources.reset_stats()
     llm = LLM("tiny-random", tensor_parallel_size=4, distributed=_dist(0, port), **SMALL)
     out["build_s"] = time.perf_counter() - t0
+    out["tiny_generated"] = [param_sources.READ_STATS[f"generated_{k}_bytes"] for k in ("output", "temp")]
+    out["tiny_held"] = _held_bytes(llm)
     base = LLM("tiny-random", **SMALL)  # single device: this process's first local device
     out["base"] = _generate(base)
     out["base_abort"] = _abort_midflight(base)
@@ -196,6 +226,7 @@ def _leader_main(port: int, hf_path: str) -> dict:
     llm = LLM("tiny-random", tensor_parallel_size=2, data_parallel_size=2,
               distributed=_dist(0, port), async_scheduling=True, **SMALL)
     out["tp2dp2"] = _generate(llm)
+    out["tp2dp2_overlapped"] = llm._group.overlapped  # steps started while the other computed
     out["tp2dp2_abort"] = _abort_midflight(llm)
     out["tp2dp2_steps"] = [e.num_steps for e in llm.engines]
     out["tp2dp2_devices"] = [sorted((d.process_index, d.id) for d in e.runner.state.mirrors[0]
@@ -211,13 +242,14 @@ def _leader_main(port: int, hf_path: str) -> dict:
 def _follower_main(port: int, hf_path: str) -> dict:
     from tokenspeed_jax import LLM
 
-    _hf_phase(1, port, hf_path)
+    hf = _hf_phase(1, port, hf_path)
     llm = LLM("tiny-random", tensor_parallel_size=4, distributed=_dist(1, port), **SMALL)
+    held = _held_bytes(llm)
     steps = [llm.run_follower(leave_runtime=False)]
     llm = LLM("tiny-random", tensor_parallel_size=2, data_parallel_size=2,
               distributed=_dist(1, port), **SMALL)
     steps.append(llm.run_follower())
-    return {"steps": steps, "noops": llm._group.noops}
+    return {"steps": steps, "noops": llm._group.noops, "hf": hf, "tiny_held": held}
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -298,6 +330,10 @@ def test_global_mesh_layout(pair):
     # tp=2 x dp=2: every replica spans both processes
     assert pair["tp2dp2_devices"] == [[[0, 0], [1, 2048]], [[0, 1], [1, 2049]]]
     assert all(s > 0 for s in pair["tp2dp2_steps"])
+    # some step of one replica started while the other replica's step was still computing
+    assert pair["tp2dp2_overlapped"] > 0
+    print(f"tp2dp2: {pair['tp2dp2_overlapped']} of {sum(pair['tp2dp2_steps'])} steps overlapped "
+          f"the other replica's")
     assert 1 <= pair["tp4_compiles"] <= pair["tp4_shape_keys"]  # at most one per shape key
 
 
@@ -315,6 +351,25 @@ def test_real_family_two_processes(pair):
     assert got["tokens"] == base["tokens"]
     assert _max_diff(got["logprobs"], base["logprobs"]) <= 1e-4
     assert _max_diff(got["prompt_logprobs"], base["prompt_logprobs"]) <= 1e-4
+
+
+def test_each_process_loads_only_its_shards(pair):
+    """tp=4 over 2 processes x 2 devices: each process reads about half of the checkpoint (its two
+    shards of every sharded tensor, each KV head it holds once, the small replicated norms) and
+    holds half of the tiny model's parameters; the tokens are checked above."""
+    held, f_held = pair["tiny_held"], pair["follower"]["tiny_held"]
+    for mine, whole in (held, f_held):
+        assert 0.45 * whole <= mine <= 0.6 * whole, (mine, whole)
+    print(f"tiny-random tp=4: process 0 holds {held[0]} of {held[1]} parameter bytes, process 1 "
+          f"{f_held[0]}; generator program per device: XLA output, temp bytes {pair['tiny_generated']}")
+    if pair["hf"] is None:
+        pytest.skip("torch / transformers (the 'hf' extra) not installed: no qwen3 checkpoint")
+    reads = [pair["hf"]["read"], pair["follower"]["hf"]["read"]]
+    for pid, r in enumerate(reads):
+        got, total = r["stats"]["checkpoint_bytes"], r["total"]
+        assert r["stats"]["whole_tensor_bytes"] == 0
+        assert 0.45 * total <= got <= 0.6 * total, (pid, got, total)
+        print(f"qwen3 tp=4: process {pid} read {got} of {total} checkpoint bytes ({got / total:.3f})")
 
 
 def test_clean_shutdown(pair):

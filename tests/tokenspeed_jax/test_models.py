@@ -10,14 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenspeed_jax.attention import get_paged_attention, get_short_conv
-from tokenspeed_jax.models import (
-    build_model,
-    cache_group_specs,
-    layer_groups,
-    tiny_random_config,
-)
+from scheduler import SchedulerConfig, cache_layout
+from tokenspeed_jax.attention import get_paged_attention
+from tokenspeed_jax.models import build_model, tiny_random_config
 from tokenspeed_jax.models.batch import make_paged_batch
+from tokenspeed_jax.models.conv import get_short_conv
 from tokenspeed_jax.state import init_state
 
 WINDOW = 6  # sliding window (tokens) < prompt lengths, not a multiple of the page size
@@ -60,9 +57,8 @@ class HostTables:
 def setup():
     cfg = tiny_random_config(sliding_window=WINDOW)
     model = build_model(cfg, seed=0)
-    specs = cache_group_specs(cfg, page_size=PAGE, conv_page_size=CONV_PAGE)
-    lg = layer_groups(cfg, specs)
-    return cfg, model, specs, lg
+    layout = cache_layout(SchedulerConfig(NUM_PAGES, page_size=PAGE), cfg, conv_page_size=CONV_PAGE)
+    return cfg, model, layout.scheduler_config.groups, layout.layer_groups
 
 
 def test_group_specs_and_layer_mapping(setup):
@@ -96,10 +92,10 @@ def test_paged_forward_matches_dense(setup, backend):
     kinds = []
     for s in specs:
         kind = "full" if s.retention == "full_history" else "conv" if s.live_tail_alloc else "sw"
-        kinds.append((kind, s.page_tokens, s.sliding_window_tokens))
-    block_sizes = tuple(b for _, b, _ in kinds)
+        kinds.append((kind, s.page_size, s.sliding_window_tokens))
+    page_sizes = tuple(b for _, b, _ in kinds)
     num_slots, ctx = 4, 24
-    widths = tuple(-(-ctx // b) for b in block_sizes)
+    widths = tuple(-(-ctx // b) for b in page_sizes)
     host = HostTables(kinds, num_slots, widths)
 
     rng = np.random.default_rng(0)
@@ -113,7 +109,7 @@ def test_paged_forward_matches_dense(setup, backend):
         [(3, 3), (0, 1), (2, 1)],
         [(0, 4), (2, 3)],
     ]
-    state = init_state(cfg, lg, block_sizes, widths, num_pages=NUM_PAGES, max_live_requests=4)
+    state = init_state(cfg, lg, page_sizes, widths, num_pages=NUM_PAGES, max_live_requests=4)
     # Garbage everywhere except the null page: nothing may read an unwritten page.
     caches = jax.tree.map(lambda a: a.at[1:].set(jnp.nan), state.caches)
     done = dict.fromkeys(seqs, 0)
@@ -122,7 +118,7 @@ def test_paged_forward_matches_dense(setup, backend):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def fwd(token_ids, caches, mirrors, slots, qs, kv, pos, trows):
         batch = make_paged_batch(
-            mirrors, slots, qs, kv, pos, trows, block_sizes=block_sizes, num_pages=NUM_PAGES, layer_groups=lg
+            mirrors, slots, qs, kv, pos, trows, page_sizes=page_sizes, num_pages=NUM_PAGES, layer_groups=lg
         )
         hidden, caches = model(token_ids, caches, batch, attn, conv)
         return model.logits(hidden), caches
@@ -171,9 +167,9 @@ def test_paged_forward_matches_dense(setup, backend):
 def test_stale_mirror_corrupts(setup):
     """Writes go where the mirror says: two logical pages aliased on one page corrupt logits."""
     cfg, model, specs, lg = setup
-    block_sizes = tuple(s.page_tokens for s in specs)
-    widths = tuple(-(-16 // b) for b in block_sizes)
-    state = init_state(cfg, lg, block_sizes, widths, num_pages=NUM_PAGES, max_live_requests=1)
+    page_sizes = tuple(s.page_size for s in specs)
+    widths = tuple(-(-16 // b) for b in page_sizes)
+    state = init_state(cfg, lg, page_sizes, widths, num_pages=NUM_PAGES, max_live_requests=1)
     ids = np.arange(3, 15, dtype=np.int32)
     dense = np.asarray(model.dense(jnp.asarray(ids)))
     attn = get_paged_attention("reference")
@@ -187,7 +183,7 @@ def test_stale_mirror_corrupts(setup):
             jnp.asarray([12]),
             jnp.arange(12, dtype=jnp.int32),
             jnp.zeros(12, jnp.int32),
-            block_sizes=block_sizes,
+            page_sizes=page_sizes,
             num_pages=NUM_PAGES,
             layer_groups=lg,
         )
@@ -211,7 +207,7 @@ def test_write_idx_drops_holes_padding_and_columns_past_the_row():
     rows = jnp.array([0, 1, 0, 0, 2, 3], jnp.int32)  # row 2: slot -1; row 3 = R: padding token
     positions = jnp.array([9, 1, 3, 24, 0, 0], jnp.int32)
     batch = make_paged_batch((mirror,), jnp.array([0, 1, -1]), jnp.array([0, 4, 5, 6]),
-                             jnp.array([25, 2, 1]), positions, rows, block_sizes=(8,),
+                             jnp.array([25, 2, 1]), positions, rows, page_sizes=(8,),
                              num_pages=10, layer_groups=(0,))
     # slot 0 column 1 (page 7); slot 1 column 0 (page 5); hole; past W = 3; padding row; padding
     np.testing.assert_array_equal(np.asarray(batch.write_idx[0]), [57, 41, 80, 80, 80, 80])

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scheduler import GroupLayout, GroupStepOps, StepOps
+from scheduler import GroupStepOps, SchedulerConfig, StepOps, cache_layout
 from scheduler.step_ops import sampling_padding
-from tokenspeed_jax.models import build_model, cache_group_specs, layer_groups, tiny_random_config
+from tokenspeed_jax.models import build_model, tiny_random_config
 from tokenspeed_jax.runner import ModelRunner
 
 PAGE, CONV_PAGE, WINDOW, NUM_PAGES, SLOTS, CTX = 4, 2, 6, 64, 4, 32
@@ -37,18 +37,16 @@ class Req:
 class MiniScheduler:
     """FCFS, decodes first, chunked prefill; full refresh per DESIGN §6; live-tail conv rows."""
 
-    def __init__(self, specs, r, t, chunk):
+    def __init__(self, layout, chunk):
+        config = layout.scheduler_config
         self.kinds = [
             ("full" if s.retention == "full_history" else "conv" if s.live_tail_alloc else "sw",
-             s.page_tokens, s.sliding_window_tokens)
-            for s in specs
+             s.page_size, s.sliding_window_tokens)
+            for s in config.groups
         ]  # fmt: skip
-        self.layouts = [
-            GroupLayout(s.group_id, b, -(-CTX // b), -(-t // b) + 1)
-            for s, (_, b, _) in zip(specs, self.kinds, strict=True)
-        ]
+        self.layouts = layout.groups
         self.align = math.lcm(*(b for _, b, _ in self.kinds))
-        self.r, self.t, self.chunk = r, t, chunk
+        self.r, self.t, self.chunk = config.max_batch_requests, config.max_scheduled_tokens, chunk
         self.free = list(range(1, NUM_PAGES))
         self.reqs: list[Req] = []
         self.free_slots = list(range(SLOTS))
@@ -88,7 +86,7 @@ class MiniScheduler:
         r, t = self.r, self.t
         f = lambda shape, v, dt: np.full(shape, v, dt)
         a = dict(req_slots=f(r, -1, np.int32), full_refresh=f(r, False, bool),
-                 query_start=f(r + 1, 0, np.int32), kv_lens=f(r, 0, np.int32),
+                 cu_q_lens=f(r + 1, 0, np.int32), kv_lens=f(r, 0, np.int32),
                  sample_mask=f(r, False, bool), token_ids=f(t, 0, np.int32),
                  token_from_prev=f(t, False, bool), positions=f(t, 0, np.int32), token_rows=f(t, r, np.int32),
                  prompt_targets=f(t, -1, np.int32), temperature=f(r, 0, np.float32),
@@ -116,7 +114,7 @@ class MiniScheduler:
                 if p + 1 < len(req.prompt):
                     a["prompt_targets"][q + j] = req.prompt[p + 1]
             q += n
-            a["query_start"][i + 1 :] = q
+            a["cu_q_lens"][i + 1 :] = q
             for g, row in enumerate(req.rows):
                 d = groups[g]
                 if refresh:
@@ -129,15 +127,15 @@ class MiniScheduler:
                 req.sent[g] = len(row)
         self.rows_of_step = rows
         return StepOps(
-            num_reqs=len(rows), num_tokens=q, request_ids=tuple(x.rid for x, _ in rows),
+            num_seqs=len(rows), num_tokens=q, request_ids=tuple(x.rid for x, _ in rows),
             groups=tuple(GroupStepOps(**d) for d in groups), **a,
         )  # fmt: skip
 
     def update(self, ops, res):
         for i, (req, n) in enumerate(self.rows_of_step):
             for j in range(n):
-                if ops.prompt_targets[ops.query_start[i] + j] >= 0:
-                    req.prompt_lp[req.done + j + 1] = float(res.prompt_logprobs[ops.query_start[i] + j])
+                if ops.prompt_targets[ops.cu_q_lens[i] + j] >= 0:
+                    req.prompt_lp[req.done + j + 1] = float(res.prompt_logprobs[ops.cu_q_lens[i] + j])
             req.decoded = req.done >= len(req.prompt)
             req.done += n
             if ops.sample_mask[i]:
@@ -154,16 +152,17 @@ class MiniScheduler:
 def model_setup():
     cfg = tiny_random_config(sliding_window=WINDOW)
     model = build_model(cfg, seed=3)
-    specs = cache_group_specs(cfg, page_size=PAGE, conv_page_size=CONV_PAGE)
-    dense = jax.jit(model.dense)
-    return cfg, model, specs, layer_groups(cfg, specs), dense
+    return cfg, model, jax.jit(model.dense)
 
 
-def make_runner(setup, sched, **kw):
-    cfg, model, specs, lg, _ = setup
-    return ModelRunner(cfg, model, sched.layouts, num_pages=NUM_PAGES, max_live_requests=SLOTS,
-                       max_batch_requests=sched.r, max_scheduled_tokens=sched.t, layer_groups=lg,
-                       backend="reference", **kw)  # fmt: skip
+def make_layout(setup, r, t, honor=True):
+    config = SchedulerConfig(num_pages=NUM_PAGES, page_size=PAGE, max_batch_requests=r,
+                             max_scheduled_tokens=t, max_context_len=CTX, max_live_requests=SLOTS)
+    return cache_layout(config, setup[0], conv_page_size=CONV_PAGE, honor_full_refresh=honor)
+
+
+def make_runner(setup, layout, **kw):
+    return ModelRunner(setup[0], setup[1], layout, backend="reference", **kw)
 
 
 def dense_logp(dense, ids):
@@ -174,8 +173,9 @@ def dense_logp(dense, ids):
 
 @pytest.mark.parametrize("min_kv", [256, 8])  # one kv level (full width) | levels 8, 16, 32
 def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup, min_kv):
-    sched = MiniScheduler(model_setup[2], r=3, t=32, chunk=9)
-    runner = make_runner(model_setup, sched, min_token_bucket=8, min_kv_bucket=min_kv)
+    layout = make_layout(model_setup, r=3, t=32)
+    sched = MiniScheduler(layout, chunk=9)
+    runner = make_runner(model_setup, layout, min_token_bucket=8, min_kv_bucket=min_kv)
     assert runner.buckets == (8, 16, 32)
     assert [t for t, _ in runner.kv_levels] == ([32] if min_kv == 256 else [8, 16, 32])
     keys = set()
@@ -183,12 +183,12 @@ def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup, min_kv):
     reqs = [sched.add(f"r{i}", rng.integers(0, 256, n), 6) for i, n in enumerate((11, 7, 13))]
     finished, buckets, kinds = [], set(), set()
     empty = sched.schedule(budget=0)
-    assert empty.num_reqs == 0 and runner.step(empty).sampled.tolist() == [-1] * 3
+    assert empty.num_seqs == 0 and runner.step(empty).sampled.tolist() == [-1] * 3
     budgets = iter([12, 32, 5] * 20)  # token budgets: exercise every bucket
     while sched.reqs:
         ops = sched.schedule(next(budgets))
-        decode = ops.sample_mask[: ops.num_reqs] & (
-            ops.query_start[1:][: ops.num_reqs] - ops.query_start[: ops.num_reqs] == 1
+        decode = ops.sample_mask[: ops.num_seqs] & (
+            ops.cu_q_lens[1:][: ops.num_seqs] - ops.cu_q_lens[: ops.num_seqs] == 1
         )
         kinds.add("decode" if decode.all() else "prefill" if not decode.any() else "mixed")
         buckets.add(runner.bucket_for(ops.num_tokens))
@@ -210,7 +210,7 @@ def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup, min_kv):
     if min_kv == 8:
         assert {kv for _, kv in keys} == {16, 32}  # short and long rows both ran
 
-    _, _, _, _, dense = model_setup
+    _, _, dense = model_setup
     for req in reqs + full:
         logp = dense_logp(dense, req.tokens)
         n = len(req.prompt)
@@ -227,8 +227,9 @@ def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup, min_kv):
 def test_adoption_alias_bug(model_setup, honor):
     """A and B share page 0's tokens. A adopts B's page 0, frees its own, which returns as A's
     new tail: authoritative row [CACHED, P1, P0]; a tail-only mirror makes it [P0, P1, P0]."""
-    sched = MiniScheduler(model_setup[2], r=2, t=16, chunk=16)
-    runner = make_runner(model_setup, sched, honor_full_refresh=honor, min_token_bucket=16)
+    layout = make_layout(model_setup, r=2, t=16, honor=honor)
+    sched = MiniScheduler(layout, chunk=16)
+    runner = make_runner(model_setup, layout, min_token_bucket=16)
     rng = np.random.default_rng(2)
     shared = list(rng.integers(0, 256, PAGE))
     a = sched.add("A", shared + list(rng.integers(0, 256, 4)), 4)
@@ -243,7 +244,7 @@ def test_adoption_alias_bug(model_setup, honor):
         ops = sched.schedule()
         sched.update(ops, runner.step(ops))
     assert a.rows[full_g][:3] == [cached, a.rows[full_g][1], p0]
-    dense = model_setup[4]
+    dense = model_setup[2]
     logp = dense_logp(dense, a.tokens)
     n = len(a.prompt)
     want = logp[np.arange(n - 1, len(a.tokens) - 1), a.tokens[n:]]
@@ -252,3 +253,22 @@ def test_adoption_alias_bug(model_setup, honor):
         assert err < 1e-5
     else:
         assert err > 1e-3  # the new tokens overwrote the prefix's K/V: output diverges
+
+
+def test_clamped_row_warns_naming_the_request(model_setup, caplog):
+    """DESIGN §6 rule 3: an update past the mirror width is clamped on the device (no crash) and
+    the runner logs a warning naming the request. `add_request` never emits one, so hand-build it."""
+    layout = make_layout(model_setup, r=2, t=16)
+    sched = MiniScheduler(layout, chunk=4)
+    runner = make_runner(model_setup, layout, min_token_bucket=16)
+    sched.add("ok", [1, 2, 3], 1)
+    sched.add("too-wide", [4, 5, 6], 1)
+    ops = sched.schedule()
+    grp, width = ops.groups[0], layout.widths[0]
+    ops.full_refresh[:2] = False
+    grp.begins[:2], grp.sizes[:2] = (0, width - 1), (1, 2)  # row 1 writes columns W-1 and W
+    with caplog.at_level("WARNING", logger="tokenspeed_jax.runner"):
+        runner.step(ops)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "too-wide" in warned[0] and layout.groups[0].group_id in warned[0]
+    assert f"width {width}" in warned[0]

@@ -30,13 +30,13 @@ def _random_ops(rng, r=5, t=24, layouts=((16, 8, 2), (8, 12, 3))) -> StepOps:
         GroupStepOps(**{n: arr(a, d, width=w, delta=dl) for n, a, d in device_schema(GroupStepOps)})
         for _, w, dl in layouts)
     fields = {n: arr(a, d) for n, a, d in device_schema(StepOps)}
-    return StepOps(num_reqs=r, num_tokens=t, request_ids=tuple(f"r{i}" for i in range(r)),
+    return StepOps(num_seqs=r, num_tokens=t, request_ids=tuple(f"r{i}" for i in range(r)),
                    groups=groups, **fields)
 
 
 def test_schema_covers_every_array_field():
     """Every numpy field of StepOps / GroupStepOps is tagged (nothing silently stays host-side)."""
-    for cls, host in ((StepOps, {"num_reqs", "num_tokens", "request_ids", "groups"}),
+    for cls, host in ((StepOps, {"num_seqs", "num_tokens", "request_ids", "groups"}),
                       (GroupStepOps, set())):
         tagged = {n for n, _, _ in device_schema(cls)}
         assert tagged | host == {f.name for f in dataclasses.fields(cls)}

@@ -36,8 +36,12 @@ def load_config(path: str, *, dtype: str = "float32") -> ModelConfig:
     return model_config_from_hf(hf, dtype=dtype, generation_config=generation)
 
 
-def load_checkpoint(path: str, *, dtype: str = "float32") -> tuple[ModelConfig, CausalLM, HFTokenizer | None]:
+def load_checkpoint(path: str, *, dtype: str = "float32",
+                    lazy: bool = False) -> tuple[ModelConfig, CausalLM, HFTokenizer | None]:
     """Loads config, weights (cast to `dtype`: float32 | bfloat16 | float16 | auto) and tokenizer.
+
+    lazy=True leaves the weights unread (`param_sources.CheckpointSource`s): `sharding.place`
+    reads each process's shards only (multi-process runs).
 
     The tokenizer is None when the directory has no tokenizer.json (token-id prompts still work).
     """
@@ -45,7 +49,7 @@ def load_checkpoint(path: str, *, dtype: str = "float32") -> tuple[ModelConfig, 
 
     cfg = load_config(path, dtype=dtype)
     family = family_of(_read_json(os.path.join(path, "config.json")) or {})
-    model = load_model(cfg, family, checkpoint_files(path))
+    model = load_model(cfg, family, checkpoint_files(path), lazy=lazy)
     eos = cfg.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
     tokenizer = None

@@ -154,7 +154,10 @@ def model_config_from_hf(
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise ValueError(f"hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
     hidden = int(hf["hidden_size"])
-    heads = int(hf.get("num_attention_heads") or hf.get("num_heads"))
+    heads_given = hf.get("num_attention_heads") or hf.get("num_heads")
+    if heads_given is None:
+        raise ValueError("config.json gives neither num_attention_heads nor num_heads")
+    heads = int(heads_given)
     n = int(hf["num_hidden_layers"])
     layer_types, window = _layer_types(hf, family, n)
     if family == "gemma3":

@@ -12,7 +12,11 @@ import datetime
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jinja2 import Template
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -57,7 +61,7 @@ class HFTokenizer:
         self.eos_token_id = eos if eos is not None else (model_eos[0] if model_eos else None)
         self.pad_token_id = self._id(self.pad_token)
         self.chat_template = chat_template or _pick_template(config.get("chat_template"))
-        self._compiled = None
+        self._compiled: Template | None = None  # the chat template, compiled on first use
 
     @classmethod
     def from_dir(cls, path: str, model_eos: Sequence[int] = ()) -> HFTokenizer:
@@ -107,7 +111,7 @@ class HFTokenizer:
         )
 
 
-def _environment():
+def _environment() -> ImmutableSandboxedEnvironment:
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as e:  # pragma: no cover - jinja2 ships with transformers / fastapi

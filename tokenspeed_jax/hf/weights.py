@@ -19,17 +19,19 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.typing import PathParts
 
 from tokenspeed_jax.hf.mxfp4 import dequantize_mxfp4
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
-Path = tuple[str | int, ...]
+Path = PathParts  # an nnx state path: attribute names (str) and list indices (int)
 # Checkpoint entries that are not parameters of the model (recomputed buffers).
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.rotary_emb\..*)$")
 _LINEARS = {
@@ -90,6 +92,46 @@ def iter_tensors(files: dict[str, str]) -> Iterator[tuple[str, jax.Array]]:
         with safe_open(file, framework="flax") as f:
             for name in names:
                 yield name, f.get_tensor(name)
+
+
+def _st_dtype(code: str):
+    """numpy dtype of a safetensors dtype code ("F32", "BF16", ...)."""
+    import ml_dtypes
+    import numpy as np
+
+    named = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+             "BOOL": np.bool_}
+    if code in named:
+        return np.dtype(named[code])
+    kind = {"F": "float", "I": "int", "U": "uint"}.get(code[:1])
+    if kind is None:
+        raise ValueError(f"unsupported safetensors dtype {code}")
+    return np.dtype(f"{kind}{code[1:]}")
+
+
+def iter_tensor_sources(files: dict[str, str]) -> Iterator[tuple[str, Any]]:
+    """Like `iter_tensors`, but nothing is read: (name, `CheckpointSource`) per tensor, so that each
+    process later reads only the slices its devices hold (`sharding.place`). MXFP4 halves
+    (`*_blocks`, `*_scales`) are the exception: they are dequantized whole (read here, counted in
+    `param_sources.READ_STATS["whole_tensor_bytes"]`)."""
+    import numpy as np
+    from safetensors import safe_open
+
+    from tokenspeed_jax.param_sources import READ_STATS, CheckpointSource
+
+    by_file: dict[str, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="numpy") as f:
+            for name in names:
+                if name.endswith(("_blocks", "_scales")):
+                    arr = np.asarray(f.get_tensor(name))
+                    READ_STATS["whole_tensor_bytes"] += arr.nbytes
+                    yield name, jnp.asarray(arr)
+                    continue
+                sl = f.get_slice(name)
+                yield name, CheckpointSource(file, name, sl.get_shape(), _st_dtype(sl.get_dtype()))
 
 
 def _generic_path(name: str) -> tuple[Path, Callable[[jax.Array], jax.Array]]:
@@ -161,9 +203,12 @@ def map_checkpoint(
     return out
 
 
-def load_model(cfg: ModelConfig, family: str, files: dict[str, str]) -> CausalLM:
-    """Builds the `CausalLM` of `cfg` with every parameter taken from the checkpoint files."""
-    return load_model_from_tensors(cfg, family, iter_tensors(files))
+def load_model(cfg: ModelConfig, family: str, files: dict[str, str], *, lazy: bool = False) -> CausalLM:
+    """Builds the `CausalLM` of `cfg` with every parameter taken from the checkpoint files.
+
+    lazy=True: every parameter is a `param_sources.CheckpointSource` (nothing read yet; the
+    multi-process path, where each process reads only its shards when the runner places them)."""
+    return load_model_from_tensors(cfg, family, iter_tensor_sources(files) if lazy else iter_tensors(files))
 
 
 def load_model_from_tensors(
@@ -175,7 +220,8 @@ def load_model_from_tensors(
     variables (RoPE tables) come from a jitted construction whose parameter init XLA discards.
     """
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    # two filters give exactly three parts; nnx.split's annotation types the tail as variadic
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
     flat = list(nnx.to_flat_state(params))
     targets = {path: var.get_value().shape for path, var in flat}
     loaded = map_checkpoint(cfg, family, tensors, targets)

@@ -34,19 +34,19 @@ class PagedBatch:
 def make_paged_batch(
     mirrors: tuple[jax.Array, ...],
     req_slots: jax.Array,
-    query_start: jax.Array,
+    cu_q_lens: jax.Array,
     kv_lens: jax.Array,
     positions: jax.Array,
     token_rows: jax.Array,
     *,
-    block_sizes: tuple[int, ...],
+    page_sizes: tuple[int, ...],
     num_pages: int,
     layer_groups: tuple[int, ...],
     kv_cols: tuple[int, ...] | None = None,
 ) -> PagedBatch:
     """Derives the step metadata ON DEVICE from the (already updated) mirrors.
 
-    mirrors[g] i32[S, W_g]; req_slots i32[R] (-1 padding); query_start i32[R+1]; kv_lens i32[R];
+    mirrors[g] i32[S, W_g]; req_slots i32[R] (-1 padding); cu_q_lens i32[R+1]; kv_lens i32[R];
     positions, token_rows i32[T] (token_rows = R on padding). The write location of token t in
     group g is `page = mirrors[g][slot, pos // B_g]` (architecture.md), so a stale mirror really
     writes to the wrong page; holes (page 0), padding and columns past W_g drop their writes.
@@ -61,7 +61,7 @@ def make_paged_batch(
     tables, write_idx = [], []
     for g, mirror in enumerate(mirrors):
         num_slots, width = mirror.shape
-        b = block_sizes[g]
+        b = page_sizes[g]
         slots = jnp.clip(req_slots, 0, num_slots - 1)
         cols = width if kv_cols is None else min(width, kv_cols[g])
         tables.append(jnp.where(slot_ok[:, None], mirror[:, :cols][slots], 0))
@@ -72,7 +72,7 @@ def make_paged_batch(
     return PagedBatch(
         positions=positions,
         kv_lens=jnp.where(slot_ok, kv_lens, 0),
-        cu_q_lens=query_start,
+        cu_q_lens=cu_q_lens,
         num_seqs=jnp.sum(slot_ok, dtype=jnp.int32)[None],
         page_tables=tuple(tables),
         write_idx=tuple(write_idx),

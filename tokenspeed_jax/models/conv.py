@@ -10,11 +10,15 @@ DESIGN.md §7; negative positions read zero).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import short_conv_reference
+from pallas_kernels import short_conv, short_conv_reference
+from tokenspeed_jax.attention import resolve_backend
 from tokenspeed_jax.models.batch import PagedBatch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.layers import Linear
@@ -87,3 +91,11 @@ class ShortConv(nnx.Module):
             batch.num_seqs, self.conv_weight[...], bias,
         )  # fmt: skip
         return self.out_proj(c * y), new_cache
+
+
+def get_short_conv(backend: str) -> Callable:
+    """The paged short conv of attention backend `backend`: the jnp reference, or the Pallas
+    kernel (interpret mode off GPU); `pallas_kernels.short_conv` signature."""
+    if resolve_backend(backend) == "reference":
+        return short_conv_reference
+    return short_conv if jax.default_backend() == "gpu" else functools.partial(short_conv, interpret=True)

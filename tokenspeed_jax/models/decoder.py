@@ -68,7 +68,7 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = self.inv_freq[...]
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v

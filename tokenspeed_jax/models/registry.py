@@ -1,4 +1,4 @@
-"""Built-in models and the model -> cache-group mapping.
+"""Built-in models and checkpoint aliases.
 
 `"tiny-random"`: a ~100k-parameter decoder with full-attention, sliding-window and LFM2-style conv
 layers, GQA, RoPE, RMSNorm and SwiGLU, over the byte-level vocabulary of `tokenspeed_jax.tokenizer`
@@ -86,45 +86,3 @@ def load_builtin(name: str, seed: int = 0, **overrides) -> tuple[ModelConfig, Ca
         raise ValueError(f"unknown built-in model {name!r} (known: {BUILTIN_MODELS})")
     cfg = tiny_random_config(**overrides)
     return cfg, build_model(cfg, seed)
-
-
-def cache_group_specs(config: ModelConfig, *, page_size: int, conv_page_size: int = 8) -> list:
-    """`PagedCacheGroupSpec`s of the model's cache groups (via the scheduler's own constructor).
-
-    full_attention -> full-history group; sliding_attention -> sliding group (W = sliding_window);
-    conv -> live-tail sliding group with W = conv_L_cache and `conv_page_size`-token pages.
-    """
-    from scheduler import group_specs_from_layer_types
-
-    return group_specs_from_layer_types(
-        layer_types=list(config.layer_types),
-        sliding_window_tokens=config.sliding_window,
-        page_size=page_size,
-        conv_kernel_size=config.conv_L_cache if "conv" in config.layer_types else None,
-        conv_page_size=conv_page_size,
-    )
-
-
-def layer_groups(config: ModelConfig, specs: list) -> tuple[int, ...]:
-    """Index into `specs` of each layer's cache group, matched on retention policy (not on the
-    group_id spelling): full -> full_history; sliding -> non-live-tail sliding group with the
-    model's window; conv -> live-tail sliding group with window = conv kernel."""
-
-    def match(layer: int, layer_type: str) -> int:
-        for g, s in enumerate(specs):
-            live = getattr(s, "live_tail_alloc", False)
-            w = s.sliding_window_tokens
-            if layer_type == "full_attention" and s.retention == "full_history":
-                return g
-            if (
-                layer_type == "sliding_attention"
-                and s.retention == "sliding_window"
-                and not live
-                and w == config.sliding_window
-            ):
-                return g
-            if layer_type == "conv" and live and w == config.conv_L_cache:
-                return g
-        raise ValueError(f"layer {layer} ({layer_type}): no matching cache group in {specs}")
-
-    return tuple(match(i, t) for i, t in enumerate(config.layer_types))

@@ -212,15 +212,15 @@ class AsyncEngine:
         for out in finished:
             if self._on_finish is not None:
                 self._on_finish(out)
-            sub = rep.subs.pop(out.request_id, None)
+            waiting = rep.subs.pop(out.request_id, None)
             self._owner.pop(out.request_id, None)
-            if sub is None:
+            if waiting is None:
                 continue
-            tail = out.token_ids[sub.sent:]
+            tail = out.token_ids[waiting.sent:]
             if tail:
-                sub.push(("delta", list(tail), (out.logprobs or [])[sub.sent:],
-                          (out.top_logprobs or [])[sub.sent:]))
-            sub.push(("done", out))
+                waiting.push(("delta", list(tail), (out.logprobs or [])[waiting.sent:],
+                              (out.top_logprobs or [])[waiting.sent:]))
+            waiting.push(("done", out))
 
     def _fail_all(self, rep: _Replica, message: str) -> None:
         for rid, sub in list(rep.subs.items()):

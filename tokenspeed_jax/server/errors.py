@@ -30,8 +30,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if err.get("type") == "extra_forbidden":
         field = ".".join(loc)
         return f"unknown field '{field}' (not an OpenAI request field this server accepts)", field
-    field = ".".join(loc) or None
-    where = f"'{field}': " if field else ""
+    param = ".".join(loc) or None
+    where = f"'{param}': " if param else ""
     return f"{where}{err.get('msg', 'invalid value')}", (loc[0] if loc else None)
 
 

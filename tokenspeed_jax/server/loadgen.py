@@ -1,4 +1,5 @@
-"""Load generator of `bench serve`: the agentic workload against an OpenAI-compatible server.
+"""Load generator of `bench serve`: the agentic workload (`workload.WorkloadConfig`) against an
+OpenAI-compatible server.
 
 Sessions share one system prompt; each session's turn k+1 (the whole conversation so far plus a
 new user message) is sent as soon as turn k's reply is complete. Session starts arrive as a
@@ -16,6 +17,8 @@ import math
 import time
 
 import numpy as np
+
+from tokenspeed_jax.workload import WorkloadConfig
 
 
 @dataclasses.dataclass
@@ -35,25 +38,15 @@ class RequestRecord:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    sessions: int = 16
-    turns: int = 3
-    system_tokens: int = 256
-    user_tokens: int = 24
-    max_tokens: int = 24
-    vocab: int = 256
-    seed: int = 0
-
-
-async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, t0: float,
+async def _one(client, url: str, model: str, prompt: list[int], wl: WorkloadConfig, t0: float,
                records: list[RequestRecord]) -> list[int] | None:
     import json
 
     rec = RequestRecord(start=time.perf_counter() - t0, prompt_tokens=len(prompt))
     records.append(rec)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": wl.max_tokens,
+            "temperature": wl.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": wl.ignore_eos}
     begin = last = time.perf_counter()
     ids: list[int] = []
     try:
@@ -83,14 +76,16 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
     return ids
 
 
-async def run_level(url: str, model: str, wl: Workload, *, rate: float, max_concurrency: int,
-                    arrival: str = "poisson") -> tuple[list[RequestRecord], float]:
-    """Serve the workload once; returns (request records, wall seconds)."""
+async def run_level(url: str, model: str, wl: WorkloadConfig, *, rate: float,
+                    max_concurrency: int, arrival: str = "poisson",
+                    vocab: int = 256) -> tuple[list[RequestRecord], float]:
+    """Serve the workload once (random prompt ids below `vocab`); returns (request records,
+    wall seconds)."""
     import httpx
 
     rng = np.random.default_rng(wl.seed)
-    system = rng.integers(0, wl.vocab, wl.system_tokens).tolist()
-    users = [[rng.integers(0, wl.vocab, wl.user_tokens).tolist() for _ in range(wl.turns)]
+    system = rng.integers(0, vocab, wl.system_tokens).tolist()
+    users = [[rng.integers(0, vocab, wl.user_tokens).tolist() for _ in range(wl.turns)]
              for _ in range(wl.sessions)]
     if math.isinf(rate):
         starts = np.zeros(wl.sessions)
@@ -110,7 +105,7 @@ async def run_level(url: str, model: str, wl: Workload, *, rate: float, max_conc
             for turn in range(wl.turns):
                 prompt = history + users[i][turn]
                 async with gate:
-                    reply = await _one(client, url, model, prompt, wl.max_tokens, t0, records)
+                    reply = await _one(client, url, model, prompt, wl, t0, records)
                 if reply is None:
                     return
                 history = prompt + reply
@@ -148,7 +143,7 @@ def summarize(records: list[RequestRecord], wall: float, *, slo_ttft_s: float,
         **stats("ttft", [r.ttft for r in ok if r.ttft is not None]),
         **stats("tpot", [r.tpot for r in ok if r.tpot is not None]),
         **stats("itl", [x for r in ok for x in r.itl]),
-        **stats("e2el", [r.latency for r in ok]),
+        **stats("e2el", [r.latency for r in ok if r.latency is not None]),
         "goodput": round(len(good) / wall, 3),
         "errors": sorted({r.error for r in records if r.error})[:5],
     }

@@ -1,0 +1,66 @@
+"""`CacheLayout`: the one setup value the Scheduler and the device runner share, built once by
+`cache_layout` (so no page size, pool size or layer map reaches either side by a second road)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from scheduler.config import SchedulerConfig
+from scheduler.group_spec import group_specs_from_layer_types, layer_group_indices
+from scheduler.step_ops import GroupLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Everything both sides of a step must agree on. `LLM` builds the Scheduler from
+    `scheduler_config` and hands this same value to the ModelRunner.
+
+    scheduler_config: the Scheduler's config, its `groups` set to the model's cache groups.
+    groups: `GroupLayout` (page_size, width W_g, delta_width N_g) per group, in config order.
+    layer_groups: index into `groups` of each model layer's cache group.
+    honor_full_refresh: False makes the device apply only tail deltas (the seed's aliasing bug,
+        kept as a research ablation; `tokenspeed_jax.page_table.update_rows`).
+    """
+
+    scheduler_config: SchedulerConfig
+    groups: tuple[GroupLayout, ...]
+    layer_groups: tuple[int, ...]
+    honor_full_refresh: bool = True
+
+    @property
+    def page_sizes(self) -> tuple[int, ...]:
+        return tuple(g.page_size for g in self.groups)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(g.width for g in self.groups)
+
+    @property
+    def num_pages(self) -> int:  # page ids of the one shared pool (null page included)
+        return self.scheduler_config.num_pages
+
+    @property
+    def max_live_requests(self) -> int:  # device page-table mirror slots
+        return self.scheduler_config.num_live_slots
+
+    def with_num_pages(self, num_pages: int) -> CacheLayout:
+        """The same layout over a pool of `num_pages` (sized once the groups are known)."""
+        config = dataclasses.replace(self.scheduler_config, num_pages=num_pages)
+        return dataclasses.replace(self, scheduler_config=config)
+
+
+def cache_layout(config: SchedulerConfig, model: Any, *, conv_page_size: int = 8,
+                 honor_full_refresh: bool = True) -> CacheLayout:
+    """The layout of `model` (anything with `layer_types`, `sliding_window`, `conv_L_cache`: a
+    `ModelConfig`) under `config`: full_attention -> full-history group of `config.page_size`-token
+    pages; sliding_attention -> sliding group (W = sliding_window, same pages); conv -> live-tail
+    sliding group (W = conv_L_cache, `conv_page_size`-token pages). `config.groups` is replaced."""
+    specs = group_specs_from_layer_types(
+        layer_types=tuple(model.layer_types), sliding_window_tokens=model.sliding_window,
+        page_size=config.page_size, conv_page_size=conv_page_size,
+        conv_kernel_size=model.conv_L_cache if "conv" in model.layer_types else None)
+    config = dataclasses.replace(config, groups=specs)
+    return CacheLayout(scheduler_config=config, groups=config.group_layouts(),
+                       layer_groups=tuple(layer_group_indices(model.layer_types, specs)),
+                       honor_full_refresh=honor_full_refresh)
