@@ -50,7 +50,7 @@ class OpsBuilder:
         self._R_T = np.full(T, R, i32)
         self._minus1_T = np.full(T, -1, i32)
         self._hole_pad = [np.full((R, lay.delta_width), lay.width, i32) for lay in self.layouts]
-        # all-decode fast path (`build_decode`): a decode step's query_start is min(i, n)
+        # all-decode fast path (`build_decode`): a decode step's cu_q_lens is min(i, n)
         self._qs_decode = [np.minimum(np.arange(R + 1, dtype=i32), k) for k in range(R + 1)]
         # per device slot: the sampling fields of the request bound to it (`bind`), so a decode
         # step gathers them with one fancy index instead of one Python list per field
@@ -207,10 +207,10 @@ class OpsBuilder:
             self._fill_busy(g, arrays, busy)
             groups.append(GroupStepOps(*arrays))
         return StepOps(
-            num_reqs=n, num_tokens=n,
+            num_seqs=n, num_tokens=n,
             request_ids=tuple(r.request_id for r in reqs),
             req_slots=req_slots, full_refresh=np.zeros(R, bool),
-            query_start=self._qs_decode[n].copy(), kv_lens=kv_lens, sample_mask=sample_mask,
+            cu_q_lens=self._qs_decode[n].copy(), kv_lens=kv_lens, sample_mask=sample_mask,
             token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
             positions=positions, token_rows=token_rows,
             prompt_targets=self._minus1_T.copy(), temperature=temperature, top_p=top_p,

@@ -250,7 +250,7 @@ class Engine:
         request that finished or was aborted meanwhile produced nothing for anyone)."""
         # plain Python over the rows (numpy scalar indexing per row costs more than the work)
         rids, tracks = ops.request_ids, self._tracks
-        n = ops.num_reqs
+        n = ops.num_seqs
         mask = ops.sample_mask[:n].tolist()
         logprobs: np.ndarray | None = None  # read only once a row asks for logprobs
         top_ids, top_lp = result.top_ids, result.top_logprobs
