@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
               max_scheduled_tokens=512)
     llm.warmup()
     eng = llm.engine
-    runner = eng._runner
+    runner = eng.runner
     wrap(runner_mod, "pack", "pack")
     for obj, name, key in ((runner, "_step", "jit_call"), (runner, "dispatch", "dispatch_total"),
                            (runner, "collect", "collect"), (eng, "_route_logprobs", "route_logprobs"),
