@@ -45,10 +45,10 @@ def run(rows: int, ahead: bool, fast: bool, reps: int, waiting: int) -> tuple[fl
             t0 = time.perf_counter()
             ops = s.schedule()
             t1 = time.perf_counter()
-            decode = ops.num_reqs == rows and ops.num_tokens == rows
+            decode = ops.num_seqs == rows and ops.num_tokens == rows
             if waiting and not s._waiting:
                 decode = False  # time only the steps that have a queue behind the full batch
-            done, prev = (prev, ops if ops.num_reqs else None) if ahead else (ops, None)
+            done, prev = (prev, ops if ops.num_seqs else None) if ahead else (ops, None)
             t2 = time.perf_counter()
             if done is not None:
                 s.update(done, tok)

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         def timed(*a, **k):
             ops = next((x for x in a if isinstance(x, StepOps)), None)
             if ops is not None:  # parts called without a StepOps count for the last one seen
-                kind[0] = ops.num_reqs > 0 and ops.num_tokens == ops.num_reqs
+                kind[0] = ops.num_seqs > 0 and ops.num_tokens == ops.num_seqs
             t = time.perf_counter()
             out = None
             try:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 dt = time.perf_counter() - t
                 acc[key] += dt
                 if isinstance(out, StepOps):  # schedule: its result tells the kind
-                    kind[0] = out.num_reqs > 0 and out.num_tokens == out.num_reqs
+                    kind[0] = out.num_seqs > 0 and out.num_tokens == out.num_seqs
                 if kind[0]:
                     dec[key] += dt
                     dec["n_" + key] += 1

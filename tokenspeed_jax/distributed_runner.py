@@ -257,7 +257,7 @@ class DistributedRunner:
         dead follower surfaces here); returns the runner's `StepHandle`. Defined here, not left
         to the wrapped runner, so the overlapped engine loop broadcasts too."""
         r = self.runner
-        if ops.num_reqs == 0:
+        if ops.num_seqs == 0:
             return r.dispatch(ops)  # empty steps never reach the device (nor the followers)
         r.warn_clamped(ops)
         bucket, level = r.step_shape(ops)
@@ -285,8 +285,8 @@ class DistributedRunner:
     def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
         """Leader: compile the shape keys on every process with all-padding steps (the same
         policy as `ModelRunner.warmup`: every kv level, or those up to `max_kv_len` tokens)."""
-        if padding_ops.num_reqs:
-            raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_reqs} rows")
+        if padding_ops.num_seqs:
+            raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_seqs} rows")
         levels = self.runner.kv_levels
         top = len(levels) - 1
         if max_kv_len is not None:

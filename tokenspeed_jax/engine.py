@@ -171,7 +171,7 @@ class Engine:
         clock.probe()
         ops = self.scheduler.schedule()
         clock.probe()
-        handle = self._dispatch(ops, self._inflight is not None) if ops.num_reqs else None
+        handle = self._dispatch(ops, self._inflight is not None) if ops.num_seqs else None
         prev, outs = self._inflight, []
         if self.async_scheduling:
             self._inflight = None if handle is None else (ops, handle)
@@ -184,7 +184,7 @@ class Engine:
                 # it): now that it has freed their slots and pages, refill the device at once,
                 # as the synchronous loop would, instead of idling through the caller's turn
                 ops = self.scheduler.schedule()
-                if ops.num_reqs:
+                if ops.num_seqs:
                     self._inflight = (ops, self._dispatch(ops, False))
         elif handle is None and self.scheduler.has_unfinished():
             # nothing runs, nothing is in flight and the queue head cannot be admitted: no
@@ -207,7 +207,7 @@ class Engine:
 
     def _dispatch(self, ops: StepOps, pipelined: bool) -> StepHandle:
         handle = self.runner.dispatch(ops)
-        self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_reqs, pipelined=pipelined)
+        self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_seqs, pipelined=pipelined)
         checker = self.scheduler.mirror_checker
         if checker is not None:
             self._check_device_mirrors(checker)
@@ -234,7 +234,7 @@ class Engine:
         finished = self.scheduler.update(ops, result.sampled)
         self._route_logprobs(ops, result, now, self.scheduler.last_update_rows)
         self.num_steps += 1
-        self.num_prefill_tokens += int(ops.num_tokens - ops.sample_mask[:ops.num_reqs].sum())
+        self.num_prefill_tokens += int(ops.num_tokens - ops.sample_mask[:ops.num_seqs].sum())
         outs = []
         for fin in finished:
             track = self._tracks.pop(fin.request_id)
