@@ -81,14 +81,19 @@ def checkpoint_files(path: str) -> dict[str, str]:
     return out
 
 
+def _names_by_file(files: dict[str, str]) -> dict[str, list[str]]:
+    """Tensor names grouped by shard file (so each file is opened once)."""
+    by_file: dict[str, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    return by_file
+
+
 def iter_tensors(files: dict[str, str]) -> Iterator[tuple[str, jax.Array]]:
     """(name, array) of every tensor, one shard open at a time (framework "flax" reads bf16)."""
     from safetensors import safe_open
 
-    by_file: dict[str, list[str]] = {}
-    for name, file in files.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
+    for file, names in _names_by_file(files).items():
         with safe_open(file, framework="flax") as f:
             for name in names:
                 yield name, f.get_tensor(name)
@@ -119,10 +124,7 @@ def iter_tensor_sources(files: dict[str, str]) -> Iterator[tuple[str, Any]]:
 
     from tokenspeed_jax.param_sources import READ_STATS, CheckpointSource
 
-    by_file: dict[str, list[str]] = {}
-    for name, file in files.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
+    for file, names in _names_by_file(files).items():
         with safe_open(file, framework="numpy") as f:
             for name in names:
                 if name.endswith(("_blocks", "_scales")):
