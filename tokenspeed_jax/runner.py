@@ -279,12 +279,15 @@ class ModelRunner:
     def kv_bucket_for(self, ops: StepOps) -> tuple[int, tuple[int, ...]]:
         """(tokens, kv columns per group) of the shortest kv level covering the step's longest
         row (`kv_lens`) and every refreshed row's length (`row_lens`)."""
+        return self.kv_levels[self._kv_level(ops)]
+
+    def _kv_level(self, ops: StepOps) -> int:
         need = int(ops.kv_lens.max())
         row_lens = [int(g.row_lens.max()) for g in ops.groups]
-        for tokens, cols in self.kv_levels:
+        for level, (tokens, cols) in enumerate(self.kv_levels):
             if tokens >= need and all(c >= n for c, n in zip(cols, row_lens)):
-                return tokens, cols
-        return self.kv_levels[-1]
+                return level
+        return len(self.kv_levels) - 1
 
     def _layout(self, bucket: int, cols: tuple[int, ...]) -> StepLayout:
         key = (bucket, cols)
@@ -358,8 +361,7 @@ class ModelRunner:
 
     def step_shape(self, ops: StepOps) -> tuple[int, int]:
         """(token bucket, index into `kv_levels`) of a non-empty step: its compiled shape."""
-        _, cols = self.kv_bucket_for(ops)
-        return self.bucket_for(int(ops.num_tokens)), [c for _, c in self.kv_levels].index(cols)
+        return self.bucket_for(int(ops.num_tokens)), self._kv_level(ops)
 
     def handle_for(self, ops: StepOps, bucket: int, tokens: jax.Array, logprobs: jax.Array,
                    plp: jax.Array | None, top: tuple[jax.Array, jax.Array] | None) -> StepHandle:
