@@ -14,6 +14,9 @@ from scheduler.hashing import PrefixHasher
 class Status(enum.Enum):
     WAITING = "waiting"  # never admitted, or retracted and waiting to resume
     RUNNING = "running"  # holds pages and a device slot
+    # overlapped scheduling: its last token (a length limit) is in flight; pages and slot are
+    # already released, `update` only appends that token and finishes it
+    FINISHING = "finishing"
     FINISHED = "finished"
 
 

@@ -14,7 +14,11 @@ finish in the step in flight (stop token) is planned again; if it does finish, `
 the extra row's token (never returned) and frees the request's pages at once. That is exact: the
 freed pages can only be handed out by a later `schedule()`, whose step the device runs after the
 step still using them (steps execute in dispatch order). A request whose pending token certainly
-ends it (max_new_tokens / context limit) is not planned again. Retraction and abort of a request
+ends it (max_new_tokens / context limit) is not planned again: the next `schedule()` publishes
+the pages the step in flight completes for it and releases its pages and slot right away
+(`Status.FINISHING`), so the requests waiting behind it are admitted in the same step as in the
+synchronous loop (whose `update` would have freed it just before); `update` only appends the
+last token. Retraction and abort of a request
 with a row in flight bump its `epoch`: `update` then ignores that row's KV (its pages are gone)
 but still appends a sampled token (it is real output); a retracted request re-enters only once
 its pending token has landed (its slot's device copy is no longer its own). Sliding-window
@@ -56,6 +60,7 @@ class Scheduler:
         self._free_slots = list(range(config.num_live_slots - 1, -1, -1))
         self._arrival = itertools.count()
         self._reserved_total = 0
+        self._num_finishing = 0  # Status.FINISHING: released, last token still in flight
         self._chunk_cap = config.max_prefill_chunk_tokens or config.max_scheduled_tokens
         self._num_groups = len(cast("list[PagedCacheGroupSpec]", config.groups))
         # shared (never mutated) per-group values of a fast-path decode row
@@ -127,6 +132,8 @@ class Scheduler:
         if req.status is Status.RUNNING:
             self._release(req)
             self._running.remove(req)
+        elif req.status is Status.FINISHING:  # holds nothing; its in-flight token is dropped
+            self._num_finishing -= 1
         elif req in self._waiting:
             self._waiting.remove(req)
             req.epoch += 1
@@ -139,7 +146,7 @@ class Scheduler:
         return self._builder.build([])
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._num_finishing)
 
     @property
     def num_in_flight(self) -> int:
@@ -188,7 +195,14 @@ class Scheduler:
             tokens = req.tokens
             pending = req.num_pending
             if pending and req.finishes_by_length(max_len):
-                i += 1  # its token in flight ends it: `update` finishes it, nothing to plan
+                # its token in flight ends it: nothing to plan. Free its pages and slot now when
+                # every token the steps in flight compute for it is known (one step ahead)
+                if req.num_computed + req.num_inflight > len(tokens):
+                    i += 1  # planned further ahead: `update` releases it
+                    continue
+                self._release_finishing(req)
+                running.pop(i)
+                room = pool.num_free >= self._reserved_total
                 continue
             # Decode fast path: one token, no refresh, room in every tail, nothing to reclaim
             # and no reservation shortfall. Exactly what the general path below would decide.
@@ -411,6 +425,29 @@ class Scheduler:
             pos += 1
         self._waiting.insert(pos, req)
 
+    def _release_finishing(self, req: Request) -> None:
+        """Overlapped loop: `req`'s token in flight certainly ends it (length). Publish the pages
+        that step completes (their tokens are all known: the step's inputs), then free its pages
+        and slot. Exact: the step in flight still writes them, and whoever gets them next is
+        scheduled into a later step, which the device runs after it. `update` finishes it."""
+        self._publish(req, req.num_computed + req.num_inflight)
+        self._release(req)
+        req.status = Status.FINISHING
+        self._num_finishing += 1
+
+    def _publish(self, req: Request, computed: int) -> None:
+        """Publish the request's full base pages up to `computed` tokens (prefix cache)."""
+        coord = self.coord
+        if computed // coord.base <= req.published_base_pages:
+            return
+        req.hasher.extend(req.tokens)
+        moved = coord.publish(cast("list[BlockTable]", req.tables), req.hasher.hashes, computed,
+                              adopt=self.config.enable_adoption, chunk_end=True)
+        req.published_base_pages = computed // coord.base
+        if any(moved):
+            req.needs_refresh = True
+            self._stats["adopted_pages"] += sum(len(m) for m in moved)
+
     def _release(self, req: Request) -> None:
         self.coord.free(cast("list[BlockTable]", req.tables))
         req.tables = None
@@ -441,8 +478,7 @@ class Scheduler:
                              f"({len(self._flights)} in flight)")
         _, row_reqs = self._flights.popleft()
         finished: list[RequestOutput] = []
-        coord, base = self.coord, self.coord.base
-        adopt = self.config.enable_adoption
+        base = self.coord.base
         max_len = self.config.max_context_len
         n = ops.num_seqs
         # plain Python values once per step (numpy scalar access per row is slow)
@@ -474,17 +510,13 @@ class Scheduler:
                       or len(tokens) >= max_len):
                     req.finish_reason = "length"
             if live and req.num_computed // base > req.published_base_pages:
-                req.hasher.extend(req.tokens)
-                moved = coord.publish(cast("list[BlockTable]", req.tables), req.hasher.hashes,
-                                      req.num_computed, adopt=adopt, chunk_end=True)
-                req.published_base_pages = req.num_computed // base
-                if any(moved):
-                    req.needs_refresh = True
-                    self._stats["adopted_pages"] += sum(len(m) for m in moved)
+                self._publish(req, req.num_computed)
             if req.finish_reason is not None:
                 if req.status is running:
                     self._release(req)
                     done_running = True
+                elif req.status is Status.FINISHING:  # released when the step was planned
+                    self._num_finishing -= 1
                 else:  # retracted while its last token was in flight
                     assert not live, "a waiting request cannot own a live row"
                     self._waiting.remove(req)

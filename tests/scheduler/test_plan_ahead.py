@@ -188,6 +188,51 @@ def test_length_limit_is_not_planned_ahead():
     out = sched.update(s1, np.full(5, 10, np.int32))
     assert out[0].token_ids == [9, 10] and out[0].finish_reason == "length"
     assert not sched.has_unfinished() and sched.num_in_flight == 0
+    st = sched.stats()
+    assert st["free_pages"] == st["total_pages"]
+
+
+def test_length_finish_frees_slot_and_pages_when_the_next_step_is_planned():
+    """One slot: `b` waits for `a`. `a`'s last token (max_new_tokens=1) is in flight when step 1
+    is planned, so step 1 already releases `a` (publishing the prompt pages step 0 computes) and
+    admits `b` into slot 0 with a prefix hit on them, as the synchronous loop would."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # two full pages of 4, then one token
+    for overlapped in (False, True):
+        sched = Scheduler(_config(max_batch_requests=1))
+        sched.add_request("a", prompt, 1)
+        sched.add_request("b", prompt[:8] + [20, 21], 2)
+        s0 = sched.schedule()
+        assert list(s0.req_slots[:1]) == [0] and tuple(s0.request_ids) == ("a",)
+        if not overlapped:
+            sched.update(s0, np.full(5, 30, np.int32))
+        s1 = sched.schedule()
+        assert tuple(s1.request_ids) == ("b",) and list(s1.req_slots[:1]) == [0]
+        assert sched.get_request("b").num_cached_tokens == 8  # a's two published pages
+        assert int(s1.num_tokens) == 2  # only b's own tokens are computed
+        if overlapped:
+            assert sched.get_request("a").tables is None  # released before its token landed
+            out = sched.update(s0, np.full(5, 30, np.int32))
+            assert [(o.request_id, o.token_ids, o.finish_reason) for o in out] == [
+                ("a", [30], "length")]
+            assert sched.last_update_rows == [True]
+        sched.update(s1, np.full(5, 31, np.int32))
+        while sched.has_unfinished():
+            ops = sched.schedule()
+            sched.update(ops, np.full(5, 32, np.int32))
+        st = sched.stats()
+        assert st["free_pages"] == st["total_pages"] and st["num_dropped_tokens"] == 0
+
+
+def test_abort_of_a_request_released_at_plan_time():
+    sched = Scheduler(_config())
+    sched.add_request("a", [5, 6, 7], 1)
+    s0 = sched.schedule()
+    s1 = sched.schedule()  # releases a: its only token is in flight
+    assert s1.num_seqs == 0 and sched.has_unfinished()
+    sched.abort("a")
+    assert sched.update(s0, np.full(5, 9, np.int32)) == []  # the token is dropped
+    assert not sched.has_unfinished() and sched.stats()["num_dropped_tokens"] == 1
+    sched.check_invariants()
 
 
 def test_update_out_of_order_is_refused():
