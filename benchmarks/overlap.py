@@ -2,6 +2,7 @@
 
     python benchmarks/overlap.py            # the `run` job's workload shape, 2 passes per mode
     python benchmarks/overlap.py --quick    # smoke
+    python benchmarks/overlap.py --stop-at-eos   # replies end at the model's EOS (stop finishes)
 
 One engine (model, config, pool) is built and warmed up first (every step shape compiled). Its
 loop is switched between passes, each on a fresh scheduler (a cold prefix cache); the passes
@@ -55,6 +56,7 @@ def _pass(llm: LLM, wl: WorkloadConfig) -> dict:
     s = rep.summary()
     clock = eng.clock
     out = {"wall_s": rep.wall_s, "steps": clock.num_steps,
+           "dropped": eng.scheduler.stats()["num_dropped_tokens"],
            "out_tok_s": s["output_tok_per_s"], "computed_tok_s": s["computed_tok_per_s"],
            "idle_frac": clock.critical_s / rep.wall_s, "tokens": tokens}
     out.update(clock.summary())
@@ -67,11 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=None)
     ap.add_argument("--sessions", type=int, default=None)
     ap.add_argument("--turns", type=int, default=None)
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="replies stop at EOS (a row planned behind a stop token is dropped)")
     args = ap.parse_args(argv)
     quick = args.quick
     wl = WorkloadConfig(sessions=args.sessions or (8 if quick else 64),
                         turns=args.turns or (2 if quick else 4), system_tokens=384,
-                        user_tokens=24, max_tokens=24)
+                        user_tokens=24, max_tokens=24, ignore_eos=not args.stop_at_eos)
     passes = args.passes or (1 if quick else 2)
     cfg = dict(page_size=16, num_pages=1024, max_batch_requests=32, max_scheduled_tokens=512)
     # One LLM (one runner, one compile of every shape) serves both modes: the engine's loop
@@ -97,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nworkload: {wl.sessions} sessions x {wl.turns} turns, system prompt "
           f"{wl.system_tokens}, {wl.max_tokens} output tokens each; page 16, 1024 pages, "
           f"batch 32, 512 tokens/step; best of {passes} pass(es) per mode")
-    print(f"outputs identical (every request's token ids): {same}\n")
+    stops = sum(len(t) < wl.max_tokens for t in best["sync"]["tokens"].values())
+    print(f"outputs identical (every request's token ids): {same}; replies ended by a stop "
+          f"token: {stops} of {len(best['sync']['tokens'])}\n")
     cols = [("out tok/s", "out_tok_s", "{:.1f}"), ("computed tok/s", "computed_tok_s", "{:.1f}"),
-            ("steps", "steps", "{}"), ("host ms/step", "host_ms_per_step", "{:.2f}"),
+            ("steps", "steps", "{}"), ("dropped tokens", "dropped", "{}"),
+            ("host ms/step", "host_ms_per_step", "{:.2f}"),
             ("wait ms/step", "wait_ms_per_step", "{:.2f}"),
             ("device ms/step", "device_ms_per_step", "{:.2f}"),
             ("critical ms/step", "critical_ms_per_step", "{:.3f}"),

@@ -139,7 +139,10 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
                 if prompts is not None:
                     send(sid, nxt, prompts.follow(sid, nxt, history[out.request_id], out.token_ids))
                     continue
-                follow = rng.integers(0, vocab, cfg.user_tokens).tolist()
+                # drawn per (session, turn), not from the shared stream: the prompts must not
+                # depend on the order requests finish in (loops / engines compare token for token)
+                follow = np.random.default_rng((cfg.seed, sid, nxt)).integers(
+                    0, vocab, cfg.user_tokens).tolist()
                 send(sid, nxt, history[out.request_id] + out.token_ids + follow)
         peak = max(peak, sum(e.scheduler.pool.num_used for e in engines))
     wall = time.perf_counter() - t0
