@@ -71,7 +71,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> No
     add_cli_args(p)  # multi-process launch flags (see docs/distributed.md)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan step N+1 on the host while the device runs step N (same outputs; "
-                        "default: on for accelerators, off on CPU)")
+                        "default: on; --no-async-scheduling runs the synchronous reference loop)")
 
 
 def _add_workload_args(p: argparse.ArgumentParser, *, sessions: int, turns: int,

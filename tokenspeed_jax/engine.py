@@ -107,15 +107,12 @@ class Engine:
             ids = [int(t) for t in prompt]
         except (TypeError, ValueError):
             raise ValueError(f"prompt must be a list of token ids, got {prompt!r:.80}") from None
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        # (SamplingParams already refused negative stop / logit_bias ids)
+        for what, toks in (("token id", ids), ("stop token id", params.stop_token_ids),
+                           ("logit_bias token id", params.logit_bias or ())):
+            bad = [t for t in toks if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{what} {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         return self.scheduler.check_prompt(ids, params.max_tokens)  # empty, max_context_len
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams,

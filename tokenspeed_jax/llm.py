@@ -82,9 +82,9 @@ class LLM:
     More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
     min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`),
-    async_scheduling (None = on for accelerators, off on CPU; True plans step N+1 on the host
-    while the device runs step N, same outputs: see tokenspeed_jax/engine.py. On CPU the host
-    and XLA share the cores, so the overlap has nothing to hide behind: benchmarks/README.md).
+    async_scheduling (True, the default: plan step N+1 on the host while the device runs step N;
+    False: the synchronous reference loop. Same outputs: see tokenspeed_jax/engine.py and
+    benchmarks/README.md, "Overlapped scheduling").
 
     tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
     intermediate, conv channels, vocab; `tokenspeed_jax.sharding`). data_parallel_size = D: D
@@ -166,9 +166,7 @@ class LLM:
         eos = self.model_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         overlap = more_options.get("async_scheduling")
-        if overlap is None:
-            device = jax.devices()[0] if meshes[0] is None else meshes[0].devices.flat[0]
-            overlap = device.platform != "cpu"
+        overlap = True if overlap is None else overlap
         self.engines: list[Engine] = []
         for r, mesh in enumerate(meshes):
             runner = ModelRunner(runtime_config, net, layout, backend=attention_backend,

@@ -88,6 +88,8 @@ def test_string_prompts_and_stop_tokens(big):
     ([1, 2, 100000], SamplingParams(), "outside the vocabulary"),
     ([1, -3], SamplingParams(), "outside the vocabulary"),
     ([1] * 90, SamplingParams(max_tokens=10), "max_context_len"),
+    ([1, 2], SamplingParams(stop_token_ids=[100000]), "stop token id 100000 outside"),
+    ([1, 2], SamplingParams(logit_bias={100000: 1.0}), "logit_bias token id 100000 outside"),
 ])
 def test_bad_prompts_raise_and_engine_keeps_serving(big, prompt, params, match):
     before = big.stats()
