@@ -294,23 +294,12 @@ def pair(tmp_path_factory) -> dict:
     return leader
 
 
-def _max_diff(a, b) -> float:
-    worst = 0.0
-    for xs, ys in zip(a, b, strict=True):
-        assert (xs is None) == (ys is None)
-        for x, y in zip(xs or [], ys or [], strict=True):
-            assert (x is None) == (y is None)
-            if x is not None:
-                worst = max(worst, abs(x - y))
-    return worst
-
-
 @pytest.mark.parametrize("name", ["tp4", "tp2dp2"])
-def test_two_processes_match_single_device(pair, name):
+def test_two_processes_match_single_device(pair, name, max_logprob_diff):
     base, got = pair["base"], pair[name]
     assert got["tokens"] == base["tokens"]
-    assert _max_diff(got["logprobs"], base["logprobs"]) <= 1e-4
-    assert _max_diff(got["prompt_logprobs"], base["prompt_logprobs"]) <= 1e-4
+    assert max_logprob_diff(got["logprobs"], base["logprobs"]) <= 1e-4
+    assert max_logprob_diff(got["prompt_logprobs"], base["prompt_logprobs"]) <= 1e-4
 
 
 @pytest.mark.parametrize("name", ["tp4_abort", "tp2dp2_abort"])
@@ -343,14 +332,14 @@ def test_http_on_leader(pair):
     print(f"HTTP completion via {http['via']}")
 
 
-def test_real_family_two_processes(pair):
+def test_real_family_two_processes(pair, max_logprob_diff):
     """Tiny qwen3 checkpoint (2 KV heads, sliding layers), tp=4 across the two processes."""
     if pair["hf"] is None:
         pytest.skip("torch / transformers (the 'hf' extra) not installed: no qwen3 checkpoint")
     base, got = pair["hf"]["base"], pair["hf"]["tp4"]
     assert got["tokens"] == base["tokens"]
-    assert _max_diff(got["logprobs"], base["logprobs"]) <= 1e-4
-    assert _max_diff(got["prompt_logprobs"], base["prompt_logprobs"]) <= 1e-4
+    assert max_logprob_diff(got["logprobs"], base["logprobs"]) <= 1e-4
+    assert max_logprob_diff(got["prompt_logprobs"], base["prompt_logprobs"]) <= 1e-4
 
 
 def test_each_process_loads_only_its_shards(pair):

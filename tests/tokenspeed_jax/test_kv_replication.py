@@ -78,16 +78,12 @@ def result() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _max_diff(a, b) -> float:
-    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
-
-
 @pytest.mark.parametrize("name,base", [("tiny_tp4", "tiny_tp1"), ("wide_tp8", "wide_tp1"),
                                        ("tiny_tp4_pallas", "tiny_tp1_pallas")])
-def test_replicated_kv_heads_match_one_device(result, name, base):
+def test_replicated_kv_heads_match_one_device(result, name, base, max_logprob_diff):
     a, b = result["runs"][base], result["runs"][name]
     assert b["tokens"] == a["tokens"]
-    assert _max_diff(b["logprobs"], a["logprobs"]) <= 1e-4
+    assert max_logprob_diff(b["logprobs"], a["logprobs"]) <= 1e-4
 
 
 @pytest.mark.parametrize("name,tp", [("tiny_tp4", 4), ("wide_tp8", 8)])

@@ -138,27 +138,13 @@ def result() -> dict:
     return out
 
 
-def _max_diff(a, b) -> float:
-    worst = 0.0
-    for xs, ys in zip(a, b, strict=True):
-        assert (xs is None) == (ys is None)
-        if xs is None:
-            continue
-        assert len(xs) == len(ys)
-        for x, y in zip(xs, ys):
-            assert (x is None) == (y is None)
-            if x is not None:
-                worst = max(worst, abs(x - y))
-    return worst
-
-
 @pytest.mark.parametrize("name,base", [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"),
                                        ("tp2_pallas", "tp1_pallas")])
-def test_parallel_matches_single_device(result, name, base):
+def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
     a, b = result["runs"][base], result["runs"][name]
     assert b["tokens"] == a["tokens"]
-    assert _max_diff(b["logprobs"], a["logprobs"]) < 1e-4
-    assert _max_diff(b["prompt_logprobs"], a["prompt_logprobs"]) < 1e-4
+    assert max_logprob_diff(b["logprobs"], a["logprobs"]) < 1e-4
+    assert max_logprob_diff(b["prompt_logprobs"], a["prompt_logprobs"]) < 1e-4
 
 
 def test_one_compile_per_bucket_per_replica(result):
@@ -169,11 +155,11 @@ def test_one_compile_per_bucket_per_replica(result):
     assert runs["tp2dp2"]["compiles"] == runs["dp2"]["compiles"] == single * 2
 
 
-def test_pallas_tp_matches_reference(result):
+def test_pallas_tp_matches_reference(result, max_logprob_diff):
     """shard_map'd Pallas kernels (interpret mode) == the single-device reference backend."""
     a, b = result["runs"]["tp1"], result["runs"]["tp2_pallas"]
     assert b["tokens"][:3] == a["tokens"][:3]
-    assert _max_diff(b["logprobs"][:3], a["logprobs"][:3]) < 1e-4
+    assert max_logprob_diff(b["logprobs"][:3], a["logprobs"][:3]) < 1e-4
 
 
 def test_params_and_pools_are_sharded(result):
