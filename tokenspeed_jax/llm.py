@@ -152,12 +152,13 @@ class LLM:
                               conv_page_size=more_options.get("conv_page_size", 8),
                               honor_full_refresh=more_options.get("honor_full_refresh", True))
         if num_pages is None:
-            from tokenspeed_jax.state import pages_from_memory
+            from tokenspeed_jax.state import fixed_state_bytes, pages_from_memory
 
             device = None if meshes[0] is None else next(
                 d for d in meshes[0].devices.flat if d.process_index == jax.process_index())
+            reserved = fixed_state_bytes(runtime_config, layout.widths, layout.max_live_requests)
             num_pages = pages_from_memory(runtime_config, layout.layer_groups, layout.page_sizes,
-                                          device=device, shards=tp)
+                                          device=device, shards=tp, reserved_bytes=reserved)
             if multi:  # every process must build the same shapes: the smallest fit wins
                 from jax.experimental import multihost_utils
 

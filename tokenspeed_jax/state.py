@@ -59,6 +59,13 @@ def bytes_per_page(config: ModelConfig, layer_groups: tuple[int, ...], page_size
     return sum(int(np.prod(s)) * itemsize for c in shapes for s in c.values())
 
 
+def fixed_state_bytes(config: ModelConfig, widths: tuple[int, ...], max_live_requests: int) -> int:
+    """Device bytes of the per-slot state beside the pools, on each device (replicated under
+    tensor parallelism): page-table mirrors i32[S, W_g], last tokens i32[S] and the penalty
+    statistics (`sampling.PenaltyState`: i32 counts + bool seen, [S, vocab]); S = live slots."""
+    return max_live_requests * (4 * sum(widths) + 4 + 5 * config.vocab_size)
+
+
 def _free_device_bytes(device) -> int | None:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
@@ -82,11 +89,14 @@ def pages_from_memory(
     memory_fraction: float = GPU_MEMORY_FRACTION,
     max_pages: int = 1 << 20,
     shards: int = 1,
+    reserved_bytes: int = 0,
 ) -> int:
     """Number of page ids (null page included) that fit the device memory.
 
     Accelerators: `memory_fraction` of `bytes_limit - bytes_in_use` from `device.memory_stats()`
-    (so call it after the weights are on the device). CPU (no memory stats): a fixed budget of
+    (so call it after the weights are on the device), less `reserved_bytes` (the fixed-size state
+    allocated after this call: `fixed_state_bytes`; with a 128k vocabulary and 256 live slots
+    the penalty statistics alone are ~164 MB). CPU (no memory stats): a fixed budget of
     `CPU_POOL_BUDGET_BYTES`, capped at a quarter of the free host RAM. At least 2 (null + one).
     shards: tensor-parallel degree; on accelerators each device holds 1/shards of every page
     (pools are sharded on kv heads / channels). CPU devices share one host RAM, so no scaling.
@@ -97,7 +107,7 @@ def pages_from_memory(
     if free is not None:
         per_page = -(-per_page // max(1, shards))
     budget = (
-        int(free * memory_fraction)
+        int(free * memory_fraction) - reserved_bytes
         if free is not None
         else min(CPU_POOL_BUDGET_BYTES, _free_host_bytes() // 4)
     )
