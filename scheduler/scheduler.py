@@ -187,6 +187,7 @@ class Scheduler:
         max_rows = cfg.max_batch_requests
         i = 0
         running, pool, coord = self._running, self.pool, self.coord
+        base = coord.base
         fast = self.decode_fast_path
         max_len = cfg.max_context_len
         room = pool.num_free >= self._reserved_total  # changes only on the general path
@@ -204,9 +205,15 @@ class Scheduler:
                 running.pop(i)
                 room = pool.num_free >= self._reserved_total
                 continue
+            start = req.num_computed + req.num_inflight
+            if start // base > req.published_base_pages and start <= len(tokens):
+                # pages the step in flight completes (their tokens are its inputs, all known):
+                # publish them now, as the synchronous loop's update would have before this
+                # schedule, so prefix hits do not lag a step. Whoever hits them runs later.
+                self._publish(req, start)
+                room = pool.num_free >= self._reserved_total  # adoption frees private copies
             # Decode fast path: one token, no refresh, room in every tail, nothing to reclaim
             # and no reservation shortfall. Exactly what the general path below would decide.
-            start = req.num_computed + req.num_inflight
             if (fast and room and req.num_decode_rows and not req.needs_refresh
                     and not req.reserved and req.prefill_done
                     and len(tokens) + pending - start == 1

@@ -132,6 +132,7 @@ def cmd_run(args) -> int:
     print(f"tokenspeed-jax run: model={args.model} sessions={wl.sessions} turns={wl.turns} "
           f"system_prompt={wl.system_tokens} tokens, pages={llm.stats()['total_pages']} "
           f"replicas={len(llm.engines)} "
+          f"loop={'async' if llm.engine.async_scheduling else 'sync'} "
           f"(loaded in {load_s:.1f}s)", flush=True)
     from tokenspeed_jax.chat_workload import prompt_source_for
 

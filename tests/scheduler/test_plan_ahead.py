@@ -154,9 +154,15 @@ def test_overlapped_equals_synchronous(kind, seed):
     assert ovl_rows == generated + stats["num_dropped_tokens"]  # ... or counted as dropped
     if kind == "tight":
         assert stats["num_retractions"] > 0
+    # pages the step in flight completes are published when the next step is planned: the
+    # prefix cache sees exactly what the synchronous loop's update had published by then. (The
+    # hybrid pool is tight, and the overlapped loop holds sliding-window pages a step longer
+    # (reclaim runs at the computed extent): it may retract where the synchronous loop did not,
+    # and then evicts other pages.)
+    if s_async.stats()["num_retractions"] == s_sync.stats()["num_retractions"]:
+        assert stats["prefix_hit_tokens"] == s_sync.stats()["prefix_hit_tokens"]
     if kind == "roomy":
-        # (a prefix computed by the step in flight is published one step later: hits may lag)
-        assert stats["prefix_hit_tokens"] > 0 and s_sync.stats()["prefix_hit_tokens"] > 0
+        assert stats["prefix_hit_tokens"] > 0
 
 
 def test_stop_token_row_in_flight_is_dropped_and_pages_freed_at_once():

@@ -46,3 +46,4 @@ def test_version_and_help_show_real_defaults(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     assert "sized from device memory" in " ".join(capsys.readouterr().out.split())
+
