@@ -9,21 +9,24 @@ running request (LIFO), so the oldest requests always make progress.
 Overlapped scheduling (plan ahead): `schedule()` may be called again before the previous step's
 `update()` (one step in flight; `update` must then come in schedule order). A row whose input is
 the token sampled by the step in flight carries a placeholder (`PLACEHOLDER_TOKEN`) with
-`token_from_prev` set, and the device reads the id it kept for that slot. A request that may
-finish in the step in flight (stop token) is planned again; if it does finish, `update` drops
-the extra row's token (never returned) and frees the request's pages at once. That is exact: the
-freed pages can only be handed out by a later `schedule()`, whose step the device runs after the
-step still using them (steps execute in dispatch order). A request whose pending token certainly
-ends it (max_new_tokens / context limit) is not planned again: the next `schedule()` publishes
-the pages the step in flight completes for it and releases its pages and slot right away
-(`Status.FINISHING`), so the requests waiting behind it are admitted in the same step as in the
-synchronous loop (whose `update` would have freed it just before); `update` only appends the
-last token. Retraction and abort of a request
-with a row in flight bump its `epoch`: `update` then ignores that row's KV (its pages are gone)
-but still appends a sampled token (it is real output); a retracted request re-enters only once
-its pending token has landed (its slot's device copy is no longer its own). Sliding-window
-reclaim runs at the computed extent (not the scheduled one), so pages are published before
-reclaim can punch them, as in the synchronous loop.
+`token_from_prev` set, and the device reads the id it kept for that slot. Pages are handed out
+early where that is exact: whoever gets a page from a later `schedule()` is in a step the device
+runs after the step still using it (steps execute in dispatch order).
+  - Publish: the pages the step in flight completes are published when the next step is planned
+    (their tokens are its inputs, all known), as the synchronous loop's `update` would have done
+    by then, so prefix hits do not lag.
+  - Stop token: a request that may finish in the step in flight is planned again; if it does,
+    `update` drops the extra row's token (never returned) and frees its pages at once.
+  - Length: a request whose pending token certainly ends it (max_new_tokens / context limit) is
+    not planned again; the next `schedule()` releases its pages and slot right away
+    (`Status.FINISHING`), so the requests behind it are admitted in the same step as in the
+    synchronous loop; `update` only appends the last token.
+  - Retraction and abort of a request with a row in flight bump its `epoch`: `update` then ignores
+    that row's KV (its pages are gone) but still appends a sampled token (it is real output); a
+    retracted request re-enters only once its pending token has landed (its slot's device copy
+    is no longer its own).
+Sliding-window reclaim runs at the computed extent (not the scheduled one), so pages are
+published before reclaim can punch them, as in the synchronous loop.
 """
 
 from __future__ import annotations
