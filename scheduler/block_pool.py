@@ -33,6 +33,7 @@ class BlockPool:
         # key -> pages carrying it, oldest registration first (duplicates allowed).
         self._key_pages: dict[CacheKey, dict[int, None]] = {}
         self.num_evictions = 0
+        self.peak_used = 0  # high-water mark of `num_used` (since creation or `reset_peak`)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -43,6 +44,10 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.num_pages - 1 - len(self._free)
+
+    def reset_peak(self) -> None:
+        """Restart the high-water mark from the pages in use now."""
+        self.peak_used = self.num_used
 
     def refcount(self, page_id: int) -> int:
         return self._refcount[page_id]
@@ -84,6 +89,7 @@ class BlockPool:
                 self._evict_key(page)
             rc[page] = 1
             out.append(page)
+        self.peak_used = max(self.peak_used, self.num_pages - 1 - len(self._free))
         return out
 
     def touch(self, pages: Iterable[int]) -> None:
@@ -97,6 +103,7 @@ class BlockPool:
                     raise RuntimeError(f"touch of free page {page} that carries no hash")
                 del self._free[page]
             rc[page] += 1
+        self.peak_used = max(self.peak_used, self.num_pages - 1 - len(self._free))
 
     def free(self, pages: list[int], *, reverse: bool = True) -> None:
         """Drop one reference on each non-null page; a page reaching 0 goes to the BACK of the

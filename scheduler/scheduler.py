@@ -193,34 +193,43 @@ class Scheduler:
         base = coord.base
         fast = self.decode_fast_path
         max_len = cfg.max_context_len
+        ending: set[Request] = set()  # their token in flight ends them: nothing to plan
+        if self._flights:
+            # Overlapped: release them before anything below allocates, as the synchronous
+            # loop's update would have (when every token the steps in flight compute for them is
+            # known, i.e. one step ahead; planned further ahead, `update` releases them)
+            ends = [r for r in running if r.num_pending and r.finishes_by_length(max_len)]
+            if ends:
+                for r in ends:  # in running order: the freed slots' order is deterministic
+                    if r.num_computed + r.num_inflight <= len(r.tokens):
+                        self._release_finishing(r)
+                    else:
+                        ending.add(r)
+                self._running = running = [r for r in running if r.status is Status.RUNNING]
         room = pool.num_free >= self._reserved_total  # changes only on the general path
         while i < len(running) and len(rows) < max_rows and budget > 0:
             req = running[i]
             tokens = req.tokens
             pending = req.num_pending
-            if pending and req.finishes_by_length(max_len):
-                # its token in flight ends it: nothing to plan. Free its pages and slot now when
-                # every token the steps in flight compute for it is known (one step ahead)
-                if req.num_computed + req.num_inflight > len(tokens):
-                    i += 1  # planned further ahead: `update` releases it
-                    continue
-                self._release_finishing(req)
-                running.pop(i)
-                room = pool.num_free >= self._reserved_total
+            if ending and req in ending:
+                i += 1
                 continue
             start = req.num_computed + req.num_inflight
-            if start // base > req.published_base_pages and start <= len(tokens):
-                # pages the step in flight completes (their tokens are its inputs, all known):
-                # publish them now, as the synchronous loop's update would have before this
-                # schedule, so prefix hits do not lag a step. Whoever hits them runs later.
-                self._publish(req, start)
+            # The extent everything before this row is known at: the scheduled one when the
+            # tokens the step in flight computes are known (one step ahead), else the computed.
+            extent = start if start <= len(tokens) else req.num_computed
+            if extent // base > req.published_base_pages:
+                # pages the step in flight completes (their tokens are its inputs): publish them
+                # now, as the synchronous loop's update would have before this schedule, so
+                # prefix hits do not lag a step. Whoever hits them runs later.
+                self._publish(req, extent)
                 room = pool.num_free >= self._reserved_total  # adoption frees private copies
             # Decode fast path: one token, no refresh, room in every tail, nothing to reclaim
             # and no reservation shortfall. Exactly what the general path below would decide.
             if (fast and room and req.num_decode_rows and not req.needs_refresh
                     and not req.reserved and req.prefill_done
                     and len(tokens) + pending - start == 1
-                    and coord.grow_in_tail(cast("list[BlockTable]", req.tables), req.num_computed)):
+                    and coord.grow_in_tail(cast("list[BlockTable]", req.tables), extent)):
                 req.num_decode_rows += 1
                 rows.append(req)
                 slots.append(req.slot)
@@ -231,7 +240,7 @@ class Scheduler:
                 budget -= 1
                 i += 1
                 continue
-            row = self._schedule_running(req, budget)
+            row = self._schedule_running(req, budget, extent)
             room = pool.num_free >= self._reserved_total
             if row is None:  # req itself was retracted (it was the LIFO victim)
                 continue
@@ -293,13 +302,14 @@ class Scheduler:
             self.check_invariants()
         return ops
 
-    def _schedule_running(self, req: Request, budget: int) -> ScheduledRow | None:
+    def _schedule_running(self, req: Request, budget: int, extent: int) -> ScheduledRow | None:
         coord = self.coord
         n = min(req.remaining, budget, self._chunk_cap)
         tables = cast("list[BlockTable]", req.tables)  # running: set
-        # reclaim at the computed extent: pages the step in flight completes are published by
-        # its update before a later step may punch them (same hashes as the synchronous loop)
-        holes = coord.reclaim(tables, req.num_computed)
+        # Reclaim at `extent`, whose pages are already published (same hashes as the synchronous
+        # loop). With a step in flight that is its scheduled extent: a slot that step still reads
+        # may be freed now, as whoever gets the page is in a later step, which runs after it.
+        holes = coord.reclaim(tables, extent)
         need = coord.blocks_needed_for(tables, n)
         while need > self._available_for(req):
             victim = self._running[-1]

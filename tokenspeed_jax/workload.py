@@ -112,7 +112,9 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
         send(s, 0, system + rng.integers(0, vocab, cfg.user_tokens).tolist()
              if prompts is None else prompts.first(s))
     ttft, tpot = [], []
-    prompt_tokens = generated = done = peak = 0
+    prompt_tokens = generated = done = 0
+    for e in engines:  # peak pages: each pool's high-water mark over this workload
+        e.scheduler.pool.reset_peak()
     prefill0 = sum(e.num_prefill_tokens for e in engines)
     steps0 = sum(e.num_steps for e in engines)
     pool = ThreadPoolExecutor(len(engines)) if len(engines) > 1 else None
@@ -144,8 +146,9 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
                 follow = np.random.default_rng((cfg.seed, sid, nxt)).integers(
                     0, vocab, cfg.user_tokens).tolist()
                 send(sid, nxt, history[out.request_id] + out.token_ids + follow)
-        peak = max(peak, sum(e.scheduler.pool.num_used for e in engines))
     wall = time.perf_counter() - t0
+    # one replica: its exact high-water mark; several: the sum of theirs (an upper bound)
+    peak = sum(e.scheduler.pool.peak_used for e in engines)
     if pool is not None:
         pool.shutdown()
     if bar is not None:

@@ -57,6 +57,21 @@ def test_touch_pulls_cached_free_page_out_of_free_list():
     pool.check_invariants({})
 
 
+def test_peak_used_is_the_high_water_mark():
+    pool = BlockPool(6)
+    pages = pool.allocate(3)
+    pool.register(pages[0], "k")
+    pool.free(pages)
+    assert pool.num_used == 0 and pool.peak_used == 3
+    pool.allocate(2)  # pages 4, 5
+    assert pool.peak_used == 3
+    pool.touch([1])  # the cached page comes back: 3 in use again
+    pool.allocate(1)
+    assert pool.num_used == 4 and pool.peak_used == 4
+    pool.reset_peak()
+    assert pool.peak_used == 4
+
+
 def test_duplicate_hashes_are_kept_side_by_side():
     pool = BlockPool(4)
     a, b = pool.allocate(2)

@@ -154,13 +154,18 @@ def test_overlapped_equals_synchronous(kind, seed):
     assert ovl_rows == generated + stats["num_dropped_tokens"]  # ... or counted as dropped
     if kind == "tight":
         assert stats["num_retractions"] > 0
-    # pages the step in flight completes are published when the next step is planned: the
-    # prefix cache sees exactly what the synchronous loop's update had published by then. (The
-    # hybrid pool is tight, and the overlapped loop holds sliding-window pages a step longer
-    # (reclaim runs at the computed extent): it may retract where the synchronous loop did not,
-    # and then evicts other pages.)
-    if s_async.stats()["num_retractions"] == s_sync.stats()["num_retractions"]:
-        assert stats["prefix_hit_tokens"] == s_sync.stats()["prefix_hit_tokens"]
+    # When the next step is planned, the pages the step in flight completes are published and
+    # slid-out sliding-window / conv slots are reclaimed at the scheduled extent, as the
+    # synchronous loop's update + schedule would have: the overlapped loop holds no more pages
+    # and retracts no more often ...
+    sync_stats = s_sync.stats()
+    assert s_async.pool.peak_used <= s_sync.pool.peak_used
+    assert stats["num_retractions"] <= sync_stats["num_retractions"]
+    # ... and its prefix hits are the same. (Not asserted on the hybrid pool, which evicts 120+
+    # pages: there a stop-token finish, which frees its pages a step later than in the
+    # synchronous loop, changes which cached pages are evicted.)
+    if kind != "hybrid":
+        assert stats["prefix_hit_tokens"] == sync_stats["prefix_hit_tokens"]
     if kind == "roomy":
         assert stats["prefix_hit_tokens"] > 0
 

@@ -23,8 +23,8 @@ def test_run_job_end_to_end_both_loops_same_figures(capsys):
         assert s["prompt_tokens"] == 3 * 48 + 3 * (48 + 5 + 8)
         assert s["retractions"] == 0 and s["compiles"] > 0
     sync, overlapped = summaries["sync"], summaries["async"]
-    # the overlapped loop hits the prefix cache exactly as the synchronous one (its steps may
-    # differ: a follow-up turn is sent when its reply returns, one engine call later)
-    for key in ("computed_prompt_tokens", "prefix_hit_rate"):
+    # the overlapped loop hits the prefix cache and holds pages exactly as the synchronous one
+    # (its steps may differ: a follow-up turn is sent when its reply returns, a call later)
+    for key in ("computed_prompt_tokens", "prefix_hit_rate", "peak_pages"):
         assert overlapped[key] == sync[key], key
     assert sync["prefix_hit_rate"] > 0.5  # the system prompt and each session's history

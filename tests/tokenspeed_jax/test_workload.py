@@ -17,7 +17,7 @@ class _OrderedEngine:
         self.queue: list[tuple[str, list[int]]] = []
         self.prompts: dict[str, list[int]] = {}
         self.num_prefill_tokens = self.num_steps = 0
-        self.scheduler = SimpleNamespace(pool=SimpleNamespace(num_used=0))
+        self.scheduler = SimpleNamespace(pool=SimpleNamespace(peak_used=0, reset_peak=lambda: None))
 
     def add_request(self, prompt, params, request_id):
         self.queue.append((request_id, list(prompt)))
