@@ -4,14 +4,10 @@ Arrivals with shared prefixes, aborts, a tiny pool that forces retraction, hybri
 live-tail conv groups. `debug_checks=True` makes every schedule() apply the StepOps to a numpy
 mirror (DESIGN §6 rules) and assert it equals the authoritative rows, and run check_invariants()
 after every schedule and update. On top: StepOps shapes never change, each request finishes with
-its exact token count, and all pages come back at the end. Steps run either synchronously
-(`step`) or overlapped as the async engine runs them (`dispatch` plans the next step while one is
-in flight, `land` feeds the oldest back), interleaved at random with arrivals and aborts.
+its exact token count, and all pages come back at the end.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import hypothesis.strategies as st
 import numpy as np
@@ -46,7 +42,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finished: dict[str, object] = {}
         self.shapes = None
         self.n = 0
-        self.inflight: deque = deque()  # (ops, sampled) scheduled, not yet fed back
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4, 5, 6, 1, 2], [9] * 12, [9] * 13]),
           own=st.lists(st.integers(0, 12), min_size=0, max_size=14),
@@ -65,7 +60,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.add_request(rid, prompt, max_new, stop_token_ids=[STOP] if stop else [])
         self.expect[rid] = (max_new, stop)
 
-    def _schedule(self, positional: bool):
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule(positional=st.booleans())
+    def step(self, positional=False):
         ops = self.sched.schedule()
         shapes = _shapes(ops)
         if self.shapes is None:
@@ -78,26 +75,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             sampled = ((ops.kv_lens * 5 + 3) % 12).astype(np.int32)
         else:
             sampled = self.rng.integers(0, 12, size=self.cfg.max_batch_requests).astype(np.int32)
-        return ops, sampled
-
-    @precondition(lambda self: self.sched.has_unfinished() and not self.inflight)
-    @rule(positional=st.booleans())
-    def step(self, positional=False):
-        for out in self.sched.update(*self._schedule(positional)):
-            self._check_finished(out)
-
-    @precondition(lambda self: self.sched.has_unfinished() and len(self.inflight) < 2)
-    @rule(positional=st.booleans())
-    def dispatch(self, positional=False):
-        """Overlapped: plan a step while (at most) one is in flight."""
-        ops, sampled = self._schedule(positional)
-        if ops.num_seqs:
-            self.inflight.append((ops, sampled))
-
-    @precondition(lambda self: self.inflight)
-    @rule()
-    def land(self):
-        for out in self.sched.update(*self.inflight.popleft()):
+        for out in self.sched.update(ops, sampled):
             self._check_finished(out)
 
     @precondition(lambda self: self.expect)
@@ -118,8 +96,6 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         # drain: everything finishes (nobody starves), and every page comes back
-        while self.inflight:
-            self.land()
         for _ in range(2000):
             if not self.sched.has_unfinished():
                 break
