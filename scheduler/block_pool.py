@@ -89,7 +89,7 @@ class BlockPool:
                 self._evict_key(page)
             rc[page] = 1
             out.append(page)
-        self.peak_used = max(self.peak_used, self.num_pages - 1 - len(self._free))
+        self.peak_used = max(self.peak_used, self.num_used)
         return out
 
     def touch(self, pages: Iterable[int]) -> None:
@@ -103,7 +103,7 @@ class BlockPool:
                     raise RuntimeError(f"touch of free page {page} that carries no hash")
                 del self._free[page]
             rc[page] += 1
-        self.peak_used = max(self.peak_used, self.num_pages - 1 - len(self._free))
+        self.peak_used = max(self.peak_used, self.num_used)
 
     def free(self, pages: list[int], *, reverse: bool = True) -> None:
         """Drop one reference on each non-null page; a page reaching 0 goes to the BACK of the

@@ -25,8 +25,9 @@ runs after the step still using it (steps execute in dispatch order).
     that row's KV (its pages are gone) but still appends a sampled token (it is real output); a
     retracted request re-enters only once its pending token has landed (its slot's device copy
     is no longer its own).
-Sliding-window reclaim runs at the computed extent (not the scheduled one), so pages are
-published before reclaim can punch them, as in the synchronous loop.
+  - Reclaim: slid-out sliding-window / conv slots are reclaimed at the same extent as the publish
+    (the scheduled one when its tokens are known), after it, so a punched page keeps its hash and
+    the pool holds what the synchronous loop's would.
 """
 
 from __future__ import annotations
