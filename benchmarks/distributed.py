@@ -55,8 +55,8 @@ def _worker(mode: str, pid: int, port: int, n: int, max_tokens: int) -> dict:
         return {"steps": llm.run_follower()}
     out = _serve(llm, n, max_tokens)
     from scheduler import Scheduler
-    from tokenspeed_jax.distributed_runner import NOOP, frame
-    from tokenspeed_jax.step_inputs import pack
+    from tokenspeed_jax.distributed.runner import NOOP, frame
+    from tokenspeed_jax.runtime.step_inputs import pack
 
     group, runner = llm._group, llm.engine.runner
     pad = Scheduler(llm.engine.scheduler.config).padding_ops()

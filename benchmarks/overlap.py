@@ -13,7 +13,7 @@ alternate sync / async so machine load hits both alike, and each mode keeps its 
     bookkeeping); wait ms per step: blocked on results; device ms per step: first dispatch to
     last result minus the idle gaps (a lower bound);
   - critical ms per step: upper bound of the device idle gap between consecutive steps (end of
-    step N on the device -> step N+1 queued; `tokenspeed_jax/step_clock.py`), all steps and pure
+    step N on the device -> step N+1 queued; `tokenspeed_jax/engine/step_clock.py`), all steps and pure
     decode steps; device-idle fraction = sum of the gaps / wall time;
   - pipelined steps: dispatched while the previous step was in flight; gapless dispatches:
     the previous step was still running when the next one was queued (no gap at all).
@@ -34,7 +34,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from scheduler import Scheduler  # noqa: E402
 from tokenspeed_jax import LLM  # noqa: E402
-from tokenspeed_jax.workload import WorkloadConfig, run_workload  # noqa: E402
+from tokenspeed_jax.workloads.agentic import WorkloadConfig, run_workload  # noqa: E402
 
 
 def _pass(llm: LLM, wl: WorkloadConfig) -> dict:

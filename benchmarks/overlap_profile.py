@@ -25,10 +25,10 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import numpy as np  # noqa: E402
 
-import tokenspeed_jax.runner as runner_mod  # noqa: E402
+import tokenspeed_jax.runtime.runner as runner_mod  # noqa: E402
 from scheduler import Scheduler, StepOps  # noqa: E402
 from tokenspeed_jax import LLM  # noqa: E402
-from tokenspeed_jax.workload import WorkloadConfig, run_workload  # noqa: E402
+from tokenspeed_jax.workloads.agentic import WorkloadConfig, run_workload  # noqa: E402
 
 PARTS = ("schedule", "pack", "jit_call", "dispatch_total", "collect", "update",
          "route_logprobs", "output", "engine_step")

@@ -103,7 +103,7 @@ def bench_compiles(steps: int = 1000, seed: int = 0) -> dict:
 
 def bench_e2e(quick: bool) -> dict:
     from tokenspeed_jax import LLM
-    from tokenspeed_jax.workload import WorkloadConfig, run_workload
+    from tokenspeed_jax.workloads.agentic import WorkloadConfig, run_workload
 
     llm = LLM("tiny-random", num_pages=1024, page_size=16, max_batch_requests=32,
               max_scheduled_tokens=512)
@@ -130,7 +130,7 @@ def _decode_step_ops(requests: int = 48, prompt: int = 450, ctx: int = 4096):
 def bench_step_inputs(steps: int = 300) -> dict:
     """Median us per step: old dict-of-arrays transfer vs the packed schema-driven one."""
     from scheduler.step_ops import GroupStepOps, StepOps, device_schema
-    from tokenspeed_jax.step_inputs import kv_levels, layout_for, pack
+    from tokenspeed_jax.runtime.step_inputs import kv_levels, layout_for, pack
 
     ops = _decode_step_ops()
     bucket = 64  # token bucket of a 48-row decode step

@@ -16,8 +16,8 @@ import time
 import torch
 
 from tokenspeed_jax import LLM, SamplingParams
-from tokenspeed_jax.chat_workload import QUESTIONS
 from tokenspeed_jax.hf.oracle import transformers_from_gguf
+from tokenspeed_jax.workloads.chat_prompts import QUESTIONS
 
 SYSTEM = "You are a concise assistant for a public library help desk. Answer in one or two short sentences."
 

@@ -94,7 +94,7 @@ class Request:
         self.logit_bias: tuple[tuple[int, float], ...] = ()
         self.top_logprobs = 0
         # the device must count this request's tokens (such requests skip the prefix cache so
-        # that every token they hold passes through a step; see tokenspeed_jax/sampling.py)
+        # that every token they hold passes through a step; see tokenspeed_jax/runtime/sampling.py)
         self.has_penalties = False
         self.needs_extras = False  # any non-padding penalty / logit_bias / top_logprobs field
         self.num_inflight = 0  # tokens scheduled in steps not yet fed back by `update`

@@ -15,14 +15,15 @@ import jax
 import numpy as np
 
 from scheduler import SchedulerConfig, cache_layout
-from tokenspeed_jax import distributed as dist
-from tokenspeed_jax.engine import Engine, Runner
+from tokenspeed_jax.distributed import launch as dist
+from tokenspeed_jax.engine.engine import Engine, Runner
+from tokenspeed_jax.engine.replicas import aggregate_stats
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenspeed_jax.distributed_runner import DistributedGroup, DistributedRunner
-    from tokenspeed_jax.runner import ModelRunner
+    from tokenspeed_jax.distributed.runner import DistributedGroup, DistributedRunner
+    from tokenspeed_jax.runtime.runner import ModelRunner
 
 DEFAULT_TINY_CONTEXT = 2048
 DEFAULT_HF_CONTEXT = 8192
@@ -46,10 +47,10 @@ def _load(model: str, dtype: str, seed: int, lazy: bool = False):
     from tokenspeed_jax.models import registry
 
     if model in registry.BUILTIN_MODELS:
-        from tokenspeed_jax.tokenizer import ByteTokenizer
+        from tokenspeed_jax.models.byte_tokenizer import ByteTokenizer
 
         if lazy:
-            from tokenspeed_jax.param_sources import generated_model
+            from tokenspeed_jax.runtime.param_sources import generated_model
 
             cfg = registry.tiny_random_config(dtype=dtype)
             return cfg, generated_model(lambda: registry.build_model(cfg, seed)), ByteTokenizer()
@@ -83,18 +84,18 @@ class LLM:
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
     min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`),
     async_scheduling (True, the default: plan step N+1 on the host while the device runs step N;
-    False: the synchronous reference loop. Same outputs: see tokenspeed_jax/engine.py and
+    False: the synchronous reference loop. Same outputs: see tokenspeed_jax/engine/engine.py and
     benchmarks/README.md, "Overlapped scheduling").
 
     tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
-    intermediate, conv channels, vocab; `tokenspeed_jax.sharding`). data_parallel_size = D: D
+    intermediate, conv channels, vocab; `tokenspeed_jax.runtime.sharding`). data_parallel_size = D: D
     independent replicas (own Scheduler, ModelRunner and `num_pages` page pool each) on devices
     [r*T, (r+1)*T). `generate` sends each request to the replica with the fewest outstanding
     tokens (prompt + max_tokens of this LLM's unfinished requests; ties -> lowest index) and steps
     every busy replica once per round, in threads (device work of different replicas overlaps).
     `engines` lists the replicas; `engine` is replica 0 (what the CLI workload and the server drive).
 
-    distributed: a `tokenspeed_jax.distributed.DistributedConfig` (or a dict of its fields, or
+    distributed: a `tokenspeed_jax.distributed.launch.DistributedConfig` (or a dict of its fields, or
     "env") runs on JAX's multi-controller runtime, one process per host: every process constructs
     the same LLM; process 0 (the leader, `is_leader`) schedules and calls `generate` / serves
     HTTP, and broadcasts each step to the others, which call `run_follower()` (blocks until the
@@ -108,7 +109,7 @@ class LLM:
                  enable_prefix_cache: bool = True, dtype: str = "float32",
                  attention_backend: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, distributed=None, **more_options) -> None:
-        from tokenspeed_jax import sharding
+        from tokenspeed_jax.runtime import sharding
 
         self.distributed = dist.resolve(distributed)
         multi = self.distributed is not None and self.distributed.num_processes > 1
@@ -128,7 +129,7 @@ class LLM:
         if attention_backend not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
                              f"{attention_backend!r}")
-        from tokenspeed_jax.runner import DEFAULT_MIN_KV_BUCKET, ModelRunner
+        from tokenspeed_jax.runtime.runner import DEFAULT_MIN_KV_BUCKET, ModelRunner
 
         # Multi-process: parameters stay lazy (`param_sources`); each process reads / generates
         # only its own shards when the runner places them (`sharding.place`). GGUF files are
@@ -152,7 +153,7 @@ class LLM:
                               conv_page_size=more_options.get("conv_page_size", 8),
                               honor_full_refresh=more_options.get("honor_full_refresh", True))
         if num_pages is None:
-            from tokenspeed_jax.state import fixed_state_bytes, pages_from_memory
+            from tokenspeed_jax.runtime.state import fixed_state_bytes, pages_from_memory
 
             device = None if meshes[0] is None else next(
                 d for d in meshes[0].devices.flat if d.process_index == jax.process_index())
@@ -195,7 +196,7 @@ class LLM:
         return self.distributed
 
     def _distribute(self, runner: ModelRunner, replica: int) -> DistributedRunner:
-        from tokenspeed_jax.distributed_runner import DistributedGroup, DistributedRunner
+        from tokenspeed_jax.distributed.runner import DistributedGroup, DistributedRunner
 
         if self._group is None:
             self._group = DistributedGroup(self._dist_config, DistributedRunner.message_words(runner))
@@ -213,7 +214,7 @@ class LLM:
         processes). Returns the number of steps replayed."""
         if self.is_leader or self._group is None:
             raise RuntimeError("run_follower() is for processes other than 0")
-        from tokenspeed_jax.distributed_runner import follow
+        from tokenspeed_jax.distributed.runner import follow
 
         steps = follow(self._group, self._dist_runners)
         if leave_runtime:
@@ -322,23 +323,7 @@ class LLM:
         tokens, steps, compiles), prefix_hit_rate recomputed from the summed hit / query tokens,
         and the per-replica dicts under "replicas"."""
         out = (self.engine.stats() if len(self.engines) == 1
-               else _aggregate_stats([e.stats() for e in self.engines]))
+               else aggregate_stats([e.stats() for e in self.engines]))
         if not math.isfinite(out.get("prefix_hit_rate", 0.0)):
             out["prefix_hit_rate"] = 0.0
         return out
-
-
-def _aggregate_stats(per: list[dict]) -> dict:
-    """Sum of the replicas' numeric counters (and per-group page dicts); see `LLM.stats`."""
-    out = dict(per[0])
-    for key, val in per[0].items():
-        if isinstance(val, bool):
-            continue
-        if isinstance(val, (int, float)):
-            out[key] = sum(s[key] for s in per)
-        elif isinstance(val, dict) and all(isinstance(v, (int, float)) for v in val.values()):
-            out[key] = {k: sum(s[key][k] for s in per) for k in val}
-    q = out.get("prefix_query_tokens", 0)
-    out["prefix_hit_rate"] = out.get("prefix_hit_tokens", 0) / q if q else 0.0
-    out["replicas"] = per
-    return out

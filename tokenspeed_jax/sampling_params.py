@@ -18,7 +18,7 @@ class SamplingParams:
     top_logprobs: also return the k (<= 20) most likely tokens and their logprobs at each step.
     presence_penalty / frequency_penalty in [-2, 2] (0 = off), repetition_penalty > 0 (1 = off)
     and logit_bias ({token id: bias in [-100, 100]}) modify the logits before sampling, on the
-    device (OpenAI / vLLM semantics, see `tokenspeed_jax.sampling`); requests using a penalty do
+    device (OpenAI / vLLM semantics, see `tokenspeed_jax.runtime.sampling`); requests using a penalty do
     not take prefix-cache hits (their token counts are rebuilt from their own inputs).
     """
 

@@ -11,9 +11,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tokenspeed_jax import LLM, SamplingParams  # noqa: E402
-from tokenspeed_jax.chat import chat_repl  # noqa: E402
-from tokenspeed_jax.chat_workload import ChatPrompts, prompt_source_for  # noqa: E402
-from tokenspeed_jax.workload import WorkloadConfig, run_workload  # noqa: E402
+from tokenspeed_jax.cli.chat import chat_repl  # noqa: E402
+from tokenspeed_jax.workloads.agentic import WorkloadConfig, run_workload  # noqa: E402
+from tokenspeed_jax.workloads.chat_prompts import ChatPrompts, prompt_source_for  # noqa: E402
 
 pytestmark = pytest.mark.hf
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokenspeed_jax import param_sources as ps
+from tokenspeed_jax.runtime import param_sources as ps
 
 TP = 4
 
@@ -66,8 +66,8 @@ def test_checkpoint_source_reads_only_its_slice(tmp_path):
 def test_lazy_checkpoint_shards_equal_eager(hf_checkpoints, family):
     from flax import nnx
 
-    from tokenspeed_jax import sharding
     from tokenspeed_jax.hf import load_checkpoint
+    from tokenspeed_jax.runtime import sharding
 
     path = hf_checkpoints[family][0]
     cfg, eager, _ = load_checkpoint(path)

@@ -196,7 +196,7 @@ def _leader_main(port: int, hf_path: str) -> dict:
     from tokenspeed_jax import LLM, SamplingParams
 
     out: dict = {"hf": _hf_phase(0, port, hf_path)}
-    from tokenspeed_jax import param_sources
+    from tokenspeed_jax.runtime import param_sources
 
     t0 = time.perf_counter()
     param_sources.reset_stats()
@@ -389,7 +389,7 @@ def test_cli_serve_then_killed_follower_fails_leader_loudly(pair):
     SIGKILLed while the leader is mid-request, and the leader exits with EXIT_FOLLOWER_LOST and
     the clear message within KILL_BOUND_S."""
     httpx = pytest.importorskip("httpx")
-    from tokenspeed_jax.distributed import EXIT_FOLLOWER_LOST
+    from tokenspeed_jax.distributed.launch import EXIT_FOLLOWER_LOST
 
     port, http_port = _free_port(), _free_port()
     url = f"http://127.0.0.1:{http_port}/v1/completions"

@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 
 from scheduler import Scheduler, SchedulerConfig
-from tokenspeed_jax.distributed import (
+from tokenspeed_jax.cli.common import add_distributed_args, add_engine_args, distributed_config
+from tokenspeed_jax.distributed.launch import (
     DistributedConfig,
     Liveness,
-    add_cli_args,
-    config_from_args,
     resolve,
 )
-from tokenspeed_jax.distributed_runner import HEADER, STEP, frame, unframe
-from tokenspeed_jax.step_inputs import layout_for, pack
+from tokenspeed_jax.distributed.runner import HEADER, STEP, frame, unframe
+from tokenspeed_jax.runtime.step_inputs import layout_for, pack
 
 
 def _real_ops():
@@ -74,18 +73,17 @@ def test_config_validation_and_env():
 
 def test_cli_flags():
     p = argparse.ArgumentParser()
-    add_cli_args(p)
+    add_distributed_args(p)
     args = p.parse_args(["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id",
                          "1", "--tensor-parallel-size", "4", "--follower-timeout", "5"])
-    cfg = config_from_args(args)
+    cfg = distributed_config(args)
     assert (cfg.num_processes, cfg.process_id, cfg.follower_timeout_s) == (2, 1, 5.0)
     assert args.tensor_parallel_size == 4 and args.data_parallel_size == 1
-    assert config_from_args(p.parse_args([])) is None
-    # an existing --tensor-parallel-size (e.g. the CLI's own) is kept, not duplicated
+    assert distributed_config(p.parse_args([])) is None
+    # the parallel flags are defined once, in cli.common: the engine flags include them
     q = argparse.ArgumentParser()
-    q.add_argument("--tensor-parallel-size", type=int, default=7)
-    add_cli_args(q)
-    assert q.parse_args([]).tensor_parallel_size == 7
+    add_engine_args(q, num_pages=None)
+    assert q.parse_args(["--tensor-parallel-size", "7"]).tensor_parallel_size == 7
 
 
 class _FakeKV:
@@ -140,7 +138,7 @@ def two_processes(monkeypatch):
 
 
 def test_global_device_grid_spans_every_process(two_processes):
-    from tokenspeed_jax.sharding import global_device_grid
+    from tokenspeed_jax.runtime.sharding import global_device_grid
 
     ids = lambda grid: [[(d.process_index, d.id) for d in row] for row in grid]  # noqa: E731
     assert ids(global_device_grid(4, 1)) == [[(0, 0), (0, 1), (1, 2048), (1, 2049)]]

@@ -97,7 +97,7 @@ def test_projection_repeats_each_head():
     import numpy as np
 
     from tokenspeed_jax.models import build_model, tiny_random_config
-    from tokenspeed_jax.sharding import replicate_kv_heads
+    from tokenspeed_jax.runtime.sharding import replicate_kv_heads
 
     cfg = tiny_random_config(attention_bias=True)
     net = build_model(cfg, 0)

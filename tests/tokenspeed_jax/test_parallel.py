@@ -110,7 +110,7 @@ def _moe_forward_diff() -> float:
     from flax import nnx
 
     from tokenspeed_jax.models import build_model, tiny_random_config
-    from tokenspeed_jax.sharding import TensorParallel, prepare_model, replica_meshes
+    from tokenspeed_jax.runtime.sharding import TensorParallel, prepare_model, replica_meshes
 
     cfg = tiny_random_config(num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0,
                              attention_sinks=True, attention_bias=True, conv_bias=True)

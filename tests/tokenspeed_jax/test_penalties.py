@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tokenspeed_jax import LLM, SamplingParams
-from tokenspeed_jax.sampling import (
+from tokenspeed_jax.runtime.sampling import (
     apply_penalties,
     init_penalty_state,
     top_logprobs,

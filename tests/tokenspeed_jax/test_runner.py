@@ -18,7 +18,7 @@ import pytest
 from scheduler import GroupStepOps, SchedulerConfig, StepOps, cache_layout
 from scheduler.step_ops import sampling_padding
 from tokenspeed_jax.models import build_model, tiny_random_config
-from tokenspeed_jax.runner import ModelRunner
+from tokenspeed_jax.runtime.runner import ModelRunner
 
 PAGE, CONV_PAGE, WINDOW, NUM_PAGES, SLOTS, CTX = 4, 2, 6, 64, 4, 32
 
@@ -267,7 +267,7 @@ def test_clamped_row_warns_naming_the_request(model_setup, caplog):
     grp, width = ops.groups[0], layout.widths[0]
     ops.full_refresh[:2] = False
     grp.begins[:2], grp.sizes[:2] = (0, width - 1), (1, 2)  # row 1 writes columns W-1 and W
-    with caplog.at_level("WARNING", logger="tokenspeed_jax.runner"):
+    with caplog.at_level("WARNING", logger="tokenspeed_jax.runtime.runner"):
         runner.step(ops)
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "too-wide" in warned[0] and layout.groups[0].group_id in warned[0]

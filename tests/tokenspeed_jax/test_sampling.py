@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokenspeed_jax.sampling import prompt_logprobs, sample
+from tokenspeed_jax.runtime.sampling import prompt_logprobs, sample
 
 V = 50
 _sample = jax.jit(sample)

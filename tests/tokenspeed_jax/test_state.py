@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tokenspeed_jax.models import tiny_random_config
-from tokenspeed_jax.state import (
+from tokenspeed_jax.runtime.state import (
     CPU_POOL_BUDGET_BYTES,
     bytes_per_page,
     fixed_state_bytes,

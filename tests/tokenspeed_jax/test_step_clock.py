@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-import tokenspeed_jax.step_clock as step_clock
-from tokenspeed_jax.step_clock import StepClock
+import tokenspeed_jax.engine.step_clock as step_clock
+from tokenspeed_jax.engine.step_clock import StepClock
 
 
 class FakeHandle:

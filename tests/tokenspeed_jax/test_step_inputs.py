@@ -10,7 +10,7 @@ import pytest
 
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.step_ops import LOGIT_BIAS_WIDTH, GroupStepOps, StepOps, device_schema
-from tokenspeed_jax.step_inputs import kv_levels, layout_for, pack, unpack
+from tokenspeed_jax.runtime.step_inputs import kv_levels, layout_for, pack, unpack
 
 
 def _random_ops(rng, r=5, t=24, layouts=((16, 8, 2), (8, 12, 3))) -> StepOps:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from tokenspeed_jax.outputs import CompletionOutput
-from tokenspeed_jax.workload import WorkloadConfig, run_workload
+from tokenspeed_jax.workloads.agentic import WorkloadConfig, run_workload
 
 
 class _OrderedEngine:

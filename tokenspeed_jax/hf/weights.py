@@ -122,7 +122,7 @@ def iter_tensor_sources(files: dict[str, str]) -> Iterator[tuple[str, Any]]:
     import numpy as np
     from safetensors import safe_open
 
-    from tokenspeed_jax.param_sources import READ_STATS, CheckpointSource
+    from tokenspeed_jax.runtime.param_sources import READ_STATS, CheckpointSource
 
     for file, names in _names_by_file(files).items():
         with safe_open(file, framework="numpy") as f:

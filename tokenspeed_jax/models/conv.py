@@ -10,15 +10,11 @@ DESIGN.md §7; negative positions read zero).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import short_conv, short_conv_reference
-from tokenspeed_jax.attention import resolve_backend
+from pallas_kernels import short_conv_reference
 from tokenspeed_jax.models.batch import PagedBatch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.layers import Linear
@@ -37,7 +33,7 @@ class ShortConv(nnx.Module):
         self.out_proj = Linear(h, h, bias=cfg.conv_bias, cfg=cfg, rngs=rngs)
         self.kernel_size = k
         # Column layout of in_proj: 1 = [B | C | x]; n = tensor-parallel re-layout by
-        # `tokenspeed_jax.sharding.prepare_model`, [B_0 C_0 x_0 | ... | B_n-1 C_n-1 x_n-1] with
+        # `tokenspeed_jax.runtime.sharding.prepare_model`, [B_0 C_0 x_0 | ... | B_n-1 C_n-1 x_n-1] with
         # shard s's channels side by side, so each shard's gates are local (no resharding).
         self.gate_shards = 1
 
@@ -91,11 +87,3 @@ class ShortConv(nnx.Module):
             batch.num_seqs, self.conv_weight[...], bias,
         )  # fmt: skip
         return self.out_proj(c * y), new_cache
-
-
-def get_short_conv(backend: str) -> Callable:
-    """The paged short conv of attention backend `backend`: the jnp reference, or the Pallas
-    kernel (interpret mode off GPU); `pallas_kernels.short_conv` signature."""
-    if resolve_backend(backend) == "reference":
-        return short_conv_reference
-    return short_conv if jax.default_backend() == "gpu" else functools.partial(short_conv, interpret=True)

@@ -19,18 +19,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tokenspeed_jax.attention import dense_attention
 from tokenspeed_jax.models.batch import PagedBatch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.conv import ShortConv
+from tokenspeed_jax.models.dense_attention import dense_attention
 from tokenspeed_jax.models.layers import (
+    MLP,
     Linear,
     RMSNorm,
     apply_rope,
-    make_mlp,
     rope_attention_factor,
     rope_inv_freq,
 )
+from tokenspeed_jax.models.moe import MoE
 
 AttnFn = Callable[..., jax.Array]  # SPEC.md paged_attention signature
 
@@ -109,6 +110,14 @@ class Attention(nnx.Module):
             **self._kwargs(),
         )
         return self.o_proj(out.reshape(x.shape[0], -1)), new
+
+
+
+def make_mlp(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+    """Feed-forward block factory: dense SwiGLU, or top-k routed experts (GPT-OSS, models/moe.py)."""
+    if cfg.num_local_experts > 0:
+        return MoE(cfg, rngs=rngs)
+    return MLP(cfg, rngs=rngs)
 
 
 class DecoderLayer(nnx.Module):

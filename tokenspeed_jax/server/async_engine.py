@@ -23,9 +23,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tokenspeed_jax.engine import Engine
+from tokenspeed_jax.engine.engine import Engine
+from tokenspeed_jax.engine.replicas import pick_replica
 from tokenspeed_jax.outputs import CompletionOutput
-from tokenspeed_jax.routing import pick_replica
 from tokenspeed_jax.sampling_params import SamplingParams
 
 log = logging.getLogger("tokenspeed_jax.server")

@@ -261,7 +261,7 @@ def test_non_streaming_disconnect_frees_pages_within_2s(srv, monkeypatch):
 
 def test_bench_serve_against_the_server_writes_json_and_plots(srv, tmp_path):
     pytest.importorskip("matplotlib")
-    from tokenspeed_jax.bench_serve import main as bench_serve
+    from tokenspeed_jax.cli.bench_serve import main as bench_serve
 
     rc = bench_serve(["--url", srv.url, "--sessions", "3", "--turns", "2", "--system-tokens", "24",
                       "--user-tokens", "4", "--max-tokens", "4", "--request-rates", "50,inf",

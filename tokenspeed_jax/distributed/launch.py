@@ -124,42 +124,6 @@ def resolve(distributed) -> DistributedConfig | None:
                      f"{distributed!r:.80}")
 
 
-def add_cli_args(p) -> None:
-    """The multi-process launch flags of `run` and `serve` (argparse parser `p`); the tensor /
-    data parallel sizes too, unless the parser already has them."""
-    g = p.add_argument_group("multi-process (one process per host; see docs/distributed.md)")
-    g.add_argument("--coordinator", default=None,
-                   help=f"HOST:PORT of process 0's coordination service (env {ENV_COORDINATOR})")
-    g.add_argument("--num-processes", type=int, default=None,
-                   help=f"processes in the run (env {ENV_NUM_PROCESSES})")
-    g.add_argument("--process-id", type=int, default=None,
-                   help=f"this process, 0 = leader (env {ENV_PROCESS_ID})")
-    g.add_argument("--follower-timeout", type=float, default=30.0,
-                   help="seconds without a follower heartbeat before the leader fails")
-    for flag, what in (("--tensor-parallel-size", "devices each replica shards the model over"),
-                       ("--data-parallel-size", "independent replicas, each with its own pool")):
-        if flag not in p._option_string_actions:
-            p.add_argument(flag, type=int, default=1, help=what)
-
-
-def config_from_args(args) -> DistributedConfig | None:
-    """DistributedConfig from `add_cli_args` flags over the environment; None = one process."""
-    cfg = DistributedConfig.from_env(coordinator=args.coordinator, num_processes=args.num_processes,
-                                     process_id=args.process_id)
-    if cfg is not None:
-        cfg = dataclasses.replace(cfg, follower_timeout_s=args.follower_timeout)
-    return cfg
-
-
-def follow_cli(llm) -> int:
-    """`run` / `serve` on a follower process: replay the leader's steps until it shuts down."""
-    print(f"tokenspeed-jax: process {llm.distributed.process_id} of "
-          f"{llm.distributed.num_processes} following the leader", flush=True)
-    steps = llm.run_follower()
-    print(f"tokenspeed-jax: leader shut down after {steps} steps; exiting", flush=True)
-    return 0
-
-
 def _client():
     from jax._src import distributed as jd
 

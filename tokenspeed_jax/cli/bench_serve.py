@@ -20,14 +20,20 @@ import threading
 import time
 from typing import Any
 
-from tokenspeed_jax.server.loadgen import run_level, summarize
+from tokenspeed_jax.cli.checks import float_at_least
+from tokenspeed_jax.cli.common import (
+    HelpFormatter,
+    Parser,
+    add_engine_args,
+    add_workload_args,
+    checked_llm,
+    workload_config,
+)
+from tokenspeed_jax.workloads.loadgen import run_level, summarize
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tokenspeed_jax.cli import _add_engine_args, _add_workload_args, _Help, _Parser
-    from tokenspeed_jax.cli_checks import float_at_least
-
-    p = _Parser(prog="tokenspeed-jax bench serve", formatter_class=_Help,
+    p = Parser(prog="tokenspeed-jax bench serve", formatter_class=HelpFormatter,
                 description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="server to load (default: start one in process "
                    "from the engine flags below)")
@@ -38,14 +44,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated caps on requests in flight; each is run at every rate")
     p.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson",
                    help="inter-arrival times: exponential or constant")
-    _add_workload_args(p, sessions=16, turns=3, system_tokens=256, sessions_help="sessions per level")
+    add_workload_args(p, sessions=16, turns=3, system_tokens=256, sessions_help="sessions per level")
     p.add_argument("--slo-ttft-ms", type=float_at_least(0.0), default=2000.0,
                    help="goodput SLO on time to first token")
     p.add_argument("--slo-tpot-ms", type=float_at_least(0.0), default=200.0,
                    help="goodput SLO on time per output token")
     p.add_argument("--result-dir", default="bench-serve-results",
                    help="where the JSON result and the PNG plots go")
-    _add_engine_args(p, num_pages=1024)
+    add_engine_args(p, num_pages=1024)
     return p
 
 
@@ -132,17 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     rates = _floats(args.request_rates, "--request-rates")
     caps = [int(c) for c in _floats(args.max_concurrency, "--max-concurrency")]
     model = args.served_model_name or args.model
-    from tokenspeed_jax.cli import _workload_config
-
-    wl = _workload_config(args)
+    wl = workload_config(args)
     server = None
     url = args.url
     if url is None:
-        from tokenspeed_jax.cli import _checked_llm
         from tokenspeed_jax.server.app import build_app, describe
         from tokenspeed_jax.server.thread import ServerThread
 
-        llm, status = _checked_llm(args, wl.longest_request)
+        llm, status = checked_llm(args, wl.longest_request)
         if llm is None:
             return status
         server = ServerThread(build_app(llm, model_name=model))

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from scheduler import Scheduler, SchedulerConfig, StepOps
+from tokenspeed_jax.engine.step_clock import StepClock
 from tokenspeed_jax.outputs import CompletionOutput, RequestMetrics
 from tokenspeed_jax.sampling_params import SamplingParams
-from tokenspeed_jax.step_clock import StepClock
 
 if TYPE_CHECKING:  # the runner module imports jax; the engine itself does not need it
     from scheduler.cache_layout import CacheLayout
-    from tokenspeed_jax.runner import StepHandle, StepResult
+    from tokenspeed_jax.runtime.runner import StepHandle, StepResult
 
 
 class Runner(Protocol):

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from tokenspeed_jax.engine import Engine
-from tokenspeed_jax.routing import pick_replica
+from tokenspeed_jax.engine.engine import Engine
+from tokenspeed_jax.engine.replicas import pick_replica
 from tokenspeed_jax.sampling_params import SamplingParams
 
 
@@ -157,9 +157,9 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
     if len(per) == 1:
         stats = per[0]
     else:
-        from tokenspeed_jax.llm import _aggregate_stats
+        from tokenspeed_jax.engine.replicas import aggregate_stats
 
-        stats = _aggregate_stats(per)
+        stats = aggregate_stats(per)
     return WorkloadReport(
         requests=done, prompt_tokens=prompt_tokens,
         computed_prompt_tokens=sum(e.num_prefill_tokens for e in engines) - prefill0,

@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tokenspeed_jax.models.config import ModelConfig
-from tokenspeed_jax.param_sources import ParamSource, place_sources
+from tokenspeed_jax.runtime.param_sources import ParamSource, place_sources
 
 AXIS = "tp"
 

@@ -1,4 +1,4 @@
-"""Leader / follower stepping of a multi-process run (see `tokenspeed_jax.distributed`).
+"""Leader / follower stepping of a multi-process run (see `tokenspeed_jax.distributed.launch`).
 
 Per step, on the leader (process 0, which owns the scheduler):
   1. pack the step's inputs exactly as the single-process runner does (`step_inputs.pack`: one
@@ -41,9 +41,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from scheduler import StepOps
-from tokenspeed_jax.distributed import DistributedConfig, Liveness
-from tokenspeed_jax.runner import ModelRunner, StepHandle, StepOutputs, StepResult
-from tokenspeed_jax.step_inputs import pack
+from tokenspeed_jax.distributed.launch import DistributedConfig, Liveness
+from tokenspeed_jax.runtime.runner import ModelRunner, StepHandle, StepOutputs, StepResult
+from tokenspeed_jax.runtime.step_inputs import pack
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class DistributedGroup:
     watchdog, shared by every replica."""
 
     def __init__(self, cfg: DistributedConfig, message_words: tuple[int, int]) -> None:
-        from tokenspeed_jax.distributed import _client
+        from tokenspeed_jax.distributed.launch import _client
 
         self.cfg = cfg
         self.max_words = max(HEADER, *message_words)  # the largest step's message

@@ -43,13 +43,12 @@ from jax.sharding import Mesh
 from scheduler.cache_layout import CacheLayout
 from scheduler.mirror_check import clamped_rows
 from scheduler.step_ops import StepOps, device_schema
-from tokenspeed_jax.attention import get_paged_attention, resolve_backend
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
-from tokenspeed_jax.models.conv import get_short_conv
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.page_table import update_rows
-from tokenspeed_jax.sampling import (
+from tokenspeed_jax.runtime.backends import get_paged_attention, get_short_conv, resolve_backend
+from tokenspeed_jax.runtime.sampling import (
     MAX_TOP_LOGPROBS,
     init_penalty_state,
     penalize_step,
@@ -57,9 +56,9 @@ from tokenspeed_jax.sampling import (
     sample,
     top_logprobs,
 )
-from tokenspeed_jax.sharding import TensorParallel, place, prepare_model
-from tokenspeed_jax.state import DeviceState, init_state
-from tokenspeed_jax.step_inputs import StepLayout, kv_levels, layout_for, pack, unpack
+from tokenspeed_jax.runtime.sharding import TensorParallel, place, prepare_model
+from tokenspeed_jax.runtime.state import DeviceState, init_state
+from tokenspeed_jax.runtime.step_inputs import StepLayout, kv_levels, layout_for, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ class ModelRunner:
         the StepOps, honor_full_refresh.
       backend: "auto" | "pallas" | "reference" attention.
       min_token_bucket, min_kv_bucket: the shortest token bucket and kv bucket (in tokens).
-      mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.sharding`);
+      mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.runtime.sharding`);
         None = the default device, unsharded (the single-device path, unchanged).
     """
 

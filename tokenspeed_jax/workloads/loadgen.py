@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from tokenspeed_jax.workload import WorkloadConfig
+from tokenspeed_jax.workloads.agentic import WorkloadConfig
 
 
 @dataclasses.dataclass
