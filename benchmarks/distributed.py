@@ -56,11 +56,13 @@ def _worker(mode: str, pid: int, port: int, n: int, max_tokens: int) -> dict:
     out = _serve(llm, n, max_tokens)
     from scheduler import Scheduler
     from tokenspeed_jax.distributed.runner import NOOP, frame
+    from tokenspeed_jax.runtime.shapes import StepShape
     from tokenspeed_jax.runtime.step_inputs import pack
 
-    group, runner = llm._group, llm.engine.runner
+    runner = llm.engine.runner  # the leader's DistributedRunner
+    group = runner.group
     pad = Scheduler(llm.engine.scheduler.config).padding_ops()
-    layout = runner._layout(16, runner.kv_levels[0][1])
+    layout = runner.runner.step_layout(StepShape(16, 0))
     t0 = time.perf_counter()
     for _ in range(200):
         i32, f32 = pack(pad, layout)

@@ -154,7 +154,7 @@ def ctx_table(model: str, prompts, contexts=(2048, 8192, 32768), decode: int = 3
             runner.dispatch = inner
             rows.append(dict(ctx=ctx, mode=mode, steps=len(times),
                              median_ms=statistics.median(times) * 1e3,
-                             kv_levels=len(runner.kv_levels),
+                             kv_levels=len(runner.shapes.kv_levels),
                              compiles=llm.stats().get("num_compiles")))
     return rows
 

@@ -3,11 +3,11 @@
     PYTHONPATH=. python benchmarks/overlap_profile.py [--modes sync,async] [--cprofile async]
 
 Wraps (timing only, behaviour unchanged) Scheduler.schedule / update, step_inputs.pack, the
-jitted step call, ModelRunner.dispatch / collect and the engine's logprob routing / output
-building, runs the workload once per mode on one warmed-up engine, and prints ms per dispatched
-step for each part (all steps, and decode steps only: every row a one-token decode; a part
-that takes no StepOps counts for the step last scheduled or dispatched) plus the StepClock
-figures and the device-idle gaps by step kind.
+jitted step call (ModelRunner.execute), ModelRunner.dispatch / collect and the engine's logprob
+routing / output building, runs the workload once per mode on one warmed-up engine, and prints
+ms per dispatched step for each part (all steps, and decode steps only: every row a one-token
+decode; a part that takes no StepOps counts for the step last scheduled or dispatched) plus the
+StepClock figures and the device-idle gaps by step kind.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     eng = llm.engine
     runner = eng.runner
     wrap(runner_mod, "pack", "pack")
-    for obj, name, key in ((runner, "_step", "jit_call"), (runner, "dispatch", "dispatch_total"),
+    for obj, name, key in ((runner, "execute", "jit_call"), (runner, "dispatch", "dispatch_total"),
                            (runner, "collect", "collect"), (eng, "_route_logprobs", "route_logprobs"),
                            (eng, "_output", "output"), (eng, "step", "engine_step")):
         wrap(obj, name, key)

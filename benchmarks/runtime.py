@@ -130,7 +130,8 @@ def _decode_step_ops(requests: int = 48, prompt: int = 450, ctx: int = 4096):
 def bench_step_inputs(steps: int = 300) -> dict:
     """Median us per step: old dict-of-arrays transfer vs the packed schema-driven one."""
     from scheduler.step_ops import GroupStepOps, StepOps, device_schema
-    from tokenspeed_jax.runtime.step_inputs import kv_levels, layout_for, pack
+    from tokenspeed_jax.runtime.shapes import kv_levels
+    from tokenspeed_jax.runtime.step_inputs import layout_for, pack
 
     ops = _decode_step_ops()
     bucket = 64  # token bucket of a 48-row decode step

@@ -22,7 +22,6 @@ Kernel design (Triton lowering, see `backend.py`):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -33,6 +32,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
 from pallas_kernels.backend import Ref
+from pallas_kernels.paged_attention_tuning import (
+    DECODE_TUNING_CANDIDATES,
+    PagedAttentionConfig,
+    default_config,
+)
 from pallas_kernels.ragged import check_ragged_metadata, sanitize
 
 __all__ = ["DECODE_TUNING_CANDIDATES", "PagedAttentionConfig", "default_config",
@@ -40,73 +44,6 @@ __all__ = ["DECODE_TUNING_CANDIDATES", "PagedAttentionConfig", "default_config",
 
 _LOG2E = math.log2(math.e)
 _MASK = -1e30  # finite: (mask - mask) must stay 0, never inf - inf = NaN
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedAttentionConfig:
-    """Tuning knobs (all static). Validated on construction and against the inputs.
-
-    pages_per_block: pages per inner-loop K/V tile; `pages_per_block * page_size` (the tile's
-      token count) must be a power of two >= 16 (Triton tile/MMA constraints).
-    block_q: query tokens per program (power of two). Rows per program = block_q * next_pow2(G)
-      and must be >= 16 (Triton's minimum MMA M). Small for decode, larger for prefill.
-    num_warps, num_stages: Triton launch / software-pipelining parameters; num_stages >= 3 keeps
-      num_stages - 1 K/V tiles in flight (2 stages compile to a single-buffered loop).
-    kv_splits: split each block's key range over this many programs (flash-decoding); partial
-      (acc, max, denominator) go to float32 buffers and are merged with jnp. Helps when
-      requests x kv heads alone cannot fill the GPU (few long decodes).
-    """
-
-    pages_per_block: int = 4
-    block_q: int = 4
-    num_warps: int = 4
-    num_stages: int = 3
-    kv_splits: int = 1
-
-    def __post_init__(self) -> None:
-        backend.check_config(self, powers_of_2=("pages_per_block", "block_q", "num_warps"))
-
-
-# Occupancy the decode default reaches on an H100/H200 (132 SMs): 3 programs per SM at ~148
-# registers and 70 KiB shared memory (benchmarks/kernel_compile.py prints the measured values).
-_SMS, _DECODE_PROGRAMS_PER_SM, _MIN_WAVES = 132, 3, 4
-
-
-def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int,
-                   num_kv_heads: int = 1, max_pages: int = 0) -> PagedAttentionConfig:
-    """Static heuristic: decode-dominated shapes (<= 2 query tokens per request on average) use
-    the minimum 16 rows per program (each K/V tile serves all G heads; more rows would only burn
-    tensor-core time on padding); prefill-heavy shapes use 64 rows for arithmetic intensity.
-    K/V tiles are 64 tokens, with 3 pipeline stages (two bf16 D=128 K+V tiles in flight while
-    one is consumed, cp.async.wait_group 2 in the PTX: 70 KiB of shared memory for decode,
-    112 KiB for prefill, whose 176 registers x 8 warps allow 1 program/SM anyway). Decode splits
-    the key range (flash-decoding) until requests x kv heads x splits fills >= 4 waves of
-    3 programs on each of 132 SMs, so the last, partial wave costs little, as long as every
-    split still gets >= 4 tiles at full context (at most 32 splits)."""
-    gp = backend.next_power_of_2(group)
-    decode = num_tokens <= 2 * num_seqs_max
-    rows = 16 if decode else 64
-    pages_per_block = max(1, 64 // page_size)
-    splits = 1
-    if decode:
-        target = _MIN_WAVES * _SMS * _DECODE_PROGRAMS_PER_SM
-        while (splits < 32 and num_seqs_max * num_kv_heads * splits < target
-               and max_pages >= 2 * splits * 4 * pages_per_block):
-            splits *= 2
-    return PagedAttentionConfig(pages_per_block=pages_per_block, block_q=max(1, rows // gp),
-                                num_warps=4 if decode else 8, num_stages=3, kv_splits=splits)
-
-
-# Alternatives to the decode default (tile size, pipeline stages, kv_splits) for 32k-context
-# decode at page 16: benchmarks/kernels.py times them on the GPU and compile_check.variants()
-# compiles them for sm_90a (registers, spills, pipelining depth), so both tables cover one list.
-DECODE_TUNING_CANDIDATES: tuple[PagedAttentionConfig, ...] = (
-    PagedAttentionConfig(pages_per_block=2, block_q=4, num_stages=3, kv_splits=4),
-    PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=2, kv_splits=4),
-    PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=4, kv_splits=4),
-    PagedAttentionConfig(pages_per_block=8, block_q=4, num_stages=2, kv_splits=4),
-    PagedAttentionConfig(pages_per_block=4, block_q=4, num_stages=3, kv_splits=2),
-)
 
 
 def _check_kernel_shapes(page_size: int, head_dim: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import cast
 
 import numpy as np
@@ -10,13 +11,8 @@ import numpy as np
 from scheduler.block_table import BlockTable
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
-from scheduler.step_ops import (
-    PLACEHOLDER_TOKEN,
-    GroupLayout,
-    GroupStepOps,
-    StepOps,
-    sampling_padding,
-)
+from scheduler.sampling_options import COLUMNS, SamplingOptions
+from scheduler.step_ops import PLACEHOLDER_TOKEN, GroupLayout, GroupStepOps, StepOps, padding
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,33 +37,49 @@ class OpsBuilder:
         self.R = config.max_batch_requests
         self.T = config.max_scheduled_tokens
         self.layouts = config.group_layouts()
-        self._sampling_pad = sampling_padding(self.R)
+        # Sampling columns, from the SamplingOptions field metadata (`COLUMNS`): "row" ones are
+        # filled on every row, "extra" ones only on rows whose record needs_extras (the others
+        # keep the padding, which is the option's default).
+        assert all(len(c.columns) == 1 for c in COLUMNS if not c.extra), "pairs are extras"
+        self._row_cols = [(operator.attrgetter(c.field), c.columns[0])
+                          for c in COLUMNS if not c.extra]
+        defaults = {f.name: f.default for f in dataclasses.fields(SamplingOptions)}
+        self._extra_cols = [(operator.attrgetter(c.field), c.columns[0], defaults[c.field])
+                            for c in COLUMNS if c.extra and len(c.columns) == 1]
+        self._extra_pairs = [(operator.attrgetter(c.field), c.columns)
+                             for c in COLUMNS if c.extra and len(c.columns) == 2]
+        self._row_names = [col for _, col in self._row_cols]
+        self._sampling_names = [name for c in COLUMNS for name in c.columns]
+        # all-padding templates of every sampling column and prompt_lens (StepOps' padding)
+        self._sampling_pad = {name: padding(name, self.R) for name in self._sampling_names}
+        self._sampling_pad["prompt_lens"] = padding("prompt_lens", self.R)
         self._row_index = np.arange(self.R, dtype=np.int32)
         # padding-valued templates: copying one is cheaper than np.full / np.ones each step
         R, T, i32 = self.R, self.T, np.int32
         self._minus1_R = np.full(R, -1, i32)
-        self._ones_R = np.ones(R, np.float32)
         self._R_T = np.full(T, R, i32)
         self._minus1_T = np.full(T, -1, i32)
         self._hole_pad = [np.full((R, lay.delta_width), lay.width, i32) for lay in self.layouts]
         # all-decode fast path (`build_decode`): a decode step's cu_q_lens is min(i, n)
         self._qs_decode = [np.minimum(np.arange(R + 1, dtype=i32), k) for k in range(R + 1)]
-        # per device slot: the sampling fields of the request bound to it (`bind`), so a decode
-        # step gathers them with one fancy index instead of one Python list per field
+        # per device slot: every sampling column of the request bound to it (`bind`), so a
+        # decode step gathers them with one fancy index instead of one Python list per field
         S = config.num_live_slots
-        self._slot_temperature = np.zeros(S, np.float32)
-        self._slot_top_p = np.ones(S, np.float32)
-        self._slot_top_k = np.full(S, -1, i32)
-        self._slot_seed = np.zeros(S, np.uint32)
+        self._slot_cols = {name: padding(name, S) for name in self._sampling_names}
         self._slot_prompt_len = np.zeros(S, i32)
 
     def bind(self, req: Request) -> None:
         """Record the (immutable) sampling fields of `req` under its new slot (at admission)."""
-        s = req.slot
-        self._slot_temperature[s] = req.temperature
-        self._slot_top_p[s] = req.top_p
-        self._slot_top_k[s] = req.top_k
-        self._slot_seed[s] = req.seed
+        s, sampling, slot_cols = req.slot, req.sampling, self._slot_cols
+        for get, col in self._row_cols:
+            slot_cols[col][s] = get(sampling)
+        for get, col, _ in self._extra_cols:
+            slot_cols[col][s] = get(sampling)
+        for get, names in self._extra_pairs:
+            pairs = get(sampling)
+            for j, name in enumerate(names):
+                slot_cols[name][s] = self._sampling_pad[name][0]  # the slot's previous request
+                slot_cols[name][s, :len(pairs)] = [p[j] for p in pairs]
         self._slot_prompt_len[s] = req.prompt_len
 
     def build(self, rows: list[ScheduledRow]) -> StepOps:
@@ -83,10 +95,6 @@ class OpsBuilder:
         full_refresh = np.zeros(R, bool)
         kv_lens = np.zeros(R, i32)
         sample_mask = np.zeros(R, bool)
-        temperature = np.zeros(R, np.float32)
-        top_p = self._ones_R.copy()
-        top_k = self._minus1_R.copy()
-        seeds = np.zeros(R, np.uint32)
         sample_index = np.zeros(R, i32)
         token_ids = np.zeros(T, i32)
         positions = np.zeros(T, i32)
@@ -94,21 +102,20 @@ class OpsBuilder:
         prompt_targets = self._minus1_T.copy()
         cu_q_lens = np.zeros(R + 1, i32)
         groups = [self._empty_group(g, lay) for g, lay in enumerate(self.layouts)]
-        extra = {k: v.copy() for k, v in self._sampling_pad.items()}
+        cols = {k: v.copy() for k, v in self._sampling_pad.items()}
         q = sum(lens)
         if n:
             req_slots[:n] = [r.slot for r in reqs]
             full_refresh[:n] = [r.full_refresh for r in rows]
             kv_lens[:n] = [s + k for s, k in zip(starts, lens)]
             sample_mask[:n] = [r.samples for r in rows]
-            temperature[:n] = [r.temperature for r in reqs]
-            top_p[:n] = [r.top_p for r in reqs]
-            top_k[:n] = [r.top_k for r in reqs]
-            seeds[:n] = [r.seed for r in reqs]
+            samplings = [r.sampling for r in reqs]
+            for get, col in self._row_cols:
+                cols[col][:n] = list(map(get, samplings))
             # tokens generated before the one this row samples (pending ones included)
             sample_index[:n] = [len(r.tokens) + r.num_pending - r.prompt_len for r in reqs]
-            extra["prompt_lens"][:n] = [r.prompt_len for r in reqs]
-            self._fill_extras(extra, reqs)
+            cols["prompt_lens"][:n] = [r.prompt_len for r in reqs]
+            self._fill_extras(cols, samplings)
             np.cumsum(lens, out=cu_q_lens[1:n + 1])
             cu_q_lens[n + 1:] = q
             if q == n:  # every row has one token (decodes)
@@ -133,8 +140,9 @@ class OpsBuilder:
                     if known < k:  # pending tokens (only the last one, at depth 1)
                         token_ids[off - k + max(known, 0):off] = PLACEHOLDER_TOKEN
             off = 0
-            for req, s, k in zip(reqs, starts, lens) if any(r.prompt_logprobs for r in reqs) else ():
-                if req.prompt_logprobs and s < req.prompt_len - 1:
+            wanted = [o.prompt_logprobs for o in samplings]
+            for req, want, s, k in zip(reqs, wanted, starts, lens) if any(wanted) else ():
+                if want and s < req.prompt_len - 1:
                     stop = min(s + k, req.prompt_len - 1)
                     prompt_targets[off:off + stop - s] = req.tokens[s + 1:stop + 1]
                 off += k
@@ -151,8 +159,7 @@ class OpsBuilder:
             cu_q_lens=cu_q_lens, kv_lens=kv_lens, sample_mask=sample_mask,
             token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
             positions=positions, token_rows=token_rows,
-            prompt_targets=prompt_targets, temperature=temperature, top_p=top_p, top_k=top_k,
-            seeds=seeds, sample_index=sample_index, **extra,
+            prompt_targets=prompt_targets, sample_index=sample_index, **cols,
             groups=tuple(GroupStepOps(*arrays) for arrays in groups))
 
     def build_decode(self, reqs: list[Request], slots: list[int], starts: list[int],
@@ -175,22 +182,15 @@ class OpsBuilder:
         kv_lens[:n] = start_a + 1
         sample_mask = np.zeros(R, bool)
         sample_mask[:n] = True
-        temperature = np.zeros(R, np.float32)
-        temperature[:n] = self._slot_temperature[slot_a]
-        top_p = self._ones_R.copy()
-        top_p[:n] = self._slot_top_p[slot_a]
-        top_k = self._minus1_R.copy()
-        top_k[:n] = self._slot_top_k[slot_a]
-        seeds = np.zeros(R, np.uint32)
-        seeds[:n] = self._slot_seed[slot_a]
-        extra = {k: v.copy() for k, v in self._sampling_pad.items()}
-        prompt_lens = extra["prompt_lens"]
+        cols = {k: v.copy() for k, v in self._sampling_pad.items()}
+        # extras: some row uses an extra column (else they are all padding)
+        for name in self._sampling_names if extras else self._row_names:
+            cols[name][:n] = self._slot_cols[name][slot_a]
+        prompt_lens = cols["prompt_lens"]
         prompt_lens[:n] = self._slot_prompt_len[slot_a]
         # tokens generated before the sampled one: kv_len - 1 - prompt_len + 1
         sample_index = np.zeros(R, i32)
         sample_index[:n] = kv_lens[:n] - prompt_lens[:n]
-        if extras:
-            self._fill_extras(extra, reqs)
         token_ids = np.zeros(T, i32)
         token_ids[:n] = tokens
         positions = np.zeros(T, i32)
@@ -213,8 +213,8 @@ class OpsBuilder:
             cu_q_lens=self._qs_decode[n].copy(), kv_lens=kv_lens, sample_mask=sample_mask,
             token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
             positions=positions, token_rows=token_rows,
-            prompt_targets=self._minus1_T.copy(), temperature=temperature, top_p=top_p,
-            top_k=top_k, seeds=seeds, sample_index=sample_index, **extra, groups=tuple(groups))
+            prompt_targets=self._minus1_T.copy(), sample_index=sample_index, **cols,
+            groups=tuple(groups))
 
     @staticmethod
     def _fill_busy(g: int, arrays: list[np.ndarray], busy: list[tuple[int, ScheduledRow]]) -> None:
@@ -238,22 +238,22 @@ class OpsBuilder:
                 else:
                     new_pages[i, :k] = pages[b:b + k]
 
-    @staticmethod
-    def _fill_extras(extra: dict[str, np.ndarray], reqs: list[Request]) -> None:
-        """Penalties, logit_bias and top-k logprobs: only rows that use them differ from padding."""
-        for i, req in enumerate(reqs):
-            if not req.needs_extras:
+    def _fill_extras(self, cols: dict[str, np.ndarray], samplings: list[SamplingOptions]) -> None:
+        """The "extra" columns (penalties, logit_bias, top-k logprobs) of the rows whose record
+        needs_extras: only options off their default differ from the padding."""
+        for i, sampling in enumerate(samplings):
+            if not sampling.needs_extras:
                 continue
-            if req.has_penalties:
-                extra["presence_penalty"][i] = req.presence_penalty
-                extra["frequency_penalty"][i] = req.frequency_penalty
-                extra["repetition_penalty"][i] = req.repetition_penalty
-            if req.logit_bias:
-                k = len(req.logit_bias)
-                extra["logit_bias_ids"][i, :k] = [t for t, _ in req.logit_bias]
-                extra["logit_bias_values"][i, :k] = [b for _, b in req.logit_bias]
-            if req.top_logprobs:
-                extra["top_logprobs"][i] = req.top_logprobs
+            for get, name, default in self._extra_cols:
+                value = get(sampling)
+                if value != default:
+                    cols[name][i] = value
+            for get, (ids, values) in self._extra_pairs:  # (id, value) pairs -> [R, B] columns
+                pairs = get(sampling)
+                if pairs:
+                    k = len(pairs)
+                    cols[ids][i, :k] = [t for t, _ in pairs]
+                    cols[values][i, :k] = [v for _, v in pairs]
 
     def _empty_group(self, g: int, lay: GroupLayout) -> list[np.ndarray]:
         R = self.R

@@ -19,6 +19,8 @@ into one int32 and one float32 buffer) and a new field needs no runner edit. Axe
   "row,delta" [R, N_g], "row,width" [R, W_g] (the runner cuts it to the step's kv bucket: only
   columns below the longest row of the step can hold a page), "row,bias" [R, B].
 dtypes: "i32", "bool" and "u32" travel in the int32 buffer (bit-exact), "f32" in the float32 one.
+Per-request sampling fields also carry their constant padding value ("pad"): the builder fills
+them from `SamplingOptions` field metadata (scheduler/sampling_options.py `COLUMNS`).
 Fields without an axis (num_seqs, num_tokens, request_ids) stay on the host.
 """
 
@@ -34,10 +36,14 @@ LOGIT_BIAS_WIDTH = 64  # B: logit_bias entries per row (fixed, so it is no shape
 DTYPES = ("i32", "bool", "u32", "f32")
 
 
-def _dev(axis: str, dtype: str = "i32") -> Any:
-    """A device field of `axis` (see module docstring) and wire dtype."""
+def _dev(axis: str, dtype: str = "i32", pad: float | None = None) -> Any:
+    """A device field of `axis` (see module docstring) and wire dtype; `pad`: its constant padding
+    value, where the builders fill it from one (`padding`)."""
     assert axis in AXES and dtype in DTYPES, (axis, dtype)
-    return dataclasses.field(metadata={"axis": axis, "dtype": dtype})
+    meta: dict[str, Any] = {"axis": axis, "dtype": dtype}
+    if pad is not None:
+        meta["pad"] = pad
+    return dataclasses.field(metadata=meta)
 
 # Host-side id of an input token that only the device knows yet (sampled by the step in flight);
 # `StepOps.token_from_prev` marks it and the device substitutes its slot's last sampled token.
@@ -101,25 +107,25 @@ class StepOps:
     token_rows: np.ndarray = _dev("token", "i32")
     # i32[T] next prompt token (prompt-logprob target); -1 none/padding
     prompt_targets: np.ndarray = _dev("token", "i32")
-    temperature: np.ndarray = _dev("row", "f32")  # f32[R] 0 = greedy; 0 padding
-    top_p: np.ndarray = _dev("row", "f32")  # f32[R] nucleus mass in (0, 1]; 1 padding
-    top_k: np.ndarray = _dev("row", "i32")  # i32[R] keep the k most likely tokens, -1 = all; -1 padding
-    seeds: np.ndarray = _dev("row", "u32")  # u32[R] per-request sampling seed; 0 padding
+    temperature: np.ndarray = _dev("row", "f32", 0.0)  # f32[R] 0 = greedy; 0 padding
+    top_p: np.ndarray = _dev("row", "f32", 1.0)  # f32[R] nucleus mass in (0, 1]; 1 padding
+    top_k: np.ndarray = _dev("row", "i32", -1)  # i32[R] keep the k most likely tokens, -1 = all; -1 padding
+    seeds: np.ndarray = _dev("row", "u32", 0)  # u32[R] per-request sampling seed; 0 padding
     sample_index: np.ndarray = _dev("row", "i32")  # i32[R] tokens generated so far (PRNG fold-in); 0 padding
     # i32[R] prompt length (inputs at positions >= it count as output); 0 padding
-    prompt_lens: np.ndarray = _dev("row", "i32")
+    prompt_lens: np.ndarray = _dev("row", "i32", 0)
     # f32[R] subtracted once from the logit of every token already generated; 0 padding
-    presence_penalty: np.ndarray = _dev("row", "f32")
+    presence_penalty: np.ndarray = _dev("row", "f32", 0.0)
     # f32[R] subtracted per occurrence of the token in the output; 0 padding
-    frequency_penalty: np.ndarray = _dev("row", "f32")
+    frequency_penalty: np.ndarray = _dev("row", "f32", 0.0)
     # f32[R] divides (> 0) / multiplies (< 0) logits of tokens seen in prompt or output; 1 padding
-    repetition_penalty: np.ndarray = _dev("row", "f32")
+    repetition_penalty: np.ndarray = _dev("row", "f32", 1.0)
     # i32[R, B] token ids whose logits get a bias; -1 padding (the device drops them)
-    logit_bias_ids: np.ndarray = _dev("row,bias", "i32")
+    logit_bias_ids: np.ndarray = _dev("row,bias", "i32", -1)
     # f32[R, B] bias added to those logits; 0 padding
-    logit_bias_values: np.ndarray = _dev("row,bias", "f32")
+    logit_bias_values: np.ndarray = _dev("row,bias", "f32", 0.0)
     # i32[R] most likely tokens to report with logprobs (<= 20); 0 padding
-    top_logprobs: np.ndarray = _dev("row", "i32")
+    top_logprobs: np.ndarray = _dev("row", "i32", 0)
     # mypy takes the `_dev(...)` fields above for defaults; they have none (dataclasses.field)
     groups: tuple[GroupStepOps, ...]  # type: ignore[misc]  # one per cache group, in config.groups order
 
@@ -145,18 +151,22 @@ def device_schema(cls: type) -> tuple[tuple[str, str, str], ...]:
                  for f in dataclasses.fields(cls) if "axis" in f.metadata)
 
 
-SAMPLING_PADDING = {  # field -> (dtype, padding value, extra trailing dims: "B" = LOGIT_BIAS_WIDTH)
-    "prompt_lens": (np.int32, 0, ()), "presence_penalty": (np.float32, 0.0, ()),
-    "frequency_penalty": (np.float32, 0.0, ()), "repetition_penalty": (np.float32, 1.0, ()),
-    "logit_bias_ids": (np.int32, -1, ("B",)), "logit_bias_values": (np.float32, 0.0, ("B",)),
-    "top_logprobs": (np.int32, 0, ()),
-}
+_NP_DTYPES = {"i32": np.int32, "bool": np.bool_, "u32": np.uint32, "f32": np.float32}
+# the sampling columns a StepOps built by hand (tests) names itself; `sampling_padding` the rest
+CORE_SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "seeds")
+
+
+def padding(name: str, num_rows: int) -> np.ndarray:
+    """An all-padding array of the StepOps field `name` (one with a `pad`; axis "row" or
+    "row,bias") for `num_rows` rows."""
+    meta = {f.name: f.metadata for f in dataclasses.fields(StepOps)}[name]
+    shape = {"row": (num_rows,), "row,bias": (num_rows, LOGIT_BIAS_WIDTH)}[meta["axis"]]
+    return np.full(shape, meta["pad"], _NP_DTYPES[meta["dtype"]])
 
 
 def sampling_padding(num_rows: int) -> dict[str, np.ndarray]:
-    """All-padding arrays of the per-request penalty / logprob fields (R rows, B bias slots)."""
-    out = {}
-    for name, (dtype, value, dims) in SAMPLING_PADDING.items():
-        shape = (num_rows, *(LOGIT_BIAS_WIDTH for _ in dims))
-        out[name] = np.full(shape, value, dtype)
-    return out
+    """All-padding arrays of the padded per-request fields beyond `CORE_SAMPLING_COLUMNS`
+    (prompt_lens, the penalty / logit_bias / top_logprobs fields and any later option's), so a
+    StepOps built by hand stays complete when an option is added."""
+    return {f.name: padding(f.name, num_rows) for f in dataclasses.fields(StepOps)
+            if "pad" in f.metadata and f.name not in CORE_SAMPLING_COLUMNS}

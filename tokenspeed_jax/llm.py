@@ -8,7 +8,6 @@ import itertools
 import math
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import jax
@@ -17,7 +16,7 @@ import numpy as np
 from scheduler import SchedulerConfig, cache_layout
 from tokenspeed_jax.distributed import launch as dist
 from tokenspeed_jax.engine.engine import Engine, Runner
-from tokenspeed_jax.engine.replicas import aggregate_stats
+from tokenspeed_jax.engine.replicas import Replicas
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -90,10 +89,12 @@ class LLM:
     tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
     intermediate, conv channels, vocab; `tokenspeed_jax.runtime.sharding`). data_parallel_size = D: D
     independent replicas (own Scheduler, ModelRunner and `num_pages` page pool each) on devices
-    [r*T, (r+1)*T). `generate` sends each request to the replica with the fewest outstanding
-    tokens (prompt + max_tokens of this LLM's unfinished requests; ties -> lowest index) and steps
-    every busy replica once per round, in threads (device work of different replicas overlaps).
-    `engines` lists the replicas; `engine` is replica 0 (what the CLI workload and the server drive).
+    [r*T, (r+1)*T), driven by `replicas` (`tokenspeed_jax.engine.replicas.Replicas`): `generate`
+    sends each request to the replica with the fewest outstanding tokens (route="load": prompt +
+    max_tokens of its unfinished requests; ties -> lowest index) and steps every busy replica once
+    per round, in threads (device work of different replicas overlaps). `engines` lists the
+    replicas; `engine` is replica 0 (what the chat REPL drives; the CLI workload and the server
+    drive all of them).
 
     distributed: a `tokenspeed_jax.distributed.launch.DistributedConfig` (or a dict of its fields, or
     "env") runs on JAX's multi-controller runtime, one process per host: every process constructs
@@ -129,7 +130,8 @@ class LLM:
         if attention_backend not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
                              f"{attention_backend!r}")
-        from tokenspeed_jax.runtime.runner import DEFAULT_MIN_KV_BUCKET, ModelRunner
+        from tokenspeed_jax.runtime.runner import ModelRunner
+        from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET
 
         # Multi-process: parameters stay lazy (`param_sources`); each process reads / generates
         # only its own shards when the runner places them (`sharding.place`). GGUF files are
@@ -181,8 +183,7 @@ class LLM:
                                        eos_token_ids=eos_ids, tokenizer=self.tokenizer,
                                        async_scheduling=bool(overlap)))
         self.engine = self.engines[0]
-        self._load = [0] * len(self.engines)  # outstanding tokens per replica (see docstring)
-        self._pool: ThreadPoolExecutor | None = None
+        self.replicas = Replicas(self.engines, route="load")  # generate's policy (docstring)
         self._gen_ids = itertools.count()
         if multi and self.is_leader:
             atexit.register(self.shutdown)  # releases the followers however the leader ends
@@ -235,11 +236,13 @@ class LLM:
     # ------------------------------------------------------------------ API
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False) -> list[CompletionOutput]:
+                 use_tqdm: bool = False, route: str = "load") -> list[CompletionOutput]:
         """Generate for every prompt; returns outputs in prompt order.
 
         prompts: token-id lists or strings (tokenized with the model's tokenizer). Invalid
-        prompts or params raise ValueError before anything is queued."""
+        prompts or params raise ValueError before anything is queued. route: how requests are
+        spread over data-parallel replicas, "load" (fewest outstanding tokens, the default) or
+        "prefix" (longest prefix-cache match first); see `tokenspeed_jax.engine.replicas`."""
         self._leader_only("generate")
         given: list[Sequence[int] | str] = [prompts] if isinstance(prompts, str) else list(prompts)
         if sampling_params is None:
@@ -248,45 +251,30 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(given):
             raise ValueError(f"{len(given)} prompts but {len(params)} sampling params")
-        token_prompts = []
+        checked = []  # validated once, here; queued below without being checked again
         for i, (p, sp) in enumerate(zip(given, params)):
             if isinstance(p, str) and self.tokenizer is None:
                 raise ValueError(f"prompt {i} is a string but the model has no tokenizer "
                                  f"(no tokenizer.json): pass token ids")
             ids = self.tokenizer.encode(p) if isinstance(p, str) else p
             try:
-                token_prompts.append(self.engine.validate(ids, sp))
+                checked.append(self.engine.validate(ids, sp))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, outstanding tokens)
+        owner: dict[str, int] = {}  # request id -> replica
         try:
-            for ids, sp in zip(token_prompts, params):
-                cost = len(ids) + sp.max_tokens
-                r = min(range(len(self.engines)), key=lambda i: self._load[i])
-                rid = self.engines[r].add_request(ids, sp, f"gen-{next(self._gen_ids)}")
-                owner[rid] = (r, cost)
-                self._load[r] += cost
-            results = self._run(owner, use_tqdm)
+            for c in checked:
+                r, rid = self.replicas.submit(c, c.params, f"gen-{next(self._gen_ids)}",
+                                              route=route)
+                owner[rid] = r
+            results = self._run(set(owner), use_tqdm)
         except BaseException:
-            for rid, (r, _) in owner.items():  # nothing of this call survives an interruption
+            for rid, r in owner.items():  # nothing of this call survives an interruption
                 self.engines[r].abort(rid)
             raise
-        finally:
-            for r, cost in owner.values():
-                self._load[r] -= cost
-        return [results[r] for r in owner]
+        return [results[rid] for rid in owner]
 
-    def _step_replicas(self, busy: list[Engine]) -> list[CompletionOutput]:
-        """One step of every busy replica; concurrent when there are several (JAX releases the
-        GIL while a replica's step runs on its devices)."""
-        if len(busy) == 1:
-            return busy[0].step()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(len(self.engines), thread_name_prefix="dp-replica")
-        return [out for outs in self._pool.map(Engine.step, busy) for out in outs]
-
-    def _run(self, owner: dict[str, tuple[int, int]], use_tqdm: bool) -> dict[str, CompletionOutput]:
-        pending = set(owner)
+    def _run(self, pending: set[str], use_tqdm: bool) -> dict[str, CompletionOutput]:
         results: dict[str, CompletionOutput] = {}
         bar = None
         if use_tqdm:
@@ -294,16 +282,15 @@ class LLM:
 
             bar = tqdm(total=len(pending), desc="generate", unit="req")
         while pending:
-            busy = {self.engines[owner[rid][0]] for rid in pending}
-            for out in self._step_replicas([e for e in self.engines if e in busy]):
+            if not self.replicas.has_unfinished():
+                raise RuntimeError(f"{len(pending)} requests were dropped by their replicas")
+            for out in self.replicas.step_busy():
                 if out.request_id in pending:
                     pending.discard(out.request_id)
                     results[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
-        for e in self.engines:  # overlapped loop: collect a last step planned behind a stop
-            if not e.has_unfinished():
-                e.drain()
+        self.replicas.drain_idle()  # overlapped loop: collect a last step planned behind a stop
         if bar is not None:
             bar.close()
         return results
@@ -322,8 +309,7 @@ class LLM:
         With data parallelism: every counter summed over the replicas (all are additive: pages,
         tokens, steps, compiles), prefix_hit_rate recomputed from the summed hit / query tokens,
         and the per-replica dicts under "replicas"."""
-        out = (self.engine.stats() if len(self.engines) == 1
-               else aggregate_stats([e.stats() for e in self.engines]))
+        out = self.replicas.stats()
         if not math.isfinite(out.get("prefix_hit_rate", 0.0)):
             out["prefix_hit_rate"] = 0.0
         return out

@@ -10,7 +10,7 @@ rows. Each step applies the group's `GroupStepOps`:
 * columns past the mirror width are dropped (capacity clamp; `add_request` admits no request whose
   row can outgrow the width; the runner warns naming any request that does (hand-built ops),
   and debug mode asserts it never happens on the numpy oracle
-  `scheduler.mirror_check.update_rows_reference`, which tests compare this function against);
+  `scheduler.page_table_oracle.update_rows_reference`, which tests compare this function against);
 * `hole_slots` columns are set to 0 (slots reclaimed into holes this step).
 
 Everything is fixed-shape and mask based. The tail path is an element scatter whose cost is

@@ -2,7 +2,7 @@
 and the vectorised `OpsBuilder.build_decode`) against the general path, step by step.
 
 Two schedulers get the same request stream and the same fake device (tests/scheduler/
-test_plan_ahead.py); one runs with the fast path off, so every row goes through reclaim ->
+helpers.py); one runs with the fast path off, so every row goes through reclaim ->
 acquire -> `ScheduledRow` -> `OpsBuilder.build`. Every StepOps of the two runs must be equal in
 every field and every array (and so must the outputs), in the synchronous and the overlapped
 loop, under retraction, chunked prefill, prefix hits, hybrid groups with sliding-window holes,
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from scheduler import Scheduler, SchedulerConfig, StepOps
 from scheduler.ops_builder import OpsBuilder
-from tests.scheduler.test_plan_ahead import HYBRID, STOP, VOCAB, FakeDevice, _config, _full_group
+from tests.scheduler.helpers import HYBRID, STOP, VOCAB, FakeDevice, full_group, small_config
 
 
 def _requests(seed: int, n: int) -> list[tuple[str, list[int], int, dict]]:
@@ -61,7 +61,7 @@ def _run_pair(cfg: SchedulerConfig, seed: int, n: int, overlapped: bool,
     """Run both schedulers in lockstep; returns (steps, steps built by build_decode)."""
     scheds = [Scheduler(cfg), Scheduler(cfg)]
     scheds[1].decode_fast_path = False
-    devs = [FakeDevice(cfg, _full_group(cfg)) for _ in scheds]
+    devs = [FakeDevice(cfg, full_group(cfg)) for _ in scheds]
     for s in scheds:
         for rid, prompt, max_new, opts in _requests(seed, n):
             s.add_request(rid, prompt, max_new, **opts)
@@ -75,6 +75,7 @@ def _run_pair(cfg: SchedulerConfig, seed: int, n: int, overlapped: bool,
     scheds[0]._builder.build_decode = counted  # type: ignore[method-assign]
     prev: list = [None, None]
     outs: list[dict] = [{}, {}]
+    applied: list[list[bool]] = [[], []]  # the rows of each scheduler's latest update
     step = 0
     while any(s.has_unfinished() for s in scheds) or prev[0] is not None:
         ops = [s.schedule() for s in scheds]
@@ -86,9 +87,11 @@ def _run_pair(cfg: SchedulerConfig, seed: int, n: int, overlapped: bool,
             else:
                 done = cur
             if done is not None:
-                for o in s.update(*done):
+                update = s.update_step(*done)
+                applied[k] = update.applied
+                for o in update.finished:
                     outs[k][o.request_id] = o
-        assert scheds[0].last_update_rows == scheds[1].last_update_rows
+        assert applied[0] == applied[1]
         step += 1
         if abort_at and step in abort_at:
             for s in scheds:
@@ -100,10 +103,10 @@ def _run_pair(cfg: SchedulerConfig, seed: int, n: int, overlapped: bool,
 
 
 CONFIGS = {
-    "roomy": lambda: _config(num_pages=120, max_batch_requests=6),
-    "tight": lambda: _config(num_pages=24),
-    "chunked": lambda: _config(num_pages=60, max_prefill_chunk_tokens=5),
-    "hybrid": lambda: _config(num_pages=50, groups=HYBRID),
+    "roomy": lambda: small_config(num_pages=120, max_batch_requests=6),
+    "tight": lambda: small_config(num_pages=24),
+    "chunked": lambda: small_config(num_pages=60, max_prefill_chunk_tokens=5),
+    "hybrid": lambda: small_config(num_pages=50, groups=HYBRID),
 }
 
 
@@ -127,11 +130,11 @@ def test_fast_path_equals_general_path_random(seed, kind, overlapped, n):
 
 def test_build_decode_equals_build_directly():
     """The vectorised builder alone, on the ScheduledRows the general path would pass."""
-    cfg = _config(num_pages=120, max_batch_requests=6, max_context_len=128, debug_checks=False)
+    cfg = small_config(num_pages=120, max_batch_requests=6, max_context_len=128, debug_checks=False)
     sched = Scheduler(cfg)
     for rid, prompt, max_new, opts in _requests(4, 6):
         sched.add_request(rid, prompt, max_new + 20, **opts)
-    dev = FakeDevice(cfg, _full_group(cfg))
+    dev = FakeDevice(cfg, full_group(cfg))
     while any(not r.prefill_done or not r.num_decode_rows for r in sched._running) or sched._waiting:
         ops = sched.schedule()
         sched.update(ops, dev.run(ops))
@@ -146,5 +149,5 @@ def test_build_decode_equals_build_directly():
                          holes=[[] for _ in cfg.groups], plain=True) for r in reqs]
     fast = builder.build_decode(reqs, [r.slot for r in reqs], [r.num_scheduled for r in reqs],
                                 [r.tokens[-1] for r in reqs],
-                                any(r.needs_extras for r in reqs), [])
+                                any(r.sampling.needs_extras for r in reqs), [])
     _assert_same(fast, builder.build(rows), "direct")

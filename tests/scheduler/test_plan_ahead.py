@@ -1,11 +1,8 @@
 """Overlapped scheduling (plan one step ahead) against the synchronous loop, on a fake device.
 
-The fake device is a faithful numpy model of what the runtime does with a StepOps: it applies
-the page-table updates to its own mirrors, substitutes `token_from_prev` placeholders with the
-last token it sampled for that slot, writes every input token id into the page of the full-history
-group its mirror points at, and "samples" a hash of the whole context read back through that
-mirror. A wrong page table, a page freed and reused too early, a wrong placeholder or a stale
-slot all change the context it reads, so the tokens diverge from the synchronous loop.
+The fake device (tests/scheduler/helpers.py) is a faithful numpy model of what the runtime does
+with a StepOps: a wrong page table, a page freed and reused too early, a wrong placeholder or a
+stale slot all change the context it reads, so the tokens diverge from the synchronous loop.
 
 Checked: every request's tokens and finish reason equal the synchronous loop's (stop tokens,
 max_tokens, chunked prefill, prefix hits + adoption, forced retraction), no placeholder reaches
@@ -15,70 +12,22 @@ schedule and update, no page leaks, and aborts of requests with a row in flight 
 
 from __future__ import annotations
 
-import zlib
-
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import settings
+from hypothesis.stateful import precondition, rule
 
-from scheduler import (
-    PLACEHOLDER_TOKEN,
-    Scheduler,
-    SchedulerConfig,
-    group_specs_from_layer_types,
+from scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig
+from tests.scheduler.helpers import (
+    HYBRID,
+    STOP,
+    VOCAB,
+    FakeDevice,
+    SchedulerMachine,
+    full_group,
+    small_config,
 )
-from scheduler.mirror_check import apply_group_ops
-
-VOCAB = 40
-STOP = 3
-HYBRID = group_specs_from_layer_types(
-    layer_types=["conv", "full_attention", "sliding_attention"], sliding_window_tokens=6,
-    page_size=4, conv_kernel_size=3, conv_page_size=2)
-
-
-class FakeDevice:
-    """Numpy stand-in for the jitted step (see module docstring)."""
-
-    def __init__(self, cfg: SchedulerConfig, full_group: int) -> None:
-        slots = cfg.num_live_slots
-        self.mirrors = [np.zeros((slots, lay.width), np.int32) for lay in cfg.group_layouts()]
-        self.g = full_group
-        self.block = cfg.group_layouts()[full_group].page_size
-        self.kv = np.full((cfg.num_pages, self.block), -7, np.int64)  # token id per cached position
-        self.last = np.full(slots, -5, np.int32)  # last sampled token per slot
-
-    def run(self, ops) -> np.ndarray:
-        for mirror, gops in zip(self.mirrors, ops.groups):
-            apply_group_ops(mirror, ops, gops)
-        n, q = ops.num_seqs, ops.num_tokens
-        tokens = ops.token_ids[:q].astype(np.int64)
-        rows = ops.token_rows[:q]
-        flag = ops.token_from_prev[:q]
-        assert np.all(flag == (tokens == PLACEHOLDER_TOKEN))
-        tokens[flag] = self.last[ops.req_slots[rows[flag]]]
-        assert np.all(tokens >= 0), "a placeholder was not resolved"
-        mirror = self.mirrors[self.g]
-        for t in range(q):
-            slot, pos = ops.req_slots[rows[t]], ops.positions[t]
-            page = mirror[slot, pos // self.block]
-            assert page != 0, "token written to the null page"
-            self.kv[page, pos % self.block] = tokens[t]
-        out = np.full(ops.req_slots.shape[0], -1, np.int32)
-        for i in range(n):
-            if not ops.sample_mask[i]:
-                continue
-            slot, kv_len = ops.req_slots[i], ops.kv_lens[i]
-            pages = mirror[slot, :-(-kv_len // self.block)]
-            ctx = self.kv[pages].reshape(-1)[:kv_len]
-            out[i] = zlib.crc32(ctx.tobytes()) % VOCAB
-            self.last[slot] = out[i]
-        return out
-
-
-def _config(**kw) -> SchedulerConfig:
-    cfg = dict(num_pages=40, page_size=4, max_batch_requests=5, max_scheduled_tokens=16,
-               max_context_len=64, debug_checks=True)
-    cfg.update(kw)
-    return SchedulerConfig(**cfg)
 
 
 def _workload(sched: Scheduler, seed: int, n: int = 10) -> None:
@@ -91,12 +40,8 @@ def _workload(sched: Scheduler, seed: int, n: int = 10) -> None:
                           stop_token_ids=[STOP] if i % 2 else [])
 
 
-def _full_group(cfg: SchedulerConfig) -> int:
-    return [s.retention for s in cfg.groups].index("full_history")
-
-
 def run_sync(cfg: SchedulerConfig, seed: int):
-    sched, dev = Scheduler(cfg), FakeDevice(cfg, _full_group(cfg))
+    sched, dev = Scheduler(cfg), FakeDevice(cfg, full_group(cfg))
     _workload(sched, seed)
     outs, rows = {}, 0
     while sched.has_unfinished():
@@ -109,7 +54,7 @@ def run_sync(cfg: SchedulerConfig, seed: int):
 
 def run_overlapped(cfg: SchedulerConfig, seed: int, abort_at: dict[int, str] | None = None):
     """Schedule step N+1 (and run it on the device) before step N's update, every step."""
-    sched, dev = Scheduler(cfg), FakeDevice(cfg, _full_group(cfg))
+    sched, dev = Scheduler(cfg), FakeDevice(cfg, full_group(cfg))
     _workload(sched, seed)
     outs, rows, step = {}, 0, 0
     prev = None
@@ -132,10 +77,10 @@ def run_overlapped(cfg: SchedulerConfig, seed: int, abort_at: dict[int, str] | N
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("kind", ["roomy", "tight", "chunked", "hybrid"])
 def test_overlapped_equals_synchronous(kind, seed):
-    cfg = {"roomy": lambda: _config(num_pages=120),
-           "tight": lambda: _config(num_pages=24),
-           "chunked": lambda: _config(num_pages=60, max_prefill_chunk_tokens=5),
-           "hybrid": lambda: _config(num_pages=50, groups=HYBRID)}[kind]()
+    cfg = {"roomy": lambda: small_config(num_pages=120),
+           "tight": lambda: small_config(num_pages=24),
+           "chunked": lambda: small_config(num_pages=60, max_prefill_chunk_tokens=5),
+           "hybrid": lambda: small_config(num_pages=50, groups=HYBRID)}[kind]()
     s_sync, sync, sync_rows = run_sync(cfg, seed)
     s_async, ovl, ovl_rows = run_overlapped(cfg, seed)
     assert sorted(ovl) == sorted(sync)
@@ -171,7 +116,7 @@ def test_overlapped_equals_synchronous(kind, seed):
 
 
 def test_stop_token_row_in_flight_is_dropped_and_pages_freed_at_once():
-    cfg = _config(num_pages=20)
+    cfg = small_config(num_pages=20)
     sched = Scheduler(cfg)
     sched.add_request("a", [5, 6, 7, 8, 9], 10, stop_token_ids=[STOP])
     total = sched.stats()["total_pages"]
@@ -184,12 +129,13 @@ def test_stop_token_row_in_flight_is_dropped_and_pages_freed_at_once():
     out = sched.update(s1, np.array([STOP, 0, 0, 0, 0], np.int32))  # finishes in s1
     assert [(o.token_ids, o.finish_reason) for o in out] == [([11, STOP], "stop")]
     assert sched.stats()["free_pages"] == total  # freed now: any reuse runs after s2
-    assert sched.update(s2, np.array([12, 0, 0, 0, 0], np.int32)) == []  # dropped
-    assert sched.last_update_rows == [False] and sched.stats()["num_dropped_tokens"] == 1
+    update = sched.update_step(s2, np.array([12, 0, 0, 0, 0], np.int32))
+    assert update.finished == [] and update.applied == [False]  # dropped
+    assert sched.stats()["num_dropped_tokens"] == 1
 
 
 def test_length_limit_is_not_planned_ahead():
-    sched = Scheduler(_config())
+    sched = Scheduler(small_config())
     sched.add_request("a", [5, 6, 7], 2)
     s0 = sched.schedule()
     s1 = sched.schedule()  # decode of token 1 -> samples token 2 (the last)
@@ -209,7 +155,7 @@ def test_length_finish_frees_slot_and_pages_when_the_next_step_is_planned():
     admits `b` into slot 0 with a prefix hit on them, as the synchronous loop would."""
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # two full pages of 4, then one token
     for overlapped in (False, True):
-        sched = Scheduler(_config(max_batch_requests=1))
+        sched = Scheduler(small_config(max_batch_requests=1))
         sched.add_request("a", prompt, 1)
         sched.add_request("b", prompt[:8] + [20, 21], 2)
         s0 = sched.schedule()
@@ -222,10 +168,10 @@ def test_length_finish_frees_slot_and_pages_when_the_next_step_is_planned():
         assert int(s1.num_tokens) == 2  # only b's own tokens are computed
         if overlapped:
             assert sched.get_request("a").tables is None  # released before its token landed
-            out = sched.update(s0, np.full(5, 30, np.int32))
-            assert [(o.request_id, o.token_ids, o.finish_reason) for o in out] == [
+            update = sched.update_step(s0, np.full(5, 30, np.int32))
+            assert [(o.request_id, o.token_ids, o.finish_reason) for o in update.finished] == [
                 ("a", [30], "length")]
-            assert sched.last_update_rows == [True]
+            assert update.applied == [True]
         sched.update(s1, np.full(5, 31, np.int32))
         while sched.has_unfinished():
             ops = sched.schedule()
@@ -235,7 +181,7 @@ def test_length_finish_frees_slot_and_pages_when_the_next_step_is_planned():
 
 
 def test_abort_of_a_request_released_at_plan_time():
-    sched = Scheduler(_config())
+    sched = Scheduler(small_config())
     sched.add_request("a", [5, 6, 7], 1)
     s0 = sched.schedule()
     s1 = sched.schedule()  # releases a: its only token is in flight
@@ -247,7 +193,7 @@ def test_abort_of_a_request_released_at_plan_time():
 
 
 def test_update_out_of_order_is_refused():
-    sched = Scheduler(_config())
+    sched = Scheduler(small_config())
     sched.add_request("a", [5, 6, 7], 4)
     s0 = sched.schedule()
     s1 = sched.schedule()
@@ -259,7 +205,7 @@ def test_update_out_of_order_is_refused():
 
 @pytest.mark.parametrize("step", [1, 2, 3, 6])
 def test_abort_in_flight_is_exact(step):
-    cfg = _config(num_pages=30)
+    cfg = small_config(num_pages=30)
     _, sync, _ = run_sync(cfg, 4)
     sched, ovl, _ = run_overlapped(cfg, 4, abort_at={step: "r1", step + 1: "r4"})
     stats = sched.stats()
@@ -272,7 +218,7 @@ def test_abort_in_flight_is_exact(step):
 def test_retracted_request_with_token_in_flight_keeps_it():
     """A tight pool retracts running requests while their decode row is in flight: the token
     it samples is still appended (it is real output), and the request resumes afterwards."""
-    cfg = _config(num_pages=14, max_batch_requests=4)
+    cfg = small_config(num_pages=14, max_batch_requests=4)
     sched, dev = Scheduler(cfg), FakeDevice(cfg, 0)
     for i in range(4):
         sched.add_request(f"r{i}", [10 + i] * 6, 12)
@@ -291,13 +237,6 @@ def test_retracted_request_with_token_in_flight_keeps_it():
 
 
 # ---------------------------------------------------------------- random workloads (hypothesis)
-import hypothesis.strategies as st  # noqa: E402
-from hypothesis import settings  # noqa: E402
-from hypothesis.stateful import precondition, rule  # noqa: E402
-
-from tests.scheduler.test_scheduler_stateful import SchedulerMachine  # noqa: E402
-
-
 class OverlappedMachine(SchedulerMachine):
     """The scheduler stateful machine (arrivals with shared prefixes, aborts at any time, a pool
     that forces retraction, hybrid groups, debug mirror checks every schedule and update), driven
@@ -322,7 +261,7 @@ class OverlappedMachine(SchedulerMachine):
         if self.prev is not None:
             for out in self.sched.update(*self.prev):
                 assert PLACEHOLDER_TOKEN not in out.token_ids
-                self._check_finished(out)
+                self.check_finished(out)
         self.prev = cur
 
     def teardown(self):

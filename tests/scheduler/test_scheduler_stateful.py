@@ -4,110 +4,17 @@ Arrivals with shared prefixes, aborts, a tiny pool that forces retraction, hybri
 live-tail conv groups. `debug_checks=True` makes every schedule() apply the StepOps to a numpy
 mirror (DESIGN §6 rules) and assert it equals the authoritative rows, and run check_invariants()
 after every schedule and update. On top: StepOps shapes never change, each request finishes with
-its exact token count, and all pages come back at the end.
+its exact token count, and all pages come back at the end (the machine: tests/scheduler/helpers.py).
 """
 
 from __future__ import annotations
 
-import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler import Scheduler, SchedulerConfig, group_specs_from_layer_types
-
-STOP = 7
-SPECS = group_specs_from_layer_types(
-    layer_types=["conv", "full_attention", "sliding_attention"], sliding_window_tokens=6,
-    page_size=4, conv_kernel_size=3, conv_page_size=2)
-
-
-def _shapes(ops):
-    out = [ops.req_slots.shape, ops.cu_q_lens.shape, ops.token_ids.shape, ops.seeds.shape]
-    for g in ops.groups:
-        out += [g.new_pages.shape, g.rows.shape, g.hole_slots.shape]
-    return out
-
-
-class SchedulerMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.cfg = SchedulerConfig(num_pages=40, page_size=4, max_batch_requests=4,
-                                   max_scheduled_tokens=12, max_context_len=48, groups=SPECS,
-                                   debug_checks=True)
-        self.sched = Scheduler(self.cfg)
-        self.rng = np.random.default_rng(0)
-        self.expect: dict[str, tuple[int, bool]] = {}  # id -> (max_new, stop allowed)
-        self.finished: dict[str, object] = {}
-        self.shapes = None
-        self.n = 0
-
-    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4, 5, 6, 1, 2], [9] * 12, [9] * 13]),
-          own=st.lists(st.integers(0, 12), min_size=0, max_size=14),
-          max_new=st.integers(1, 16), stop=st.booleans())
-    def add(self, prefix, own, max_new, stop):
-        prompt = prefix + own
-        rid = f"r{self.n:03d}"
-        self.n += 1
-        before = self.sched.stats()
-        if not prompt or len(prompt) + max_new > self.cfg.max_context_len:
-            with pytest.raises(ValueError):
-                self.sched.add_request(rid, prompt, max_new)
-            after = self.sched.stats()
-            assert after["num_waiting"] == before["num_waiting"]
-            return
-        self.sched.add_request(rid, prompt, max_new, stop_token_ids=[STOP] if stop else [])
-        self.expect[rid] = (max_new, stop)
-
-    @precondition(lambda self: self.sched.has_unfinished())
-    @rule(positional=st.booleans())
-    def step(self, positional=False):
-        ops = self.sched.schedule()
-        shapes = _shapes(ops)
-        if self.shapes is None:
-            self.shapes = shapes
-        assert shapes == self.shapes
-        assert ops.num_tokens <= self.cfg.max_scheduled_tokens
-        if positional:
-            # a token that depends only on the position: requests with equal prompts generate
-            # equal pages, so pages completed during decode get adopted (non-tail repoints)
-            sampled = ((ops.kv_lens * 5 + 3) % 12).astype(np.int32)
-        else:
-            sampled = self.rng.integers(0, 12, size=self.cfg.max_batch_requests).astype(np.int32)
-        for out in self.sched.update(ops, sampled):
-            self._check_finished(out)
-
-    @precondition(lambda self: self.expect)
-    @rule(data=st.data())
-    def abort(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.expect)))
-        self.sched.abort(rid)
-        del self.expect[rid]
-
-    def _check_finished(self, out):
-        max_new, stop = self.expect.pop(out.request_id)
-        if out.finish_reason == "stop":
-            assert stop and out.token_ids[-1] == STOP and len(out.token_ids) <= max_new
-            assert STOP not in out.token_ids[:-1]
-        else:
-            assert out.finish_reason == "length" and len(out.token_ids) == max_new
-            assert not stop or STOP not in out.token_ids
-
-    def teardown(self):
-        # drain: everything finishes (nobody starves), and every page comes back
-        for _ in range(2000):
-            if not self.sched.has_unfinished():
-                break
-            self.step()
-        assert not self.sched.has_unfinished() and not self.expect
-        stats = self.sched.stats()
-        assert stats["free_pages"] == stats["total_pages"] and stats["reserved_pages"] == 0
-
-    @invariant()
-    def consistent(self):
-        self.sched.check_invariants()
-
+from scheduler import Scheduler, SchedulerConfig
+from tests.scheduler.helpers import HYBRID, SchedulerMachine
 
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
@@ -117,7 +24,7 @@ TestScheduler.settings = settings(max_examples=40, stateful_step_count=40, deadl
 def test_pressure_workload_retracts_and_completes(chunk_cap):
     """A deterministic heavy run: the pool is far too small for everyone at once."""
     cfg = SchedulerConfig(num_pages=30, page_size=4, max_batch_requests=8, max_scheduled_tokens=16,
-                          max_context_len=48, groups=SPECS, debug_checks=True,
+                          max_context_len=48, groups=HYBRID, debug_checks=True,
                           max_prefill_chunk_tokens=chunk_cap)
     sched = Scheduler(cfg)
     rng = np.random.default_rng(1)

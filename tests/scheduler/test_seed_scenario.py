@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from scheduler import Scheduler, SchedulerConfig
-from scheduler.mirror_check import apply_group_ops
+from scheduler.page_table_oracle import apply_group_ops
 
 CACHED, P0, P1 = 1, 4, 5
 PAGE0 = [10, 11, 12, 13]

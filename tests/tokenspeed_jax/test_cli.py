@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenspeed_jax.cli import main as cli
+from tokenspeed_jax import cli
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tokenspeed_jax.cli import main as cli
+from tokenspeed_jax import cli
 
 
 def test_run_job_end_to_end_both_loops_same_figures(capsys):

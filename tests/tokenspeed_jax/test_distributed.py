@@ -127,9 +127,9 @@ def _http(llm) -> dict:
     th.start()
     prompt = _workload()[0][0]
     try:
-        for _ in range(200):
-            if server.started:
-                break
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert th.is_alive() and time.monotonic() < deadline, "the server never started"
             time.sleep(0.05)
         try:
             import openai
@@ -157,7 +157,8 @@ def _hf_phase(pid: int, port: int, path: str) -> dict | None:
     leader's single-device run. Skipped (None) when the parent could not build it."""
     if path == "-":
         return None
-    from tokenspeed_jax import LLM, param_sources
+    from tokenspeed_jax import LLM
+    from tokenspeed_jax.runtime import param_sources
 
     kw = dict(SMALL, max_context_len=48)
     param_sources.reset_stats()
@@ -232,11 +233,25 @@ def _leader_main(port: int, hf_path: str) -> dict:
     out["tp2dp2_devices"] = [sorted((d.process_index, d.id) for d in e.runner.state.mirrors[0]
                                     .sharding.device_set) for e in llm.engines]
     out["http"] = _http(llm)
-    time.sleep(1.5)  # idle: the keep-alive broadcasts
+    deadline = time.monotonic() + 30  # idle: the keep-alive broadcasts (every 0.5 s)
+    while llm._group.noops == 0:
+        assert time.monotonic() < deadline, "an idle leader sent no keep-alive in 30 s"
+        time.sleep(0.05)
     llm.shutdown()
     out["noops"] = llm._group.noops  # after shutdown: no keep-alive can follow
     out["shutdown"] = True
     return out
+
+
+def _running(http_port: int) -> bool:
+    """Whether the leader's server reports a running request (its Prometheus gauge)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=5).text
+    return any(float(v) >= 1 for v in
+               re.findall(r"^tokenspeed_num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.M))
 
 
 def _follower_main(port: int, hf_path: str) -> dict:
@@ -422,7 +437,10 @@ def test_cli_serve_then_killed_follower_fails_leader_loudly(pair):
                 httpx.post(url, json=long, timeout=60)
 
         threading.Thread(target=busy, daemon=True).start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60  # the long request is running before the kill
+        while not _running(http_port):
+            assert time.monotonic() < deadline, "the long request never started running"
+            time.sleep(0.05)
         follower.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         rc = leader.wait(timeout=KILL_BOUND_S)

@@ -102,22 +102,51 @@ class _FakeKV:
 
 
 def test_liveness_declares_a_silent_follower_lost():
+    """Driven by hand on a fake clock: no sleeps, so thread scheduling cannot decide it."""
     kv = _FakeKV()
     lost = []
+    now = [0.0]
     fast = dict(coordinator="h:1", num_processes=2, follower_timeout_s=0.6, heartbeat_interval_s=0.05)
-    follower = Liveness(DistributedConfig(process_id=1, **fast), client=kv)
-    leader = Liveness(DistributedConfig(process_id=0, **fast), client=kv, on_lost=lost.append)
-    import time
-
-    time.sleep(1.0)
+    follower = Liveness(DistributedConfig(process_id=1, **fast), client=kv, start=False)
+    leader = Liveness(DistributedConfig(process_id=0, **fast), client=kv, on_lost=lost.append,
+                      clock=lambda: now[0], start=False)
+    for _ in range(20):  # 1.0 s of beats every 0.05 s: a beating follower is never lost
+        now[0] += 0.05
+        assert follower.beat_once()
+        assert leader.check_followers(now[0])
     assert not lost, "a beating follower must not be declared lost"
-    follower.stop()  # the follower goes silent
-    deadline = time.monotonic() + 3
-    while not lost and time.monotonic() < deadline:
-        time.sleep(0.05)
+    now[0] += 0.6  # silent for exactly the timeout: still alive
+    assert leader.check_followers(now[0]) and not lost
+    now[0] += 0.05  # past the timeout: lost
+    assert not leader.check_followers(now[0])
     assert lost and "follower process 1 of 2 stopped responding" in lost[0]
     with pytest.raises(RuntimeError, match="stopped responding"):
         leader.check()
+    leader.stop()
+    follower.stop()
+
+
+def test_liveness_threads_beat_and_watch():
+    """The same ticks on their real threads: the follower's counter moves, the leader reports
+    the follower lost once it stops (a deadline poll that fails loudly, no fixed sleep)."""
+    import time
+
+    kv = _FakeKV()
+    lost = []
+    fast = dict(coordinator="h:1", num_processes=2, follower_timeout_s=0.3, heartbeat_interval_s=0.02)
+    follower = Liveness(DistributedConfig(process_id=1, **fast), client=kv)
+    key = "tokenspeed_jax/heartbeat/1"
+    deadline = time.monotonic() + 10
+    while int(kv.store.get(key, "0")) < 3:
+        assert time.monotonic() < deadline, "the follower's heartbeat thread never beat"
+        time.sleep(0.01)
+    leader = Liveness(DistributedConfig(process_id=0, **fast), client=kv, on_lost=lost.append)
+    follower.stop()
+    deadline = time.monotonic() + 10
+    while not lost:
+        assert time.monotonic() < deadline, "the watchdog never declared the silent follower lost"
+        time.sleep(0.02)
+    assert "follower process 1 of 2" in lost[0]
     leader.stop()
 
 

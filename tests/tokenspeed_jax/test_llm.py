@@ -149,3 +149,95 @@ def test_warmup_compiles_every_bucket_once_and_changes_nothing():
     cold = LLM("tiny-random", num_pages=64, **SMALL).generate([prompt], sp)[0]
     assert out.token_ids == cold.token_ids
     np.testing.assert_allclose(out.logprobs, cold.logprobs, atol=1e-6)
+
+
+def test_stream_shows_what_the_output_reports(big):
+    """`Engine.stream`: the generated ids (and logprobs / top-k) of a live request so far, from
+    any start on; None once it finished. Overlapped loop, so a step is in flight meanwhile."""
+    engine = big.engine
+    sp = SamplingParams(max_tokens=9, logprobs=True, top_logprobs=2, ignore_eos=True)
+    prompts = _prompts(3, seed=5)
+    ref = big.generate(prompts, sp)
+    rids = [engine.add_request(p, sp) for p in prompts]
+    seen: dict[str, list] = {rid: [[], [], []] for rid in rids}
+    finished = {}
+    while len(finished) < len(rids):
+        finished.update((o.request_id, o) for o in engine.step())
+        for rid in rids:
+            got = seen[rid]
+            state = engine.stream(rid, len(got[0]))
+            if state is None:
+                assert rid in finished
+                continue
+            assert state.start == len(got[0]) and state.num_generated == len(got[0]) + len(
+                state.token_ids)
+            assert len(state.logprobs) == len(state.top_logprobs) == len(state.token_ids)
+            for acc, new in zip(got, (state.token_ids, state.logprobs, state.top_logprobs)):
+                acc += new
+            whole = engine.stream(rid)
+            assert whole is not None and whole.token_ids == got[0] and whole.start == 0
+    engine.drain()
+    for rid, want in zip(rids, ref):
+        out, (ids, lps, tops) = finished[rid], seen[rid]
+        assert out.token_ids == want.token_ids
+        assert ids == out.token_ids[:len(ids)] and len(ids) >= len(out.token_ids) - 2
+        np.testing.assert_allclose(lps, out.logprobs[:len(lps)], atol=1e-6)
+        assert tops == out.top_logprobs[:len(tops)]
+    assert engine.stream("no-such-request") is None
+    assert engine.outstanding_tokens == 0
+
+
+def test_each_path_validates_once(big, monkeypatch):
+    """The engine's checks run once per request and `Scheduler.check_prompt` once on the plain
+    path (`add_request` with ids: the scheduler's own guard) and once more on the validate-first
+    path (`LLM.generate`: the up-front `Engine.validate`, then the scheduler's guard)."""
+    from scheduler import Scheduler
+    from tokenspeed_jax.engine.engine import CheckedPrompt, Engine
+
+    calls = {"check_prompt": 0, "engine": 0}
+    check_prompt, check_ids = Scheduler.check_prompt, Engine._check_ids
+
+    def counted_prompt(self, *a, **k):
+        calls["check_prompt"] += 1
+        return check_prompt(self, *a, **k)
+
+    def counted_ids(self, *a, **k):
+        calls["engine"] += 1
+        return check_ids(self, *a, **k)
+
+    monkeypatch.setattr(Scheduler, "check_prompt", counted_prompt)
+    monkeypatch.setattr(Engine, "_check_ids", counted_ids)
+    sp = SamplingParams(max_tokens=2)
+    big.generate(_prompts(3, seed=8), sp)
+    assert calls == {"check_prompt": 6, "engine": 3}
+    calls.update(check_prompt=0, engine=0)
+    engine = big.engine
+    rid = engine.add_request([5, 6, 7], sp)
+    assert calls == {"check_prompt": 1, "engine": 1}
+    checked = engine.validate([5, 6, 8], sp)
+    assert isinstance(checked, CheckedPrompt) and checked.ids == [5, 6, 8]
+    with pytest.raises(ValueError, match="params it was validated with"):
+        engine.add_request(checked, SamplingParams(max_tokens=3))
+    calls.update(check_prompt=0, engine=0)
+    rid2 = engine.add_request(checked, sp)
+    assert calls == {"check_prompt": 1, "engine": 0}
+    with pytest.raises(ValueError, match="empty prompt"):  # the scheduler's check, plain path
+        engine.add_request([], sp)
+    done = set()
+    while engine.has_unfinished():
+        done.update(o.request_id for o in engine.step())
+    engine.drain()
+    assert {rid, rid2} <= done
+
+
+def test_generate_route_is_explicit(big):
+    """route="prefix" gives the same outputs on one replica; an unknown policy is refused
+    before anything is queued."""
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = _prompts(2, seed=4)
+    load = big.generate(prompts, sp)
+    assert [o.token_ids for o in big.generate(prompts, sp, route="prefix")] == [
+        o.token_ids for o in load]
+    with pytest.raises(ValueError, match="route must be one of"):
+        big.generate(prompts, sp, route="random")
+    assert not big.engine.has_unfinished()

@@ -13,8 +13,7 @@ import pytest
 from scheduler import SchedulerConfig, cache_layout
 from tokenspeed_jax.models import build_model, tiny_random_config
 from tokenspeed_jax.models.batch import make_paged_batch
-from tokenspeed_jax.runtime.backends import get_short_conv
-from tokenspeed_jax.runtime.backends import get_paged_attention
+from tokenspeed_jax.runtime.backends import get_paged_attention, get_short_conv
 from tokenspeed_jax.runtime.state import init_state
 
 WINDOW = 6  # sliding window (tokens) < prompt lengths, not a multiple of the page size

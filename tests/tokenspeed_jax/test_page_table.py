@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.mirror_check import update_rows_reference
+from scheduler.page_table_oracle import update_rows_reference
 from tokenspeed_jax.page_table import apply_holes, update_rows
 
 

@@ -110,7 +110,8 @@ def _predict(greedy, presence=0.0, frequency=0.0):
         assert scores[best] > top[-1][1], "penalized choice outside the top 20; pick another case"
         if best != g[k]:
             return k, best
-    pytest.skip("greedy output never repeats a token")
+    pytest.fail("the fixture prompt no longer gives a greedy output where a penalty changes a "
+                "choice: pick another prompt (a skip here would hide the test for good)")
 
 
 @pytest.mark.parametrize("kind", ["presence", "frequency"])

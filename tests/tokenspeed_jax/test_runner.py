@@ -176,8 +176,9 @@ def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup, min_kv):
     layout = make_layout(model_setup, r=3, t=32)
     sched = MiniScheduler(layout, chunk=9)
     runner = make_runner(model_setup, layout, min_token_bucket=8, min_kv_bucket=min_kv)
-    assert runner.buckets == (8, 16, 32)
-    assert [t for t, _ in runner.kv_levels] == ([32] if min_kv == 256 else [8, 16, 32])
+    shapes = runner.shapes
+    assert runner.buckets == shapes.buckets == (8, 16, 32)
+    assert [t for t, _ in shapes.kv_levels] == ([32] if min_kv == 256 else [8, 16, 32])
     keys = set()
     rng = np.random.default_rng(1)
     reqs = [sched.add(f"r{i}", rng.integers(0, 256, n), 6) for i, n in enumerate((11, 7, 13))]
@@ -191,8 +192,8 @@ def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup, min_kv):
             ops.cu_q_lens[1:][: ops.num_seqs] - ops.cu_q_lens[: ops.num_seqs] == 1
         )
         kinds.add("decode" if decode.all() else "prefill" if not decode.any() else "mixed")
-        buckets.add(runner.bucket_for(ops.num_tokens))
-        keys.add((runner.bucket_for(ops.num_tokens), runner.kv_bucket_for(ops)[0]))
+        buckets.add(shapes.bucket_for(ops.num_tokens))
+        keys.add((shapes.bucket_for(ops.num_tokens), shapes.kv_levels[shapes.kv_level_for(ops)][0]))
         before = list(sched.reqs)
         sched.update(ops, runner.step(ops))
         finished += [q for q in before if q not in sched.reqs]
@@ -203,7 +204,7 @@ def test_greedy_matches_dense_and_one_compile_per_bucket(model_setup, min_kv):
     ops = sched.schedule()
     assert ops.num_tokens == 32
     buckets.add(32)
-    keys.add((32, runner.kv_bucket_for(ops)[0]))
+    keys.add((32, shapes.kv_levels[shapes.kv_level_for(ops)][0]))
     sched.update(ops, runner.step(ops))
     assert len(buckets) == 3
     assert runner.num_compiles == len(keys)  # one per (token bucket, kv bucket) met, none after

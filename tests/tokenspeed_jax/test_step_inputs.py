@@ -10,7 +10,8 @@ import pytest
 
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.step_ops import LOGIT_BIAS_WIDTH, GroupStepOps, StepOps, device_schema
-from tokenspeed_jax.runtime.step_inputs import kv_levels, layout_for, pack, unpack
+from tokenspeed_jax.runtime.shapes import ShapePolicy, StepShape, kv_levels
+from tokenspeed_jax.runtime.step_inputs import layout_for, pack, unpack
 
 
 def _random_ops(rng, r=5, t=24, layouts=((16, 8, 2), (8, 12, 3))) -> StepOps:
@@ -74,20 +75,36 @@ def test_kv_levels_ladder():
     assert levels[0] == (256, (16, 4)) and levels[-1] == (1024, (64, 4))
 
 
+def test_shape_policy_warmup_levels():
+    policy = ShapePolicy.build((64,), (16,), 64, backend="reference", min_token_bucket=16)
+    assert policy.buckets == (16, 32, 64) and [t for t, _ in policy.kv_levels] == [256, 512, 1024]
+    assert policy.warmup_levels() == (0, 1, 2) == policy.warmup_levels(5000)  # none covers it
+    assert policy.warmup_levels(1) == (0,) and policy.warmup_levels(257) == (0, 1)
+    with pytest.raises(ValueError, match="max_kv_len"):
+        policy.warmup_levels(0)
+    pallas = ShapePolicy.build((64,), (16,), 64, backend="pallas")
+    assert pallas.kv_levels == ((1024, (64,)),) and len(pallas.shape_keys) == 3
+    padding = Scheduler(SchedulerConfig(num_pages=8, max_batch_requests=2, max_context_len=64,
+                                        max_scheduled_tokens=64)).padding_ops()
+    assert policy.warmup_shapes(padding, 300) == tuple(
+        StepShape(b, lv) for b in (16, 32, 64) for lv in (0, 1))
+
+
 def test_runner_kv_bucket_follows_the_longest_row():
     from tokenspeed_jax import LLM
 
     llm = LLM("tiny-random", num_pages=256, max_batch_requests=4, max_scheduled_tokens=64,
               max_context_len=1024, attention_backend="reference")
     runner = llm.engine.runner
-    assert [t for t, _ in runner.kv_levels] == [256, 512, 1024]
-    assert len(runner.shape_keys) == len(runner.buckets) * 3
+    shapes = runner.shapes
+    assert [t for t, _ in shapes.kv_levels] == [256, 512, 1024]
+    assert len(runner.shape_keys) == len(shapes.buckets) * 3
     cfg = llm.engine.scheduler.config
     sched = Scheduler(dataclasses.replace(cfg, max_scheduled_tokens=1024))
     sched.add_request("a", [5] * 300, 4)
     ops = sched.schedule()
-    assert runner.kv_bucket_for(ops)[0] == 512  # 300 tokens -> the 512 level
+    assert shapes.kv_levels[shapes.kv_level_for(ops)][0] == 512  # 300 tokens -> the 512 level
     sched2 = Scheduler(SchedulerConfig(num_pages=64, max_batch_requests=4, max_context_len=1024,
                                        groups=cfg.groups, max_scheduled_tokens=64))
     sched2.add_request("b", [5] * 10, 4)
-    assert runner.kv_bucket_for(sched2.schedule())[0] == 256
+    assert shapes.kv_levels[shapes.kv_level_for(sched2.schedule())][0] == 256

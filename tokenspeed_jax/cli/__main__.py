@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from tokenspeed_jax.cli.main import main
+from tokenspeed_jax.cli.commands import main
 
 sys.exit(main())

@@ -2,8 +2,10 @@
 
 Each user line is appended to the conversation, the whole conversation is re-rendered through
 the chat template (so earlier turns are prefix-cache hits) and generated on the LLM's engine one
-step at a time; the reply is printed as it grows. `/reset` starts a new conversation, `/exit`
-(or end of input) quits. Models without a chat template fall back to "User: ...\\nAssistant:".
+step at a time; the reply is printed as it grows (`Engine.stream`). `/reset` starts a new
+conversation, `/exit` (or end of input) quits. Prompts come from `engine.chat_template.render_chat`
+(the server's chat route renders the same way; models without a chat template get its plain
+"<|role|>" fallback).
 """
 
 from __future__ import annotations
@@ -12,15 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
+from tokenspeed_jax.engine.chat_template import render_chat
 from tokenspeed_jax.sampling_params import SamplingParams
-
-
-def _render(tokenizer, messages: list[dict]) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is not None:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-    return tokenizer.encode("\n".join(lines) + "\nAssistant:")
 
 
 def stream_reply(llm, prompt: list[int], params: SamplingParams, out: TextIO) -> list[int]:
@@ -31,13 +26,16 @@ def stream_reply(llm, prompt: list[int], params: SamplingParams, out: TextIO) ->
     engine, tok = llm.engine, llm.tokenizer
     rid = engine.add_request(prompt, params)
     shown = ""
+    ids: list[int] = []
     final = None
     while final is None:
         for done in engine.step():
             if done.request_id == rid:
                 final = done
-        req = engine.scheduler.get_request(rid)
-        ids = final.token_ids if final is not None else list(req.tokens[req.prompt_len:])
+        if final is not None:
+            ids = list(final.token_ids)
+        elif (state := engine.stream(rid, len(ids))) is not None:
+            ids += state.token_ids
         text = tok.decode(ids)
         if final is None:
             text = text.rstrip("\ufffd")
@@ -72,7 +70,7 @@ def chat_repl(llm, *, system: str | None = None, max_tokens: int = 256, temperat
             continue
         messages.append({"role": "user", "content": line})
         try:
-            ids = stream_reply(llm, _render(llm.tokenizer, messages), params, out)
+            ids = stream_reply(llm, render_chat(llm.tokenizer, messages), params, out)
         except ValueError as e:  # e.g. the conversation outgrew max_context_len
             messages.pop()
             out.write(f"[error: {e}; /reset starts a new conversation]\n")

@@ -173,55 +173,71 @@ def leave(cfg: DistributedConfig) -> None:
 
 class Liveness:
     """A follower's heartbeat thread (one per process, started by `initialize`) or the leader's
-    watchdog thread (one per `DistributedGroup`); see the module docstring."""
+    watchdog thread (one per `DistributedGroup`); see the module docstring.
+
+    Each tick is a method (`beat_once` on a follower, `check_followers(now)` on the leader), so
+    tests drive them by hand with `start=False` and their own `clock` instead of sleeping."""
 
     def __init__(self, cfg: DistributedConfig, *, on_lost: Callable[[str], None] | None = None,
-                 client=None) -> None:
+                 client=None, clock: Callable[[], float] = time.monotonic,
+                 start: bool = True) -> None:
         self.cfg = cfg
         self._client = client if client is not None else _client()
+        self._clock = clock
         self._stop = threading.Event()
         self.lost: str | None = None  # the failure message once a follower is declared dead
         self._on_lost = on_lost or self._default_on_lost
+        self._beats = 0
+        followers = range(1, cfg.num_processes)
+        self._seen: dict[int, Any] = {k: None for k in followers}
+        self._since = {k: clock() for k in followers}
         target = self._watch if cfg.is_leader else self._beat
         self._thread = threading.Thread(target=target, name="tokenspeed-liveness", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     # ------------------------------------------------------------------ follower
+    def beat_once(self) -> bool:
+        """Write the next heartbeat; False once the coordinator (the leader) is gone."""
+        try:
+            self._client.key_value_set(_HEARTBEAT_KEY.format(self.cfg.process_id), str(self._beats),
+                                       allow_overwrite=True)
+        except Exception as e:  # the leader (which hosts the service) is gone
+            logger.error("heartbeat to the coordinator failed: %s", e)
+            return False
+        self._beats += 1
+        return True
+
     def _beat(self) -> None:
-        key = _HEARTBEAT_KEY.format(self.cfg.process_id)
-        n = 0
-        while not self._stop.is_set():
-            try:
-                self._client.key_value_set(key, str(n), allow_overwrite=True)
-            except Exception as e:  # the leader (which hosts the service) is gone
-                logger.error("heartbeat to the coordinator failed: %s", e)
-                return
-            n += 1
+        while not self._stop.is_set() and self.beat_once():
             self._stop.wait(self.cfg.heartbeat_interval_s)
 
     # ------------------------------------------------------------------ leader
+    def check_followers(self, now: float) -> bool:
+        """One watchdog tick at time `now`: True while every follower's counter moved within
+        `follower_timeout_s`; otherwise records `lost`, calls `on_lost` and returns False."""
+        for k in self._seen:
+            try:
+                value = self._client.key_value_try_get(_HEARTBEAT_KEY.format(k))
+            except Exception:  # not written yet
+                value = None
+            if value is not None and value != self._seen[k]:
+                self._seen[k], self._since[k] = value, now
+            elif now - self._since[k] > self.cfg.follower_timeout_s:
+                self.lost = (
+                    f"tokenspeed-jax distributed: follower process {k} of "
+                    f"{self.cfg.num_processes} stopped responding (no heartbeat for "
+                    f"{now - self._since[k]:.1f}s > follower_timeout_s={self.cfg.follower_timeout_s}); "
+                    f"it probably died. Every step runs collectives across all processes, so "
+                    f"the leader cannot continue: restart all processes.")
+                self._on_lost(self.lost)
+                return False
+        return True
+
     def _watch(self) -> None:
-        followers = range(1, self.cfg.num_processes)
-        seen = {k: None for k in followers}
-        since = {k: time.monotonic() for k in followers}
         while not self._stop.wait(self.cfg.heartbeat_interval_s):
-            now = time.monotonic()
-            for k in followers:
-                try:
-                    value = self._client.key_value_try_get(_HEARTBEAT_KEY.format(k))
-                except Exception:  # not written yet
-                    value = None
-                if value is not None and value != seen[k]:
-                    seen[k], since[k] = value, now
-                elif now - since[k] > self.cfg.follower_timeout_s:
-                    self.lost = (
-                        f"tokenspeed-jax distributed: follower process {k} of "
-                        f"{self.cfg.num_processes} stopped responding (no heartbeat for "
-                        f"{now - since[k]:.1f}s > follower_timeout_s={self.cfg.follower_timeout_s}); "
-                        f"it probably died. Every step runs collectives across all processes, so "
-                        f"the leader cannot continue: restart all processes.")
-                    self._on_lost(self.lost)
-                    return
+            if not self.check_followers(self._clock()):
+                return
 
     def _default_on_lost(self, message: str) -> None:
         # Exit, whatever the main thread is doing: a step would block in a collective that never
@@ -243,4 +259,5 @@ class Liveness:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2 * self.cfg.heartbeat_interval_s + 1)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.cfg.heartbeat_interval_s + 1)

@@ -34,15 +34,18 @@ import itertools
 import logging
 import threading
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 from scheduler import StepOps
+from scheduler.cache_layout import CacheLayout
 from tokenspeed_jax.distributed.launch import DistributedConfig, Liveness
 from tokenspeed_jax.runtime.runner import ModelRunner, StepHandle, StepOutputs, StepResult
+from tokenspeed_jax.runtime.shapes import ShapePolicy, StepShape
+from tokenspeed_jax.runtime.state import DeviceState
 from tokenspeed_jax.runtime.step_inputs import pack
 
 logger = logging.getLogger(__name__)
@@ -187,58 +190,93 @@ class DistributedGroup:
 
 
 class DistributedRunner:
-    """Wraps a `ModelRunner` whose mesh spans every process; same `step` / `warmup` interface
-    (Engine drives it on the leader), `execute` replays a received step on a follower.
-    Other attributes (params, state, num_compiles, ...) are the wrapped runner's."""
+    """Wraps a `ModelRunner` whose mesh spans every process. On the leader it is the engine's
+    `engine.Runner` (dispatch / collect / warmup / host_mirrors broadcast every step to the
+    followers); on a follower `execute` replays a received step. The read-only views below
+    (`shapes`, `state`, `params`, ...) are the wrapped runner's."""
 
     def __init__(self, runner: ModelRunner, group: DistributedGroup, replica: int) -> None:
-        if runner._tp is None:
+        tp = runner.tp
+        if tp is None:
             raise ValueError("a multi-process runner needs a mesh (tensor_parallel_size >= 1 "
                              "over the global devices)")
         self.runner = runner
         self.group = group
         self.replica = replica
-        self._rep = runner._tp.replicated
+        self.layout: CacheLayout = runner.layout  # a setup value: the runner's, never reassigned
+        self._rep = tp.replicated
 
     @staticmethod
     def message_words(runner: ModelRunner) -> tuple[int, int]:
         """(words of the largest step of the shortest kv bucket, of the largest step at all)."""
-        def words(cols):
-            lay = runner._layout(runner.buckets[-1], cols)
+        shapes = runner.shapes
+
+        def words(level: int) -> int:
+            lay = runner.step_layout(StepShape(shapes.buckets[-1], level))
             return HEADER + lay.i32_size + lay.f32_size
 
-        return words(runner.kv_levels[0][1]), words(runner.kv_levels[-1][1])
+        return words(0), words(len(shapes.kv_levels) - 1)
 
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
+    # ------------------------------------------------------------------ the wrapped runner's
+    @property
+    def num_compiles(self) -> int:
+        """Step compilations so far on this process (`ModelRunner.num_compiles`)."""
+        return self.runner.num_compiles
+
+
+    @property
+    def shapes(self) -> ShapePolicy:
+        return self.runner.shapes
+
+    @property
+    def shape_keys(self) -> tuple[tuple[int, int], ...]:
+        return self.runner.shape_keys
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.runner.buckets
+
+    @property
+    def backend(self) -> str:
+        return self.runner.backend
+
+    @property
+    def state(self) -> DeviceState:
+        return self.runner.state
+
+    @property
+    def params(self) -> Any:  # the nnx.State of the model, sharded over the global mesh
+        return self.runner.params
+
+    def host_mirrors(self) -> list[np.ndarray]:
+        """The device page-table mirrors after the last dispatched step (debug checks)."""
+        return self.runner.host_mirrors()
 
     # ------------------------------------------------------------------ every process
-    def execute(self, bucket: int, level: int, i32: np.ndarray, f32: np.ndarray) -> StepOutputs:
-        """Dispatch one step on this process's devices (async); returns the device outputs."""
-        r = self.runner
-        layout = r._layout(bucket, r.kv_levels[level][1])
+    def execute(self, shape: StepShape, i32: np.ndarray, f32: np.ndarray) -> StepOutputs:
+        """Dispatch one step on this process's devices (async); returns the device outputs.
+        i32 / f32: the step's packed buffers (`ModelRunner.execute`), the same on every process."""
+        layout = self.runner.step_layout(shape)
         if (i32.size, f32.size) != (layout.i32_size, layout.f32_size):
             raise RuntimeError(f"step buffers of {i32.size}/{f32.size} words do not match the "
-                               f"layout of bucket {bucket}, kv level {level}")
-        bufs = [global_array(np.ascontiguousarray(b), self._rep) for b in (i32, f32)]
-        r.state, r.penalties, tokens, logprobs, plp, top = r._step(
-            r.param_leaves, r.state, r.penalties, *bufs, layout)
-        return tokens, logprobs, plp, top
+                               f"layout of bucket {shape.bucket}, kv level {shape.level}")
+        i32_dev, f32_dev = (global_array(np.ascontiguousarray(b), self._rep) for b in (i32, f32))
+        return self.runner.execute(shape, i32_dev, f32_dev)
 
     # ------------------------------------------------------------------ leader
-    def _lead(self, ops: StepOps, bucket: int, level: int) -> StepOutputs:
-        r, group, liveness = self.runner, self.group, self.group.liveness
+    def _lead(self, ops: StepOps, shape: StepShape) -> StepOutputs:
+        group, liveness = self.group, self.group.liveness
         if liveness is None:
             raise RuntimeError("only the leader runs steps (it owns the watchdog)")
-        i32, f32 = pack(ops, r._layout(bucket, r.kv_levels[level][1]))
+        i32, f32 = pack(ops, self.runner.step_layout(shape))
         with group.lock:
             liveness.check()
             if group.broken:
                 raise RuntimeError("an earlier collective failed; the distributed run is unusable")
             try:
-                group.send(frame(STEP, group.seq, self.replica, bucket, level, i32, f32))
+                group.send(frame(STEP, group.seq, self.replica, shape.bucket, shape.level, i32, f32))
                 # dispatched, not waited for: another replica's step may run meanwhile
-                return self.execute(bucket, level, i32, f32)
+                return self.execute(shape, i32, f32)
             except Exception as e:
                 self._fail(e)
 
@@ -260,8 +298,8 @@ class DistributedRunner:
         if ops.num_seqs == 0:
             return r.dispatch(ops)  # empty steps never reach the device (nor the followers)
         r.warn_clamped(ops)
-        bucket, level = r.step_shape(ops)
-        outs = self._lead(ops, bucket, level)
+        shape = r.shapes.step_shape(ops)
+        outs = self._lead(ops, shape)
         group = self.group
         with group.lock:
             # another replica's step still computing while this one starts: device overlap
@@ -269,7 +307,7 @@ class DistributedRunner:
                    for rep, a in group.running.items() if rep != self.replica):
                 group.overlapped += 1
             group.running[self.replica] = outs[0]
-        return r.handle_for(ops, bucket, *outs)
+        return r.handle_for(ops, shape.bucket, *outs)
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Leader: the host results of a dispatched step (waits for it on every process)."""
@@ -282,21 +320,13 @@ class DistributedRunner:
         """Leader: one step on every process; host results as `ModelRunner.step`."""
         return self.collect(self.dispatch(ops))
 
-    def warmup(self, padding_ops, max_kv_len: int | None = None) -> int:
-        """Leader: compile the shape keys on every process with all-padding steps (the same
-        policy as `ModelRunner.warmup`: every kv level, or those up to `max_kv_len` tokens)."""
-        if padding_ops.num_seqs:
-            raise ValueError(f"warmup needs an all-padding StepOps, got {padding_ops.num_seqs} rows")
-        levels = self.runner.kv_levels
-        top = len(levels) - 1
-        if max_kv_len is not None:
-            if max_kv_len < 1:
-                raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
-            top = next((i for i, (t, _) in enumerate(levels) if t >= max_kv_len), top)
+    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None) -> int:
+        """Leader: compile the shape keys on every process with all-padding steps (the policy of
+        `ModelRunner.warmup`: `ShapePolicy.warmup_shapes`)."""
+        shapes = self.runner.shapes.warmup_shapes(padding_ops, max_kv_len)
         before = self.runner.num_compiles
-        for bucket in self.runner.buckets:
-            for level in range(top + 1):
-                jax.block_until_ready(self._lead(padding_ops, bucket, level))
+        for shape in shapes:
+            jax.block_until_ready(self._lead(padding_ops, shape))
         return self.runner.num_compiles - before
 
 
@@ -315,7 +345,7 @@ def follow(group: DistributedGroup, runners: list[DistributedRunner]) -> int:
                 raise RuntimeError(f"unknown control word {head['control']} from the leader")
             # dispatched, not waited for (see "Ordering"): the next message may be another
             # replica's step, which then runs alongside this one
-            runners[head["replica"]].execute(head["bucket"], head["level"], i32, f32)
+            runners[head["replica"]].execute(StepShape(head["bucket"], head["level"]), i32, f32)
             steps += 1
         for r in runners:
             jax.block_until_ready(r.runner.state)

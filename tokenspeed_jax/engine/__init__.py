@@ -4,6 +4,7 @@ turns sampled ids into outputs and streams; `replicas` routes requests over data
 
 from __future__ import annotations
 
-from tokenspeed_jax.engine.engine import Engine, Runner
+from tokenspeed_jax.engine.engine import CheckedPrompt, Engine, Runner, StreamState
+from tokenspeed_jax.engine.replicas import Replicas
 
-__all__ = ["Engine", "Runner"]
+__all__ = ["CheckedPrompt", "Engine", "Replicas", "Runner", "StreamState"]

@@ -1,8 +1,9 @@
 """`Engine`: the host loop `schedule -> device step -> update`, plus per-request bookkeeping.
 
 The scheduler decides everything; the runner applies StepOps on the device and returns sampled
-ids and logprobs; the engine validates input, routes logprobs to requests, times them, and turns
-finished scheduler outputs into `CompletionOutput`s. One engine = one model + one cache.
+ids and logprobs; the engine validates input, routes sampled ids and logprobs to requests (what
+`stream` shows of a live request), times them, and turns finished scheduler outputs into
+`CompletionOutput`s. One engine = one model + one cache.
 
 Two loops (`async_scheduling`):
   - synchronous (the reference): schedule N -> dispatch N -> wait for N -> update N;
@@ -15,6 +16,7 @@ Two loops (`async_scheduling`):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -34,11 +36,16 @@ if TYPE_CHECKING:  # the runner module imports jax; the engine itself does not n
 
 
 class Runner(Protocol):
-    """What an `Engine` drives: `runner.ModelRunner`, or `distributed_runner.DistributedRunner`
-    on the leader of a multi-process run."""
+    """What an `Engine` drives: `runtime.runner.ModelRunner`, or
+    `distributed.runner.DistributedRunner` on the leader of a multi-process run."""
 
-    num_compiles: int  # jit traces so far (one per step shape key)
-    layout: CacheLayout  # the setup value the runner was built from (honor_full_refresh)
+    @property
+    def num_compiles(self) -> int:
+        """jit traces so far (one per step shape key)."""
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The setup value the runner was built from (honor_full_refresh)."""
 
     def dispatch(self, ops: StepOps) -> StepHandle:
         """Enqueue one step on the device and return at once."""
@@ -53,19 +60,53 @@ class Runner(Protocol):
         """The device page-table mirrors after the last dispatched step (debug checks)."""
 
 
-class _Track:
-    """Engine-side state of one live request."""
+@dataclasses.dataclass(frozen=True)
+class CheckedPrompt:
+    """A request that `Engine.validate` accepted: the prompt as ints, every id (prompt, stop,
+    logit_bias) inside the vocabulary, prompt + max_tokens within max_context_len.
 
-    __slots__ = ("params", "metrics", "logprobs", "prompt_logprobs", "prompt", "top")
+    `Engine.add_request(checked, checked.params)` queues it without the engine checking it again
+    (only the scheduler's own `add_request` guard runs). Valid on every engine with the same
+    vocabulary and max_context_len, i.e. on every replica of one `LLM`."""
+
+    ids: list[int]
+    params: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamState:
+    """What a live request has generated so far, from generated token `start` on
+    (`Engine.stream`): a streaming consumer that has sent `start` tokens asks for the rest.
+
+    One step may add several tokens (a prefill that ends a prompt adds one, decode one per step;
+    speculative decoding would add several), so consumers take whatever is new."""
+
+    start: int
+    token_ids: list[int]  # generated ids [start:]
+    logprobs: list[float]  # their logprobs ([] unless the request asked for logprobs)
+    top_logprobs: list[list[tuple[int, float]]]  # their top-k (id, logprob) lists ([] unless asked)
+    num_generated: int  # generated tokens in all (start + len(token_ids) when start <= it)
+
+
+class _Track:
+    """Engine-side state of one live request: everything `stream` and its output report."""
+
+    __slots__ = ("params", "metrics", "token_ids", "logprobs", "prompt_logprobs", "prompt", "top")
 
     def __init__(self, prompt: list[int], params: SamplingParams) -> None:
         self.prompt = prompt
         self.params = params
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.token_ids: list[int] = []  # generated ids: one per applied sampling row
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []  # top-k (id, logprob) per generated token
         self.prompt_logprobs: list[float | None] | None = (
             [None] * len(prompt) if params.prompt_logprobs else None)
+
+    @property
+    def cost(self) -> int:
+        """Outstanding tokens: prompt + max_tokens (the "load" routing policy's unit)."""
+        return len(self.prompt) + self.params.max_tokens
 
 
 class Engine:
@@ -90,6 +131,7 @@ class Engine:
         self.tokenizer = tokenizer
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
+        self.outstanding_tokens = 0  # prompt + max_tokens summed over the live requests
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
@@ -99,8 +141,9 @@ class Engine:
         self._stepping = threading.Lock()
 
     # ------------------------------------------------------------------ requests
-    def validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
-        """Check one request without queueing it; returns the prompt as a list of ints."""
+    def _check_ids(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """The engine's own checks (params type, ints, ids inside the vocabulary); the scheduler
+        checks the rest (empty prompt, max_tokens, max_context_len: `Scheduler.check_prompt`)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         try:
@@ -113,41 +156,64 @@ class Engine:
             bad = [t for t in toks if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{what} {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        return self.scheduler.check_prompt(ids, params.max_tokens)  # empty, max_context_len
+        return ids
 
-    def add_request(self, prompt: Sequence[int], params: SamplingParams,
+    def validate(self, prompt: Sequence[int], params: SamplingParams) -> CheckedPrompt:
+        """Check one request without queueing it (ValueError naming the problem); callers that
+        must refuse a batch before queueing any of it (`LLM.generate`, the server's n samples)
+        validate first and then queue the returned `CheckedPrompt`s."""
+        ids = self._check_ids(prompt, params)
+        self.scheduler.check_prompt(ids, params.max_tokens)  # empty, max_tokens, max_context_len
+        return CheckedPrompt(ids, params)
+
+    def add_request(self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams,
                     request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError (and queues nothing) on bad input."""
-        ids = self.validate(prompt, params)
+        """Queue a request; raises ValueError (and queues nothing) on bad input.
+
+        prompt: token ids (checked here: the engine's checks, then the scheduler's), or the
+        `CheckedPrompt` that `validate(prompt, params)` returned (not checked again by the
+        engine). request_id: None = "req-N", N counting up."""
+        if isinstance(prompt, CheckedPrompt):
+            if prompt.params is not params and prompt.params != params:
+                raise ValueError("a CheckedPrompt must be queued with the params it was "
+                                 "validated with")
+            ids = prompt.ids
+        else:
+            ids = self._check_ids(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(self.eos_token_ids)
-        self.scheduler.add_request(
-            rid, ids, params.max_tokens, stop_token_ids=sorted(stops),
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            seed=params.seed, prompt_logprobs=params.prompt_logprobs,
-            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
-            top_logprobs=params.top_logprobs)
-        self._tracks[rid] = _Track(ids, params)
+        self.scheduler.add_request(rid, ids, params.max_tokens,
+                                   sampling=params.to_options(self.eos_token_ids))
+        track = self._tracks[rid] = _Track(ids, params)
+        self.outstanding_tokens += track.cost
         return rid
 
     def abort(self, request_id: str) -> CompletionOutput | None:
-        req = self.scheduler.get_request(request_id)
-        track = self._tracks.pop(request_id, None)
-        if req is None or track is None:
+        """Drop a live request (its pages come back at once) and return its output so far
+        (finish_reason "abort"); None when it is unknown or already finished."""
+        track = self._pop(request_id)
+        if track is None:
             return None
-        generated = req.tokens[req.prompt_len:]
         self.scheduler.abort(request_id)
         track.metrics.finish_time = time.perf_counter()
-        return self._output(request_id, track, generated, "abort")
+        return self._output(request_id, track, track.token_ids, "abort")
 
-    def logprobs_so_far(self, request_id: str) -> tuple[list[float], list[list[tuple[int, float]]]]:
-        """(token logprobs, top-k lists) of a live request's generated tokens so far (empty
-        lists when it did not ask for them or is unknown); the server streams them."""
+    def stream(self, request_id: str, start: int = 0) -> StreamState | None:
+        """A live request's generated ids from `start` on, with their logprobs / top-k lists
+        (the server's streaming and the chat REPL read tokens here, never from the scheduler).
+        None once it finished (its `CompletionOutput` came out of `step` / `abort`) or for an
+        unknown id."""
         track = self._tracks.get(request_id)
-        return ([], []) if track is None else (track.logprobs, track.top)
+        if track is None:
+            return None
+        return StreamState(start=start, token_ids=track.token_ids[start:],
+                           logprobs=track.logprobs[start:], top_logprobs=track.top[start:],
+                           num_generated=len(track.token_ids))
+
+    def _pop(self, request_id: str) -> _Track | None:
+        track = self._tracks.pop(request_id, None)
+        if track is not None:
+            self.outstanding_tokens -= track.cost
+        return track
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -228,13 +294,15 @@ class Engine:
         result = self.runner.collect(handle)
         now = time.perf_counter()
         self.clock.waited(now - t, blocked)
-        finished = self.scheduler.update(ops, result.sampled)
-        self._route_logprobs(ops, result, now, self.scheduler.last_update_rows)
+        update = self.scheduler.update_step(ops, result.sampled)
+        finished = update.finished
+        self._route_logprobs(ops, result, now, update.applied)
         self.num_steps += 1
         self.num_prefill_tokens += int(ops.num_tokens - ops.sample_mask[:ops.num_seqs].sum())
         outs = []
         for fin in finished:
             track = self._tracks.pop(fin.request_id)
+            self.outstanding_tokens -= track.cost
             track.metrics.finish_time = now
             track.metrics.num_cached_tokens = fin.num_cached_tokens
             track.metrics.num_retractions = fin.num_retractions
@@ -243,12 +311,14 @@ class Engine:
 
     def _route_logprobs(self, ops: StepOps, result: StepResult, now: float,
                         applied: list[bool]) -> None:
-        """Logprobs of the rows whose results the scheduler applied (a row planned behind a
-        request that finished or was aborted meanwhile produced nothing for anyone)."""
+        """Sampled ids and logprobs of the rows whose results the scheduler applied, to their
+        requests' tracks (a row planned behind a request that finished or was aborted meanwhile
+        produced nothing for anyone); the same rows append to the scheduler's `Request.tokens`."""
         # plain Python over the rows (numpy scalar indexing per row costs more than the work)
         rids, tracks = ops.request_ids, self._tracks
         n = ops.num_seqs
         mask = ops.sample_mask[:n].tolist()
+        sampled = np.asarray(result.sampled)[:n].tolist()
         logprobs: np.ndarray | None = None  # read only once a row asks for logprobs
         top_ids, top_lp = result.top_ids, result.top_logprobs
         count = 0
@@ -259,6 +329,7 @@ class Engine:
             track = tracks.get(rids[i])
             if track is None:
                 continue
+            track.token_ids.append(sampled[i])
             metrics = track.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now

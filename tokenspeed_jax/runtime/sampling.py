@@ -14,17 +14,22 @@ seen in the prompt or the output; then `logit -= frequency * count + presence * 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from scheduler.step_ops import StepOps, device_schema
+
 __all__ = [
     "MAX_TOP_LOGPROBS", "PenaltyState", "apply_penalties", "init_penalty_state", "penalize_step",
-    "prompt_logprobs", "sample", "top_logprobs", "update_penalty_state",
+    "prompt_logprobs", "sample", "sample_rows", "top_logprobs", "update_penalty_state",
 ]
 
 MAX_TOP_LOGPROBS = 20  # K of the on-device top-k logprobs (OpenAI's top_logprobs limit)
+# per-row StepOps fields (schema axis "row"): what the LM head / sampler slice to the used rows
+_ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
 
 
 def _filtered_logits(logits, temperature, top_k, top_p):
@@ -196,3 +201,65 @@ def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: dict):
 
     active = jnp.any(use) | jnp.any(ops["logit_bias_ids"] >= 0)
     return penalties, jax.lax.cond(active, modify, lambda x: x.astype(jnp.float32), logits)
+
+
+def sample_rows(
+    hidden: jax.Array,
+    ops: dict,
+    penalties: PenaltyState,
+    last_tokens: jax.Array,
+    *,
+    lm_head: Callable[[jax.Array], jax.Array],
+    max_rows: int,
+    gather_logits: Callable[[jax.Array], jax.Array] | None = None,
+) -> tuple[PenaltyState, jax.Array, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+    """One step's sampling tail, inside the jit: penalties, sampling, top-k and prompt logprobs.
+
+    hidden f[T, H]: the model's last hidden states; ops: the step's unpacked StepOps arrays
+    (R = `max_rows` rows); last_tokens i32[S]: each slot's last sampled token. `lm_head` maps
+    hidden f[N, H] -> logits f[N, V]; `gather_logits` (tensor parallel) makes vocab-sharded row
+    logits whole before the sort / argmax.
+    Returns (penalty state after the step, last_tokens i32[S] with each sampling row's token
+    stored at its slot, tokens i32[R] (-1 where `sample_mask` is off), logprobs f32[R] (NaN
+    there), prompt logprobs f32[T] (NaN where `prompt_targets` < 0), (top ids i32[R, K], top
+    logprobs f32[R, K]) with K = min(MAX_TOP_LOGPROBS, V), -1 / NaN on rows that sample nothing).
+    """
+    t = hidden.shape[0]
+    # A step has at most one row per token, so rows >= min(R, T) are padding: the LM head and
+    # the sampler only run on the first n rows (a 16-token decode bucket pays for 16, not R).
+    n = min(max_rows, t)
+    rows = {k: ops[k][:n] for k in _ROW_FIELDS}
+    last = jnp.clip(ops["cu_q_lens"][1 : n + 1] - 1, 0, t - 1)  # each row's last token
+    logits = lm_head(hidden[last])
+    if gather_logits is not None:
+        logits = gather_logits(logits)
+    penalties, processed = penalize_step(penalties, logits, ops)
+    tokens, logprobs = sample(
+        processed, rows["temperature"], rows["top_k"], rows["top_p"],
+        rows["seeds"], rows["sample_index"], raw_logits=logits,
+    )  # fmt: skip
+    pad = max_rows - n
+    mask = rows["sample_mask"]
+    keep = jnp.where(mask, ops["req_slots"][:n], last_tokens.shape[0])  # others dropped
+    last_tokens = last_tokens.at[keep].set(tokens, mode="drop")
+    tokens = jnp.pad(jnp.where(mask, tokens, -1), (0, pad), constant_values=-1)
+    logprobs = jnp.pad(jnp.where(mask, logprobs, jnp.nan), (0, pad), constant_values=jnp.nan)
+    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+    top_ids, top_lp = jax.lax.cond(  # the [n, V] top-k only on steps that report it
+        jnp.any(rows["top_logprobs"] > 0), top_logprobs,
+        lambda _: (jnp.full((n, k), -1, jnp.int32), jnp.full((n, k), jnp.nan, jnp.float32)),
+        logits,
+    )  # fmt: skip
+    top_ids = jnp.pad(jnp.where(mask[:, None], top_ids, -1), ((0, pad), (0, 0)),
+                      constant_values=-1)
+    top_lp = jnp.pad(jnp.where(mask[:, None], top_lp, jnp.nan), ((0, pad), (0, 0)),
+                     constant_values=jnp.nan)
+    targets = ops["prompt_targets"]
+    # Full [T, V] logits only on steps that want prompt logprobs (lax.cond skips them else).
+    plp = jax.lax.cond(
+        jnp.any(targets >= 0),
+        lambda h: prompt_logprobs(lm_head(h), targets),
+        lambda h: jnp.full((t,), jnp.nan, jnp.float32),
+        hidden,
+    )
+    return penalties, last_tokens, tokens, logprobs, plp, (top_ids, top_lp)

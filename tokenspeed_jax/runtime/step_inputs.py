@@ -106,24 +106,3 @@ def unpack(i32: jax.Array, f32: jax.Array, layout: StepLayout) -> dict:
         (out if s.group < 0 else out["groups"][s.group])[s.name] = x
     return out
 
-
-def kv_levels(widths: tuple[int, ...], page_sizes: tuple[int, ...], min_tokens: int
-              ) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """The kv-bucket ladder: (tokens covered, kv columns per group), shortest first.
-
-    Levels are `min_tokens * 2^i` tokens (a power of two of pages when `min_tokens` is one) while
-    shorter than the widest group's capacity, then the full mirror widths. Group g reads
-    `min(W_g, ceil(tokens / B_g))` columns at a level; duplicates collapse.
-    """
-    cap = max(w * b for w, b in zip(widths, page_sizes, strict=True))
-    levels, seen, t = [], set(), max(1, min_tokens)
-    while t < cap:
-        cols = tuple(min(w, -(-t // b)) for w, b in zip(widths, page_sizes, strict=True))
-        if cols not in seen:
-            levels.append((t, cols))
-            seen.add(cols)
-        t *= 2
-    full = tuple(widths)
-    if full not in seen:
-        levels.append((cap, full))
-    return tuple(levels)

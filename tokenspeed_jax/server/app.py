@@ -20,6 +20,8 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tokenspeed_jax.engine.chat_template import render_chat
+from tokenspeed_jax.engine.replicas import aggregate_stats
 from tokenspeed_jax.server.async_engine import AsyncEngine
 from tokenspeed_jax.server.choice import ChoiceState
 from tokenspeed_jax.server.errors import error_response, install_error_handlers
@@ -37,18 +39,6 @@ class _Disconnected(Exception):
     pass
 
 
-def _chat_prompt(tokenizer, messages) -> str:
-    msgs = [{"role": m.role, "content": m.text()} for m in messages]
-    apply = getattr(tokenizer, "apply_chat_template", None)
-    if apply is not None:
-        try:
-            return apply(msgs)
-        except (ValueError, NotImplementedError):
-            pass
-    # models without a template (tiny-random): a plain, documented fallback
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
-
-
 def describe(llm, model_name: str) -> str:
     """The one startup line: model, dtype, pages, page size, max context, buckets, backend."""
     e = llm.engines[0]
@@ -60,8 +50,10 @@ def describe(llm, model_name: str) -> str:
             f"backend={getattr(runner, 'backend', '?')}")
 
 
-def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True) -> FastAPI:
-    """The server app over every data-parallel replica of `llm` (`llm.engines`)."""
+def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
+              route: str = "prefix") -> FastAPI:
+    """The server app over every data-parallel replica of `llm` (`llm.engines`), routing requests
+    by `route` ("prefix", the default, or "load": `tokenspeed_jax.engine.replicas`)."""
     tokenizer = llm.tokenizer
     max_context = llm.engine.scheduler.config.max_context_len
     holder: dict = {}
@@ -69,7 +61,7 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True) -> F
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        engine = AsyncEngine(llm.engines, warmup=warmup, on_finish=metrics.observe)
+        engine = AsyncEngine(llm.engines, warmup=warmup, on_finish=metrics.observe, route=route)
         holder["engine"] = engine
         _app.state.engine = engine
         log.info("tokenspeed-jax serving: %s (warming up)", describe(llm, model_name))
@@ -90,10 +82,7 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True) -> F
 
     @app.get("/stats")
     def stats():
-        from tokenspeed_jax.engine.replicas import aggregate_stats
-
-        per = engine().stats()
-        return per[0] if len(per) == 1 else aggregate_stats(per)
+        return aggregate_stats(engine().stats())
 
     @app.get("/metrics")
     def prometheus():
@@ -281,9 +270,12 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True) -> F
             return error_response(400, "this model has no tokenizer (no tokenizer.json): chat "
                                   "needs one", param="messages")
         try:
-            prompt = _chat_prompt(tokenizer, body.messages)
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompt_ids = render_chat(tokenizer, messages)
         except UnsupportedField as e:
             return error_response(400, str(e), param=e.field)
-        return await _run(http, body, tokenizer.encode(prompt), chat=True)
+        except ValueError as e:
+            return error_response(400, str(e), param="messages")
+        return await _run(http, body, prompt_ids, chat=True)
 
     return app

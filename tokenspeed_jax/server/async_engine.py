@@ -7,10 +7,12 @@ nothing is queued. After each step it pushes, to every subscribed request, the t
 since the last push with their logprobs (streaming) and the final output once it finishes. A
 failing step fails (and aborts) the requests in flight; the server keeps accepting new ones.
 
-Routing: a request goes to the replica whose prefix cache holds the longest prefix of its prompt;
-ties go to the least loaded (running + waiting requests). The n samples of one request stay on one
-replica and the 2nd..n-th are queued only once the first has computed its prompt, so they share
-its prompt pages through the prefix cache instead of each computing the prompt.
+Routing (`tokenspeed_jax.engine.replicas.Replicas`, `route=`): by default ("prefix") a request
+goes to the replica whose prefix cache holds the longest prefix of its prompt; ties go to the
+least loaded (running + waiting requests, deferred samples included). "load" picks the fewest
+outstanding tokens instead. The n samples of one request stay on one replica and the 2nd..n-th are
+queued only once the first has computed its prompt, so they share its prompt pages through the
+prefix cache instead of each computing the prompt. Tokens stream from `Engine.stream`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tokenspeed_jax.engine.engine import Engine
-from tokenspeed_jax.engine.replicas import pick_replica
+from tokenspeed_jax.engine.engine import CheckedPrompt, Engine
+from tokenspeed_jax.engine.replicas import Replicas
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -56,8 +58,8 @@ class _Replica:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.subs: dict[str, _Subscriber] = {}
-        # first sample's request id -> [(request id, prompt, params)] queued once it has prefilled
-        self.deferred: dict[str, list[tuple[str, list[int], SamplingParams]]] = {}
+        # first sample's request id -> [(request id, validated sample)] queued once it has prefilled
+        self.deferred: dict[str, list[tuple[str, CheckedPrompt]]] = {}
         self.ready = False
         self.warmup_s = 0.0
         self.compiled = 0
@@ -69,11 +71,14 @@ class AsyncEngine:
 
     engines: the data-parallel replicas. warmup: compile every step shape before serving
     (`ready` turns True after). on_finish(output): called on the stepping thread for each
-    finished request (metrics)."""
+    finished request (metrics). route: the routing policy over the replicas, "prefix" (the
+    default) or "load" (`tokenspeed_jax.engine.replicas`)."""
 
     def __init__(self, engines: Engine | Sequence[Engine], *, warmup: bool = True,
-                 on_finish: Callable[[CompletionOutput], None] | None = None) -> None:
+                 on_finish: Callable[[CompletionOutput], None] | None = None,
+                 route: str = "prefix") -> None:
         engines = [engines] if isinstance(engines, Engine) else list(engines)
+        self.router = Replicas(engines, route=route)
         self.replicas = [_Replica(i, e) for i, e in enumerate(engines)]
         self.engine = engines[0]
         self._on_finish = on_finish
@@ -98,9 +103,13 @@ class AsyncEngine:
         with contextlib.ExitStack() as stack:  # a consistent view of every replica
             for lock in locks:
                 stack.enter_context(lock)
-            i = pick_replica([r.engine for r in self.replicas], prompt,
-                             lambda k: sum(map(len, self.replicas[k].deferred.values())))
+            i = self.router.route(prompt, held=self._held)
         return self.replicas[i]
+
+    def _held(self, k: int) -> list[int]:
+        """Outstanding tokens of the samples deferred on replica k (not in its engine yet)."""
+        return [len(c.ids) + c.params.max_tokens
+                for rest in self.replicas[k].deferred.values() for _, c in rest]
 
     def submit(self, prompt: list[int], params: SamplingParams | Sequence[SamplingParams]
                ) -> tuple[list[str], asyncio.Queue]:
@@ -109,15 +118,16 @@ class AsyncEngine:
         on bad input: then nothing is queued."""
         plist = [params] if isinstance(params, SamplingParams) else list(params)
         loop = asyncio.get_running_loop()
-        for p in plist:  # all-or-nothing: validate every sample first
-            self.engine.validate(prompt, p)
-        rep = self._route(prompt)
+        # all-or-nothing: validate every sample first (once: queued below as checked)
+        checked = [self.engine.validate(prompt, p) for p in plist]
+        rep = self._route(checked[0].ids)
         queue: asyncio.Queue = asyncio.Queue()
         with rep.lock:
-            rid = rep.engine.add_request(prompt, plist[0])
+            # ids unique over all replicas: `_owner` maps them back to theirs
+            rid = rep.engine.add_request(checked[0], plist[0], self.router.new_request_id())
             rids = [rid] + [f"{rid}-n{j}" for j in range(1, len(plist))]
             if len(plist) > 1:
-                rep.deferred[rid] = [(sib, list(prompt), p) for sib, p in zip(rids[1:], plist[1:])]
+                rep.deferred[rid] = list(zip(rids[1:], checked[1:]))
             for j, r_id in enumerate(rids):
                 rep.subs[r_id] = _Subscriber(loop, queue, j)
                 self._owner[r_id] = rep
@@ -184,13 +194,13 @@ class AsyncEngine:
 
     def _release_siblings(self, rep: _Replica) -> None:
         """Queue the deferred samples of every first sample that has computed its prompt."""
-        sched = rep.engine.scheduler
+        engine = rep.engine
         for first in list(rep.deferred):
-            req = sched.get_request(first)
-            if req is None or req.num_generated > 0:
-                for rid, prompt, params in rep.deferred.pop(first):
+            state = engine.stream(first)
+            if state is None or state.num_generated > 0:
+                for rid, checked in rep.deferred.pop(first):
                     try:
-                        rep.engine.add_request(prompt, params, rid)
+                        engine.add_request(checked, checked.params, rid)
                     except ValueError as e:  # validated at submit; defensive
                         sub = rep.subs.pop(rid, None)
                         if sub is not None:
@@ -198,17 +208,12 @@ class AsyncEngine:
 
     def _publish(self, rep: _Replica, finished: list[CompletionOutput]) -> None:
         engine = rep.engine
-        sched = engine.scheduler
         for rid, sub in rep.subs.items():
-            req = sched.get_request(rid)
-            if req is None:
+            state = engine.stream(rid, sub.sent)
+            if state is None or not state.token_ids:  # finished (below), deferred, or no news
                 continue
-            new = req.tokens[req.prompt_len + sub.sent:]
-            if new:
-                lps, tops = engine.logprobs_so_far(rid)
-                sub.push(("delta", list(new), lps[sub.sent:sub.sent + len(new)],
-                          tops[sub.sent:sub.sent + len(new)]))
-                sub.sent += len(new)
+            sub.push(("delta", state.token_ids, state.logprobs, state.top_logprobs))
+            sub.sent = state.num_generated
         for out in finished:
             if self._on_finish is not None:
                 self._on_finish(out)

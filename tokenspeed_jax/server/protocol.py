@@ -10,7 +10,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from scheduler.sampling_options import LIMITS
 from tokenspeed_jax.sampling_params import SamplingParams
+
+# bounds checked by pydantic (a 400 naming the field) come from the scheduler's one limits table
+_MAX_TOP_LOGPROBS = int(LIMITS["top_logprobs"].hi)
 
 # OpenAI request fields that exist but are not implemented here: a non-null value is a 400.
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
@@ -41,7 +45,7 @@ class _Sampling(BaseModel):
     top_p: float = 1.0
     top_k: int = -1
     n: int = Field(1, ge=1, le=64)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=int(LIMITS["seed"].lo))
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -109,7 +113,7 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=_MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -155,7 +159,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=_MAX_TOP_LOGPROBS)
     store: bool | None = None
     metadata: dict | None = None
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from tokenspeed_jax.engine.engine import Engine
-from tokenspeed_jax.engine.replicas import pick_replica
+from tokenspeed_jax.engine.replicas import Replicas
 from tokenspeed_jax.sampling_params import SamplingParams
 
 
@@ -77,16 +76,19 @@ class WorkloadReport:
 
 
 def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, vocab: int = 256,
-                 progress: bool = False, prompts=None) -> WorkloadReport:
+                 progress: bool = False, prompts=None, route: str = "prefix") -> WorkloadReport:
     """Serve the workload to completion on `engine` (or on every data-parallel replica of a
-    list: each request goes to the replica with the longest prefix-cache match, ties to the least
-    loaded, and every busy replica steps once per round, in threads); returns latency /
-    throughput / cache figures.
+    list, driven by `engine.replicas.Replicas`: every busy replica steps once per round, in
+    threads); returns latency / throughput / cache figures.
+
+    route: how requests are spread over the replicas: "prefix" (the default: the longest
+    prefix-cache match, ties to the least loaded) or "load" (fewest outstanding tokens).
 
     prompts: None = random token ids below `vocab`; else an object with `first(session)` and
     `follow(session, turn, history, reply)` returning token ids, and `record(session, turn,
     reply)` called on every finished request (`chat_workload.ChatPrompts`: chat-templated text)."""
     engines = [engine] if isinstance(engine, Engine) else list(engine)
+    replicas = Replicas(engines, route=route)
     rng = np.random.default_rng(cfg.seed)
     system = rng.integers(0, vocab, cfg.system_tokens).tolist()
     history: dict[str, list[int]] = {}
@@ -102,8 +104,7 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
         bar = tqdm(total=total, desc="requests", unit="req")
 
     def send(session: int, turn: int, prompt: list[int]) -> None:
-        e = engines[pick_replica(engines, prompt)]
-        rid = e.add_request(prompt, params, request_id=f"s{session:03d}-t{turn}")
+        _, rid = replicas.submit(prompt, params, f"s{session:03d}-t{turn}")
         history[rid] = prompt
         turn_of[rid] = turn
         session_of[rid] = session
@@ -117,13 +118,9 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
         e.scheduler.pool.reset_peak()
     prefill0 = sum(e.num_prefill_tokens for e in engines)
     steps0 = sum(e.num_steps for e in engines)
-    pool = ThreadPoolExecutor(len(engines)) if len(engines) > 1 else None
     t0 = time.perf_counter()
-    while any(e.has_unfinished() for e in engines):
-        busy = [e for e in engines if e.has_unfinished()]
-        outs = (busy[0].step() if pool is None
-                else [o for os_ in pool.map(Engine.step, busy) for o in os_])
-        for out in outs:
+    while replicas.has_unfinished():
+        for out in replicas.step_busy():
             done += 1
             prompt_tokens += len(out.prompt_token_ids)
             generated += len(out.token_ids)
@@ -149,17 +146,10 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
     wall = time.perf_counter() - t0
     # one replica: its exact high-water mark; several: the sum of theirs (an upper bound)
     peak = sum(e.scheduler.pool.peak_used for e in engines)
-    if pool is not None:
-        pool.shutdown()
+    replicas.close()
     if bar is not None:
         bar.close()
-    per = [e.stats() for e in engines]
-    if len(per) == 1:
-        stats = per[0]
-    else:
-        from tokenspeed_jax.engine.replicas import aggregate_stats
-
-        stats = aggregate_stats(per)
+    stats = replicas.stats()
     return WorkloadReport(
         requests=done, prompt_tokens=prompt_tokens,
         computed_prompt_tokens=sum(e.num_prefill_tokens for e in engines) - prefill0,

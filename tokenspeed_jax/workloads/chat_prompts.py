@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tokenspeed_jax.engine.chat_template import render_chat
+
 SYSTEM_PROMPT = (
     "You are Atlas, a careful and friendly assistant working inside a help desk for a small public "
     "library. Your job is to answer questions from visitors clearly and briefly. Follow these rules. "
@@ -68,8 +70,7 @@ class ChatPrompts:
         return self.questions[(session + turn) % len(self.questions)]
 
     def _encode(self, session: int) -> list[int]:
-        text = self.tok.apply_chat_template(self.messages[session], add_generation_prompt=True)
-        return self.tok.encode(text, add_special_tokens=False)  # the template writes BOS itself
+        return render_chat(self.tok, self.messages[session])
 
     def first(self, session: int) -> list[int]:
         self.messages[session] = [{"role": "system", "content": self.system},

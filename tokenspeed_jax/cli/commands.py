@@ -14,7 +14,7 @@ import runpy
 import sys
 import time
 
-from tokenspeed_jax.cli.checks import float_at_least, int_at_least, port
+from tokenspeed_jax.cli.checks import float_at_least, int_at_least, port, preflight
 from tokenspeed_jax.cli.common import (
     HelpFormatter,
     Parser,
@@ -86,6 +86,11 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    # The cheap argument checks run first, so a bad flag is reported as such even without the
+    # 'serve' extra; the extra is checked before any weights load.
+    problem = preflight(args, longest_request=None)
+    if problem is not None:
+        return fail(problem)
     try:
         import uvicorn
 
