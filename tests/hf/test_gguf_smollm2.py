@@ -25,7 +25,7 @@ from tokenspeed_jax import LLM, SamplingParams  # noqa: E402
 from tokenspeed_jax.hf.oracle import transformers_from_gguf  # noqa: E402
 from tokenspeed_jax.models.registry import resolve_alias  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
 TOL = 2e-3
 NEW_TOKENS = 48

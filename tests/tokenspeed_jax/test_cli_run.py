@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tokenspeed_jax import cli
+
+pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner loop; CI runs it
 
 
 def test_run_job_end_to_end_both_loops_same_figures(capsys):

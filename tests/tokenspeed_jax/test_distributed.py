@@ -35,6 +35,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner loop; CI runs it
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # one token bucket (16) keeps compiles - the slow part on 2 shared cores - to one per replica
 SMALL = dict(page_size=4, num_pages=96, max_batch_requests=4, max_scheduled_tokens=16,

@@ -24,6 +24,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner loop; CI runs it
+
 SMALL = dict(page_size=4, num_pages=160, max_batch_requests=6, max_scheduled_tokens=32,
              max_context_len=96)
 

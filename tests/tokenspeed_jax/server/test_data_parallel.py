@@ -19,6 +19,8 @@ openai = pytest.importorskip("openai")
 
 from tests.tokenspeed_jax.server.live import free_port  # noqa: E402
 
+pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner loop; CI runs it
+
 
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory):
