@@ -102,6 +102,11 @@ class LLM:
     HTTP, and broadcasts each step to the others, which call `run_follower()` (blocks until the
     leader's `shutdown()`, also run at exit). Replicas span every process (tensor_parallel_size
     a multiple of the process count); see docs/distributed.md.
+
+    compile_cache_dir: where compiled step shapes persist across starts (`runtime.compile_cache`):
+    None = the per-user default (`$TOKENSPEED_JAX_CACHE_DIR`, else ~/.cache/tokenspeed-jax),
+    a directory, or False (off). `compile_cache_dir` afterwards holds the entry dir in use (None
+    when uncached, e.g. an unwritable dir: a warning says so).
     """
 
     def __init__(self, model: str = "tiny-random", *, page_size: int = 16,
@@ -109,8 +114,12 @@ class LLM:
                  max_scheduled_tokens: int = 2048, max_context_len: int | None = None,
                  enable_prefix_cache: bool = True, dtype: str = "float32",
                  attention_backend: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, distributed=None, **more_options) -> None:
-        from tokenspeed_jax.runtime import sharding
+                 data_parallel_size: int = 1, distributed=None,
+                 compile_cache_dir: str | bool | None = None, **more_options) -> None:
+        from tokenspeed_jax.runtime import compile_cache, sharding
+
+        # before anything compiles: None = the per-user default dir, False = off
+        self.compile_cache_dir = compile_cache.enable(compile_cache_dir)
 
         self.distributed = dist.resolve(distributed)
         multi = self.distributed is not None and self.distributed.num_processes > 1

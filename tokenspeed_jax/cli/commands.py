@@ -46,6 +46,7 @@ def cmd_run(args) -> int:
           f"system_prompt={wl.system_tokens} tokens, pages={llm.stats()['total_pages']} "
           f"replicas={len(llm.engines)} "
           f"loop={'async' if llm.engine.async_scheduling else 'sync'} "
+          f"compile_cache={llm.compile_cache_dir or 'off'} "
           f"(loaded in {load_s:.1f}s)", flush=True)
     from tokenspeed_jax.workloads.chat_prompts import prompt_source_for
 

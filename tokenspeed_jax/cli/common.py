@@ -59,6 +59,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> Non
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights / activations dtype")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="weights and workload seed")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    p.add_argument("--compile-cache-dir", default=None,
+                   help="persistent compilation cache (default: $TOKENSPEED_JAX_CACHE_DIR, else "
+                        "$XDG_CACHE_HOME/tokenspeed-jax or ~/.cache/tokenspeed-jax)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile every step shape afresh (no persistent compilation cache)")
     add_distributed_args(p)  # parallel sizes and multi-process launch (docs/distributed.md)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan step N+1 on the host while the device runs step N (same outputs; "
@@ -93,7 +98,8 @@ def make_llm(args):
                dtype=args.dtype, attention_backend=args.attention_backend, seed=args.seed,
                tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=args.data_parallel_size,
-               distributed=distributed_config(args), async_scheduling=args.async_scheduling)
+               distributed=distributed_config(args), async_scheduling=args.async_scheduling,
+               compile_cache_dir=False if args.no_compile_cache else args.compile_cache_dir)
 
 
 def checked_llm(args, longest_request: int | None):
