@@ -25,6 +25,8 @@ def no_loading(monkeypatch):
     (["serve", "--num-pages", "3"], "--num-pages 3"),
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--data-parallel-size", "0"], "--data-parallel-size"),
+    (["warmup", "--no-compile-cache"], "drop --no-compile-cache"),
+    (["warmup", "--num-pages", "3"], "--num-pages 3"),
 ])
 def test_bad_arguments_one_line_exit_2_before_loading(capsys, argv, needle):
     try:

@@ -98,3 +98,20 @@ def test_warm_start_reads_entries_corrupt_ones_recompile_and_new_configs_miss(tm
     bf16 = _start(cache, "bfloat16")
     assert len(_entries(cache)) > len(rewritten)
     assert bf16["dir"] == str(cache / "xla")
+
+
+@pytest.mark.slow
+def test_warmup_command_fills_the_cache_then_finds_it_warm(tmp_path, capsys):
+    from tokenspeed_jax import cli
+
+    argv = ["warmup", "--num-pages", "64", "--page-size", "4", "--max-batch-requests", "2",
+            "--max-scheduled-tokens", "16", "--max-context-len", "32",
+            "--compile-cache-dir", str(tmp_path)]
+    try:
+        assert cli.main(argv) == 0
+        first = capsys.readouterr().out
+        assert f"cache {tmp_path / 'xla'}:" in first and "(0 new)" not in first
+        assert cli.main(argv) == 0
+        assert "(0 new)" in capsys.readouterr().out  # every shape read back from the cache
+    finally:
+        compile_cache.enable(None)  # back to the session's cache dir

@@ -1,4 +1,5 @@
-"""`tokenspeed-jax` command line: run (the main job), serve (OpenAI-compatible HTTP), chat, bench.
+"""`tokenspeed-jax` command line: run (the main job), serve (OpenAI-compatible HTTP), warmup (fill
+the compilation cache), chat, bench.
 
 Bad arguments print one `error:` line and exit with status 2 before any weights load
 (`cli.checks`); every flag's help shows its real default."""
@@ -76,6 +77,33 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_warmup(args) -> int:
+    """Compile every step shape of this engine configuration into the persistent compilation
+    cache, so the next `run` / `serve` with the same flags starts warm."""
+    from tokenspeed_jax.runtime import compile_cache
+
+    if args.no_compile_cache:
+        return fail("warmup fills the compilation cache: drop --no-compile-cache")
+    t0 = time.perf_counter()
+    llm, status = checked_llm(args, None)
+    if llm is None:
+        return status
+    if not llm.is_leader:
+        return follow(llm)
+    if llm.compile_cache_dir is None:
+        return fail("no writable compilation cache dir (see the warning above); pass "
+                    "--compile-cache-dir DIR")
+    load_s = time.perf_counter() - t0
+    before = compile_cache.num_entries(llm.compile_cache_dir)
+    t1 = time.perf_counter()
+    shapes = llm.warmup()
+    after = compile_cache.num_entries(llm.compile_cache_dir)
+    print(f"tokenspeed-jax warmup: model={args.model} {shapes} step shapes in "
+          f"{time.perf_counter() - t1:.1f}s (loaded in {load_s:.1f}s); cache "
+          f"{llm.compile_cache_dir}: {after} entries ({after - before} new)", flush=True)
+    return 0
+
+
 def cmd_chat(args) -> int:
     from tokenspeed_jax.cli.chat import chat_repl
 
@@ -141,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
+
+    warm = sub.add_parser("warmup", help="compile every step shape into the persistent "
+                          "compilation cache (later run / serve with the same flags start warm)",
+                          formatter_class=fmt)
+    add_engine_args(warm, num_pages=None)
+    warm.set_defaults(func=cmd_warmup)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=fmt)
     add_engine_args(serve, num_pages=None)
