@@ -28,7 +28,7 @@ from tokenspeed_jax.cli.common import (
     workload_config,
 )
 
-BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap")
+BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap", "startup")
 
 
 def cmd_run(args) -> int:
