@@ -1,6 +1,6 @@
 """`tokenspeed-jax bench serve`: online serving benchmark (like `vllm bench serve`).
 
-Runs the agentic workload (`server.loadgen`) at several load levels, each a request rate
+Runs the agentic workload (`workloads.loadgen`) at several load levels, each a request rate
 (sessions / s, Poisson or fixed-rate arrivals) or a concurrency cap, against `--url` or against
 an in-process server built from the engine flags. Prints one table row per level, writes a JSON
 result file and two PNG plots (matplotlib): latency vs load, and pages in use over time per cache

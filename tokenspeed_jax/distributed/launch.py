@@ -4,7 +4,7 @@ One process per host (or, on CPU, several local processes with gloo collectives)
 `jax.distributed.initialize(coordinator, num_processes, process_id)`. Every process holds its
 slice of a global mesh (`sharding.replica_meshes`), and every process calls the same jitted step
 on globally sharded arrays. Process 0 (the *leader*) owns the scheduler, the requests and the
-HTTP server; each step it broadcasts the StepOps to the *followers* (`distributed_runner.py`),
+HTTP server; each step it broadcasts the StepOps to the *followers* (`distributed/runner.py`),
 which hold no request state and only replay the steps.
 
 Launch: `DistributedConfig(coordinator="HOST:PORT", num_processes=N, process_id=I)`, built from

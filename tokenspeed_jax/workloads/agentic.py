@@ -3,7 +3,7 @@
 Each session's turn k+1 is sent when turn k finishes, with the whole conversation so far as its
 prompt (system prompt + every earlier user message and reply + a new user message): the shape of
 agent loops and chat, and the best case for a prefix cache. `run_workload` drives it directly on
-an `Engine`; `server.loadgen` sends the same `WorkloadConfig` to an HTTP server (`bench serve`).
+an `Engine`; `workloads.loadgen` sends the same `WorkloadConfig` to an HTTP server (`bench serve`).
 This module imports no jax (nor does `engine`), so the load generator stays jax-free.
 """
 
@@ -86,7 +86,7 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
 
     prompts: None = random token ids below `vocab`; else an object with `first(session)` and
     `follow(session, turn, history, reply)` returning token ids, and `record(session, turn,
-    reply)` called on every finished request (`chat_workload.ChatPrompts`: chat-templated text)."""
+    reply)` called on every finished request (`workloads.chat_prompts.ChatPrompts`: chat-templated text)."""
     engines = [engine] if isinstance(engine, Engine) else list(engine)
     replicas = Replicas(engines, route=route)
     rng = np.random.default_rng(cfg.seed)
