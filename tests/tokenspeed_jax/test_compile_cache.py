@@ -63,6 +63,17 @@ def test_unwritable_dir_warns_once_and_runs_uncached(tmp_path):
     assert compile_cache.cache_dir_in_use() == before  # the process's cache is left as it was
 
 
+def test_drop_unreadable_reads_only_entries_written_since_its_last_check(tmp_path):
+    bad = tmp_path / "jit_step-0-cache"
+    bad.write_bytes(b"garbage")
+    assert compile_cache.drop_unreadable(str(tmp_path)) == 1 and not bad.exists()
+    bad.write_bytes(b"garbage")
+    os.utime(bad, ns=(1, 1))  # older than the last check: not read again
+    assert compile_cache.drop_unreadable(str(tmp_path)) == 0 and bad.exists()
+    bad.write_bytes(b"garbage again")  # written since: read, and dropped
+    assert compile_cache.drop_unreadable(str(tmp_path)) == 1 and not bad.exists()
+
+
 def test_cli_flags_reach_the_llm():
     import argparse
 

@@ -13,7 +13,7 @@ and dtypes, the compile options, the backend and device kind, the jax / jaxlib v
 changed model config, dtype or step shape never reads a stale entry. An unwritable directory
 warns once and the process runs uncached. An entry that cannot be read (truncated, corrupt) makes
 JAX compile that shape again but not replace the entry, so it would miss at every start: `enable`
-checks every entry of the directory once per process and deletes the unreadable ones (the next
+checks the entries written since its last check and deletes the unreadable ones (the next
 compile writes them afresh).
 """
 
@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import time
 import warnings
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 ENV_CACHE_DIR = "TOKENSPEED_JAX_CACHE_DIR"
 _state: dict[str, str | None] = {"dir": None}
 _warned: set[str] = set()
+_CHECKED_STAMP = ".tokenspeed-checked"  # mtime = when `drop_unreadable` last scanned
 
 
 def default_cache_dir() -> str:
@@ -54,24 +56,37 @@ def _writable(path: str) -> str | None:
 
 def drop_unreadable(path: str) -> int:
     """Delete the entries of `path` that do not decompress (truncated or corrupt); returns how
-    many. Entries are a few MB at most, so reading them all costs milliseconds."""
+    many. Only entries written since the last check are read (a stamp file records when it
+    ran), so a start pays for the new entries, not for the whole cache of every model."""
     from jax._src import compilation_cache
 
     decompress = getattr(compilation_cache, "decompress_executable", None)
     if decompress is None or not os.path.isdir(path):  # another jax: leave the entries alone
         return 0
+    stamp = os.path.join(path, _CHECKED_STAMP)
+    try:
+        since = os.stat(stamp).st_mtime_ns
+    except OSError:
+        since = 0
+    began = time.time_ns()  # an entry written while this scan runs is checked next time
     dropped = 0
     for name in os.listdir(path):
         full = os.path.join(path, name)
         if name.startswith(".") or not os.path.isfile(full):
             continue
         try:
+            if os.stat(full).st_mtime_ns < since:
+                continue  # checked by an earlier start and not written since
             with open(full, "rb") as f:
                 decompress(f.read())
-        except Exception:  # noqa: BLE001 - any failure to decode means JAX cannot use it
+        except Exception:  # noqa: BLE001 - any failure to read or decode: JAX cannot use it
             with contextlib.suppress(OSError):
                 os.remove(full)
                 dropped += 1
+    with contextlib.suppress(OSError):
+        with open(stamp, "a"):
+            pass
+        os.utime(stamp, ns=(began, began))
     if dropped:
         logger.warning("compilation cache %s: deleted %d unreadable entries (recompiled on use)",
                        path, dropped)
