@@ -11,7 +11,7 @@ import numpy as np
 from scheduler.block_table import BlockTable
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
-from scheduler.sampling_options import COLUMNS, SamplingOptions
+from scheduler.sampling_options import COLUMNS
 from scheduler.step_ops import PLACEHOLDER_TOKEN, GroupLayout, GroupStepOps, StepOps, padding
 
 
@@ -37,14 +37,14 @@ class OpsBuilder:
         self.R = config.max_batch_requests
         self.T = config.max_scheduled_tokens
         self.layouts = config.group_layouts()
-        # Sampling columns, from the SamplingOptions field metadata (`COLUMNS`): "row" ones are
-        # filled on every row, "extra" ones only on rows whose record needs_extras (the others
-        # keep the padding, which is the option's default).
+        # Sampling columns, from the SamplingOptions field metadata (`COLUMNS`), written per slot
+        # by `bind` and gathered by both builders: "row" ones on every step, "extra" ones only in
+        # steps where some row's record needs_extras (else they keep the padding, which is every
+        # option's default, as they are for each row that needs no extras).
         assert all(len(c.columns) == 1 for c in COLUMNS if not c.extra), "pairs are extras"
         self._row_cols = [(operator.attrgetter(c.field), c.columns[0])
                           for c in COLUMNS if not c.extra]
-        defaults = {f.name: f.default for f in dataclasses.fields(SamplingOptions)}
-        self._extra_cols = [(operator.attrgetter(c.field), c.columns[0], defaults[c.field])
+        self._extra_cols = [(operator.attrgetter(c.field), c.columns[0])
                             for c in COLUMNS if c.extra and len(c.columns) == 1]
         self._extra_pairs = [(operator.attrgetter(c.field), c.columns)
                              for c in COLUMNS if c.extra and len(c.columns) == 2]
@@ -73,7 +73,7 @@ class OpsBuilder:
         s, sampling, slot_cols = req.slot, req.sampling, self._slot_cols
         for get, col in self._row_cols:
             slot_cols[col][s] = get(sampling)
-        for get, col, _ in self._extra_cols:
+        for get, col in self._extra_cols:
             slot_cols[col][s] = get(sampling)
         for get, names in self._extra_pairs:
             pairs = get(sampling)
@@ -110,12 +110,9 @@ class OpsBuilder:
             kv_lens[:n] = [s + k for s, k in zip(starts, lens)]
             sample_mask[:n] = [r.samples for r in rows]
             samplings = [r.sampling for r in reqs]
-            for get, col in self._row_cols:
-                cols[col][:n] = list(map(get, samplings))
+            self._gather_sampling(cols, req_slots[:n], any(o.needs_extras for o in samplings))
             # tokens generated before the one this row samples (pending ones included)
             sample_index[:n] = [len(r.tokens) + r.num_pending - r.prompt_len for r in reqs]
-            cols["prompt_lens"][:n] = [r.prompt_len for r in reqs]
-            self._fill_extras(cols, samplings)
             np.cumsum(lens, out=cu_q_lens[1:n + 1])
             cu_q_lens[n + 1:] = q
             if q == n:  # every row has one token (decodes)
@@ -183,11 +180,8 @@ class OpsBuilder:
         sample_mask = np.zeros(R, bool)
         sample_mask[:n] = True
         cols = {k: v.copy() for k, v in self._sampling_pad.items()}
-        # extras: some row uses an extra column (else they are all padding)
-        for name in self._sampling_names if extras else self._row_names:
-            cols[name][:n] = self._slot_cols[name][slot_a]
+        self._gather_sampling(cols, slot_a, extras)
         prompt_lens = cols["prompt_lens"]
-        prompt_lens[:n] = self._slot_prompt_len[slot_a]
         # tokens generated before the sampled one: kv_len - 1 - prompt_len + 1
         sample_index = np.zeros(R, i32)
         sample_index[:n] = kv_lens[:n] - prompt_lens[:n]
@@ -238,22 +232,15 @@ class OpsBuilder:
                 else:
                     new_pages[i, :k] = pages[b:b + k]
 
-    def _fill_extras(self, cols: dict[str, np.ndarray], samplings: list[SamplingOptions]) -> None:
-        """The "extra" columns (penalties, logit_bias, top-k logprobs) of the rows whose record
-        needs_extras: only options off their default differ from the padding."""
-        for i, sampling in enumerate(samplings):
-            if not sampling.needs_extras:
-                continue
-            for get, name, default in self._extra_cols:
-                value = get(sampling)
-                if value != default:
-                    cols[name][i] = value
-            for get, (ids, values) in self._extra_pairs:  # (id, value) pairs -> [R, B] columns
-                pairs = get(sampling)
-                if pairs:
-                    k = len(pairs)
-                    cols[ids][i, :k] = [t for t, _ in pairs]
-                    cols[values][i, :k] = [v for _, v in pairs]
+    def _gather_sampling(self, cols: dict[str, np.ndarray], slots: np.ndarray,
+                         extras: bool) -> None:
+        """Rows 0..len(slots)-1 of the sampling columns and prompt_lens, gathered from the
+        per-slot records `bind` wrote; the extra columns only when some row needs them (`extras`,
+        else they stay padding, which is every option's default)."""
+        n = len(slots)
+        for name in self._sampling_names if extras else self._row_names:
+            cols[name][:n] = self._slot_cols[name][slots]
+        cols["prompt_lens"][:n] = self._slot_prompt_len[slots]
 
     def _empty_group(self, g: int, lay: GroupLayout) -> list[np.ndarray]:
         R = self.R
