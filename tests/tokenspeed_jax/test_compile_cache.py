@@ -123,6 +123,7 @@ def test_warmup_command_fills_the_cache_then_finds_it_warm(tmp_path, capsys):
         first = capsys.readouterr().out
         assert f"cache {tmp_path / 'xla'}:" in first and "(0 new)" not in first
         assert cli.main(argv) == 0
-        assert "(0 new)" in capsys.readouterr().out  # every shape read back from the cache
+        second = capsys.readouterr().out
+        assert "(0 new)" in second and " 0 compiled" in second  # every shape read back
     finally:
         compile_cache.enable(None)  # back to the session's cache dir

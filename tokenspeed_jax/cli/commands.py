@@ -25,6 +25,7 @@ from tokenspeed_jax.cli.common import (
     fail,
     follow,
     make_llm,
+    startup_line,
     workload_config,
 )
 
@@ -55,9 +56,9 @@ def cmd_run(args) -> int:
     t1 = time.perf_counter()
     # Synthetic prompts have known lengths: compile only the kv buckets they can reach. Real text
     # has not been tokenized yet, so every shape is compiled.
-    compiled = llm.warmup(max_kv_len=longest if text is None else None)
-    print(f"compiled {compiled} step shape buckets in {time.perf_counter() - t1:.1f}s "
-          f"(before serving, so latencies below exclude XLA compilation)", flush=True)
+    ready = llm.warmup(max_kv_len=longest if text is None else None, progress=not args.no_progress)
+    print(f"{ready} step shapes ready in {time.perf_counter() - t1:.1f}s (before serving, so "
+          f"latencies below exclude XLA compilation)\n{startup_line(llm)}", flush=True)
     vocab = min(256, llm.model_config.vocab_size)
     if text is not None:
         wl = dataclasses.replace(wl, ignore_eos=False)
@@ -94,13 +95,21 @@ def cmd_warmup(args) -> int:
         return fail("no writable compilation cache dir (see the warning above); pass "
                     "--compile-cache-dir DIR")
     load_s = time.perf_counter() - t0
-    before = compile_cache.num_entries(llm.compile_cache_dir)
+    store = llm.executable_store
+    before = store.num_entries() if store is not None else 0
     t1 = time.perf_counter()
-    shapes = llm.warmup()
-    after = compile_cache.num_entries(llm.compile_cache_dir)
-    print(f"tokenspeed-jax warmup: model={args.model} {shapes} step shapes in "
-          f"{time.perf_counter() - t1:.1f}s (loaded in {load_s:.1f}s); cache "
-          f"{llm.compile_cache_dir}: {after} entries ({after - before} new)", flush=True)
+    shapes = llm.warmup(progress=True)
+    wall = time.perf_counter() - t1
+    for rec in llm.startup_stats()["shapes"]:
+        print(f"  shape tokens={rec['bucket']:<5} kv_level={rec['level']} {rec['source']:<8} "
+              f"trace {rec['trace_s']:5.1f}s  XLA {rec['compile_s']:5.1f}s  "
+              f"read {rec['load_s']:4.2f}s")
+    after = store.num_entries() if store is not None else 0
+    print(f"tokenspeed-jax warmup: model={args.model} {shapes} step shapes in {wall:.1f}s "
+          f"(loaded in {load_s:.1f}s); executables {store.root if store else '-'}: {after} "
+          f"entries ({after - before} new); XLA cache {llm.compile_cache_dir}: "
+          f"{compile_cache.num_entries(llm.compile_cache_dir)} entries\n{startup_line(llm)}",
+          flush=True)
     return 0
 
 

@@ -64,6 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> Non
                         "$XDG_CACHE_HOME/tokenspeed-jax or ~/.cache/tokenspeed-jax)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="compile every step shape afresh (no persistent compilation cache)")
+    p.add_argument("--compile-workers", type=int_at_least(1), default=2,
+                   help="step shapes compiled (or loaded) at once during warm-up")
     add_distributed_args(p)  # parallel sizes and multi-process launch (docs/distributed.md)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan step N+1 on the host while the device runs step N (same outputs; "
@@ -99,7 +101,20 @@ def make_llm(args):
                tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=args.data_parallel_size,
                distributed=distributed_config(args), async_scheduling=args.async_scheduling,
-               compile_cache_dir=False if args.no_compile_cache else args.compile_cache_dir)
+               compile_cache_dir=False if args.no_compile_cache else args.compile_cache_dir,
+               compile_workers=args.compile_workers)
+
+
+def startup_line(llm) -> str:
+    """One line of where start-up went (`LLM.startup_stats`): load, then the step shapes made
+    ready: compiled (trace + lowering, XLA; seconds summed over the compile threads) and loaded
+    from the executable cache."""
+    st = llm.startup_stats()
+    return (f"start-up: load {st['load_s']:.1f}s, warm-up {st.get('warmup_s', 0.0):.1f}s: "
+            f"{st.get('shapes_ready', 0)} step shapes ready, "
+            f"{st.get('shapes_compiled', 0)} compiled (trace {st.get('trace_s', 0.0):.1f}s + "
+            f"XLA {st.get('compile_s', 0.0):.1f}s), {st.get('shapes_loaded', 0)} loaded from the "
+            f"executable cache ({st.get('load_exe_s', 0.0):.1f}s)")
 
 
 def checked_llm(args, longest_request: int | None):

@@ -320,9 +320,11 @@ class DistributedRunner:
         """Leader: one step on every process; host results as `ModelRunner.step`."""
         return self.collect(self.dispatch(ops))
 
-    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None) -> int:
+    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None, *,
+               progress: bool = False, workers: int = 1) -> int:
         """Leader: compile the shape keys on every process with all-padding steps (the policy of
-        `ModelRunner.warmup`: `ShapePolicy.warmup_shapes`)."""
+        `ModelRunner.warmup`: `ShapePolicy.warmup_shapes`), one at a time so every process
+        compiles the same shape in the same order (`progress`, `workers`: ignored)."""
         shapes = self.runner.shapes.warmup_shapes(padding_ops, max_kv_len)
         before = self.runner.num_compiles
         for shape in shapes:

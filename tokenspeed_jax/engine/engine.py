@@ -53,8 +53,9 @@ class Runner(Protocol):
     def collect(self, handle: StepHandle) -> StepResult:
         """Block until a dispatched step is done; its host results."""
 
-    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None) -> int:
-        """Compile the step shapes with all-padding steps; returns the compilations run."""
+    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None, *,
+               progress: bool = False, workers: int = 2) -> int:
+        """Make the step shapes ready; returns how many it made ready."""
 
     def host_mirrors(self) -> list[np.ndarray]:
         """The device page-table mirrors after the last dispatched step (debug checks)."""
@@ -133,6 +134,8 @@ class Engine:
         self._ids = itertools.count()
         self.outstanding_tokens = 0  # prompt + max_tokens summed over the live requests
         self.num_steps = 0
+        self.load_s = 0.0  # start-up: building the model and this engine (set by `LLM`)
+        self.warmup_s = 0.0  # start-up: wall time of `warmup` calls
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
         # The engine is single-threaded by design; a second concurrent stepper (e.g. calling
@@ -365,10 +368,26 @@ class Engine:
             prompt_logprobs=track.prompt_logprobs, metrics=track.metrics,
             top_logprobs=track.top[:len(token_ids)] if track.params.top_logprobs else None)
 
-    def warmup(self, max_kv_len: int | None = None) -> int:
-        """Compile the runner's shape keys now (`ModelRunner.warmup`: every (token, kv) bucket
-        pair, or those with kv buckets up to `max_kv_len`); returns how many were compiled."""
-        return self.runner.warmup(self.scheduler.padding_ops(), max_kv_len=max_kv_len)
+    def warmup(self, max_kv_len: int | None = None, *, progress: bool = False,
+               workers: int = 2) -> int:
+        """Make the runner's shape keys ready now (`ModelRunner.warmup`: every (token, kv) bucket
+        pair, or those with kv buckets up to `max_kv_len`); returns how many it made ready."""
+        t0 = time.perf_counter()
+        made = self.runner.warmup(self.scheduler.padding_ops(), max_kv_len=max_kv_len,
+                                  progress=progress, workers=workers)
+        self.warmup_s += time.perf_counter() - t0
+        return made
+
+    def startup_stats(self) -> dict[str, float]:
+        """Start-up breakdown: `load_s`, `warmup_s` (wall), and over the step shapes made ready
+        so far (`step_programs.StepPrograms.summary`: compiled / loaded / background counts,
+        trace, XLA compile and executable-read seconds, summed over worker threads)."""
+        out = {"load_s": self.load_s, "warmup_s": self.warmup_s}
+        programs = getattr(self.runner, "programs", None)
+        if programs is not None:  # the multi-process runner keeps no per-shape record
+            out.update({("load_exe_s" if k == "load_s" else k): v
+                        for k, v in programs.summary().items()})
+        return out
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -379,5 +398,6 @@ class Engine:
         out["async_scheduling"] = self.async_scheduling
         out.update(self.clock.summary())
         out["num_compiles"] = self.runner.num_compiles
+        out["startup"] = self.startup_stats()
         return out
 

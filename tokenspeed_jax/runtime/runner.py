@@ -42,12 +42,15 @@ from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.page_table import update_rows
+from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import get_paged_attention, get_short_conv, resolve_backend
+from tokenspeed_jax.runtime.executables import ExecutableStore
 from tokenspeed_jax.runtime.sampling import PenaltyState, init_penalty_state, sample_rows
 from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET, ShapePolicy, StepShape
 from tokenspeed_jax.runtime.sharding import TensorParallel, place, prepare_model
 from tokenspeed_jax.runtime.state import DeviceState, init_state
 from tokenspeed_jax.runtime.step_inputs import StepLayout, layout_for, pack, unpack
+from tokenspeed_jax.runtime.step_programs import StepPrograms
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +143,8 @@ class ModelRunner:
         min_token_bucket: int = 16,
         min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET,
         mesh: Mesh | None = None,
+        executable_store: ExecutableStore | None = None,
+        lazy_compile: str = "background",
     ) -> None:
         self.config = model_config
         self.layout = layout
@@ -151,6 +156,9 @@ class ModelRunner:
                                         min_kv_bucket=min_kv_bucket)
         self.num_compiles = 0
         self._layouts: dict[StepShape, StepLayout] = {}
+        if lazy_compile not in ("background", "sync"):
+            raise ValueError(f"lazy_compile must be 'background' or 'sync', got {lazy_compile!r}")
+        self.lazy_compile = lazy_compile
 
         tp = self._tp = None if mesh is None else TensorParallel(mesh, model_config)
         if tp is not None:
@@ -187,6 +195,16 @@ class ModelRunner:
         self.param_leaves, self._param_def = jax.tree.flatten(self.params)
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnums=(5,),
                              **shardings)
+        # what the step is compiled for, fixed at construction: lowering never reads the live
+        # (donated) state arrays, so a background compile runs beside the step loop
+        self._abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            (self.param_leaves, self.state, self.penalties))
+        self._input_sharding = None if tp is None else tp.replicated
+        devices = None if mesh is None else list(mesh.devices.flat)
+        self.programs = StepPrograms(
+            self._lower, None if executable_store is None else self._program_key,
+            executable_store, devices)
 
     # ------------------------------------------------------------------ device side
     def _step_impl(self, param_leaves: list[jax.Array], state: DeviceState, penalties: PenaltyState,
@@ -246,9 +264,38 @@ class ModelRunner:
         output futures. Returns (tokens i32[R], logprobs f32[R], prompt logprobs f32[T_b],
         (top ids i32[R, K], top logprobs f32[R, K])), T_b = the token bucket.
         """
-        self.state, self.penalties, tokens, logprobs, plp, top = self._step(
-            self.param_leaves, self.state, self.penalties, i32, f32, self.step_layout(shape))
+        fn = self.programs.get(shape) or self.programs.prepare(shape)
+        self.state, self.penalties, tokens, logprobs, plp, top = fn(
+            self.param_leaves, self.state, self.penalties, i32, f32)
         return tokens, logprobs, plp, top
+
+    # ------------------------------------------------------------------ compiling
+    def _lower(self, shape: StepShape) -> jax.stages.Lowered:
+        """Trace + lower the step for `shape` (abstract arguments: no device work)."""
+        lay = self.step_layout(shape)
+        i32 = jax.ShapeDtypeStruct((lay.i32_size,), jnp.int32, sharding=self._input_sharding)
+        f32 = jax.ShapeDtypeStruct((lay.f32_size,), jnp.float32, sharding=self._input_sharding)
+        return self._step.lower(*self._abstract, i32, f32, lay)
+
+    def _program_key(self, shape: StepShape) -> str:
+        """The executable-store key of the step for `shape`, computed without tracing."""
+        program = {
+            "model": repr(self.config),
+            "groups": repr(self.layout.groups),
+            "layer_groups": repr(self.layout.layer_groups),
+            "honor_full_refresh": repr(self.layout.honor_full_refresh),
+            "step_layout": repr(self.step_layout(shape)),
+            "backend": self.backend,
+            "arguments": executables.signature(self._abstract),
+            "inputs": repr(self._input_sharding),
+            "tp": repr(None if self._tp is None else self._tp.mesh),
+        }
+        return executables.program_key(program, self.programs.devices)
+
+    @property
+    def num_loaded(self) -> int:
+        """Step shapes read back from the executable store (no trace, no compile)."""
+        return int(self.programs.summary()["shapes_loaded"])
 
     def _run(self, ops: StepOps, shape: StepShape) -> StepOutputs:
         i32, f32 = pack(ops, self.step_layout(shape))
@@ -258,23 +305,23 @@ class ModelRunner:
         # to the device for a fraction of what a Python-level `jax.device_put` costs per step
         return self.execute(shape, i32, f32)
 
-    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None) -> int:
-        """Compile the shape keys (token bucket x kv bucket, `shape_keys`) now, so serving does
-        not stall on XLA, by running an all-padding StepOps through each: padding rows (slot -1)
-        and padding tokens drop every write, so the device state is unchanged.
+    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None, *, workers: int = 2,
+               progress: bool = False) -> int:
+        """Make the shape keys (token bucket x kv bucket, `shape_keys`) ready now, so serving does
+        not stall on XLA: each is loaded from the executable store or compiled ahead of time,
+        `workers` at a time (`step_programs.StepPrograms.prepare_many`; `progress`: a bar). Nothing
+        runs on the device, so its state is unchanged. `padding_ops`: the scheduler's all-padding
+        StepOps (checked to hold no row).
 
         Compile policy (`ShapePolicy.warmup_shapes`): None (default) compiles every pair, after
         which serving never compiles. `max_kv_len` = L compiles every token bucket with the kv
         buckets up to the one covering L tokens; a step whose longest row is longer compiles its
-        key on first use (once; counted in `num_compiles`, at most `len(shape_keys)` in all).
-        Returns the compilations it ran.
+        key on first use (once; counted in `num_compiles`, at most `len(shape_keys)` in all;
+        `lazy_compile="background"` runs it as a ready covering shape meanwhile). Returns how many
+        shapes it made ready (compiled or loaded); 0 when all were ready.
         """
         shapes = self.shapes.warmup_shapes(padding_ops, max_kv_len)
-        before = self.num_compiles
-        for shape in shapes:
-            self._run(padding_ops, shape)
-        jax.block_until_ready(self.state)
-        return self.num_compiles - before
+        return self.programs.prepare_many(shapes, workers=workers, progress=progress)
 
     def step(self, ops: StepOps) -> StepResult:
         """Applies one `StepOps`; returns the sampled tokens (numpy). Empty steps skip the device."""
@@ -287,6 +334,11 @@ class ModelRunner:
             return StepHandle(None, None, None, 0)
         self.warn_clamped(ops)
         shape = self.shapes.step_shape(ops)
+        if self.lazy_compile == "background" and self.programs.get(shape) is None:
+            cover = self.programs.cover(shape)  # step_programs: never stall on a compile
+            if cover is not None:
+                self.programs.prepare_in_background(shape)
+                shape = cover
         return self.handle_for(ops, shape.bucket, *self._run(ops, shape))
 
     def warn_clamped(self, ops: StepOps) -> None:

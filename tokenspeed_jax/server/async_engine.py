@@ -170,10 +170,18 @@ class AsyncEngine:
         if self._warmup:
             t0 = time.perf_counter()
             with rep.lock:
-                rep.compiled = rep.engine.warmup()
+                try:
+                    rep.compiled = rep.engine.warmup()
+                except Exception:  # noqa: BLE001 - serve anyway: shapes then compile on first use
+                    log.exception("replica %d: warm-up failed; step shapes compile on first use",
+                                  rep.index)
             rep.warmup_s = time.perf_counter() - t0
-            log.info("replica %d ready: compiled %d step shapes in %.1fs", rep.index, rep.compiled,
-                     rep.warmup_s)
+            up = rep.engine.startup_stats()
+            log.info("replica %d ready: %d step shapes in %.1fs (%d compiled: trace %.1fs + XLA "
+                     "%.1fs; %d loaded from the executable cache in %.1fs; model load %.1fs)",
+                     rep.index, rep.compiled, rep.warmup_s, up.get("shapes_compiled", 0),
+                     up.get("trace_s", 0.0), up.get("compile_s", 0.0), up.get("shapes_loaded", 0),
+                     up.get("load_exe_s", 0.0), up.get("load_s", 0.0))
         rep.ready = True
         while not self._stopped:
             with rep.lock:

@@ -28,6 +28,9 @@ _COUNTERS = {
     "num_engine_steps": ("tokenspeed_engine_steps", "device steps run"),
     "num_aborted": ("tokenspeed_aborted_requests", "requests aborted (client gone, stop string)"),
 }
+# Engine.startup_stats() keys exported as tokenspeed_startup_seconds{phase=...}
+_STARTUP_PHASES = {"load": "load_s", "warmup": "warmup_s", "trace": "trace_s",
+                   "compile": "compile_s", "load_executables": "load_exe_s"}
 
 
 class _EngineCollector:
@@ -49,6 +52,15 @@ class _EngineCollector:
                                        "per cache group", labels=["replica", "group"]),
             "hit": GaugeMetricFamily("tokenspeed_prefix_hit_rate", "prefix-cache hit tokens / "
                                      "prompt tokens looked up", labels=["replica"]),
+            "startup": GaugeMetricFamily("tokenspeed_startup_seconds", "start-up time by phase: "
+                                         "load (model + engine), warmup (wall), and summed over "
+                                         "compile threads: trace (+ lowering), compile (XLA), "
+                                         "load_executables (executable cache reads)",
+                                         labels=["replica", "phase"]),
+            "shapes": GaugeMetricFamily("tokenspeed_step_shapes_ready", "step shapes made ready, "
+                                        "by source: compiled, loaded (executable cache), "
+                                        "background (compiled lazily while serving; also counted "
+                                        "as compiled or loaded)", labels=["replica", "source"]),
         }
         counters = {k: CounterMetricFamily(name, doc, labels=["replica"])
                     for k, (name, doc) in _COUNTERS.items()}
@@ -61,6 +73,11 @@ class _EngineCollector:
             gauges["hit"].add_metric([r], st.get("prefix_hit_rate", 0.0))
             for group, n in st.get("group_pages", {}).items():
                 gauges["group"].add_metric([r, group], n)
+            up = st.get("startup", {})
+            for phase, key in _STARTUP_PHASES.items():
+                gauges["startup"].add_metric([r, phase], up.get(key, 0.0))
+            for source in ("compiled", "loaded", "background"):
+                gauges["shapes"].add_metric([r, source], up.get(f"shapes_{source}", 0))
             for key, fam in counters.items():
                 fam.add_metric([r], st.get(key, 0))
         yield from gauges.values()

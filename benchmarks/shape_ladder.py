@@ -1,0 +1,89 @@
+"""What each step shape costs to compile and what it buys at run time (issue 21).
+
+    python benchmarks/shape_ladder.py                        # tiny-random
+    python benchmarks/shape_ladder.py --model /path/to/smollm2-hf --max-context-len 2048 \
+        --max-batch-requests 64 --max-scheduled-tokens 2048
+
+For every (token bucket, kv level) of the engine's ladder: the trace + lowering and XLA compile
+time (one shape at a time, no executable cache, so each is a real cold compile), and the step
+time of an all-padding step of that shape (median of `--reps`; the reference backend's work does
+not depend on the rows' contents: every shape is fixed). Then, per shape, the step time of the
+smallest *coarser* shape that covers it, i.e. what a step pays if this shape is left out of the
+ladder (`step_programs`: a missing shape runs as its smallest ready cover). The last column,
+compile seconds / per-step saving in ms, is how many steps at this shape it takes to earn its
+compile back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-random")
+    p.add_argument("--max-context-len", type=int, default=None)
+    p.add_argument("--max-batch-requests", type=int, default=32)
+    p.add_argument("--max-scheduled-tokens", type=int, default=512)
+    p.add_argument("--num-pages", type=int, default=1024)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+
+    from tokenspeed_jax import LLM
+    from tokenspeed_jax.runtime.step_inputs import pack
+
+    kw = dict(max_batch_requests=args.max_batch_requests, num_pages=args.num_pages,
+              max_scheduled_tokens=args.max_scheduled_tokens, dtype=args.dtype,
+              compile_cache_dir=False, lazy_compile="sync")
+    if args.max_context_len is not None:
+        kw["max_context_len"] = args.max_context_len
+    llm = LLM(args.model, **kw)
+    runner = llm.engine.runner
+    padding = llm.engine.scheduler.padding_ops()
+    shapes = sorted(runner.shapes.warmup_shapes(padding))
+    step_ms: dict = {}
+    for shape in shapes:
+        runner.programs.prepare(shape)
+        i32, f32 = pack(padding, runner.step_layout(shape))
+        times = []
+        for _ in range(args.reps + 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(runner.execute(shape, i32, f32))
+            times.append(time.perf_counter() - t0)
+        step_ms[shape] = 1e3 * statistics.median(times[1:])  # the first run warms caches
+    recs = {r.shape: r for r in runner.programs.records}
+    levels = runner.shapes.kv_levels
+    print(f"\n## step shapes: {args.model}, {args.dtype}, batch {args.max_batch_requests}, "
+          f"{args.max_scheduled_tokens} tokens/step, backend {runner.backend}; "
+          f"jax {jax.__version__}, {jax.devices()[0].platform}\n")
+    print("| tokens | kv tokens | trace s | XLA s | step ms | cover | cover step ms | "
+          "saving ms | steps to repay |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    total_c = 0.0
+    for shape in shapes:
+        r = recs[shape]
+        total_c += r.trace_s + r.compile_s
+        covers = [s for s in shapes if s != shape and s.bucket >= shape.bucket
+                  and s.level >= shape.level]
+        cover = min(covers) if covers else None
+        if cover is None:
+            tail = "| - | - | - | - |"
+        else:
+            saving = step_ms[cover] - step_ms[shape]
+            repay = (r.trace_s + r.compile_s) / (saving / 1e3) if saving > 0 else float("inf")
+            tail = (f"| {cover.bucket}x{levels[cover.level][0]} | {step_ms[cover]:.1f} | "
+                    f"{saving:.1f} | {repay:.0f} |")
+        print(f"| {shape.bucket} | {levels[shape.level][0]} | {r.trace_s:.1f} | {r.compile_s:.1f} "
+              f"| {step_ms[shape]:.1f} {tail}")
+    print(f"\n{len(shapes)} shapes, {total_c:.1f} s of trace + compile in all "
+          f"(one at a time); {np.mean([recs[s].compile_s for s in shapes]):.1f} s XLA per shape")
+
+
+if __name__ == "__main__":
+    main()
