@@ -79,7 +79,9 @@ def _vllm_start(python: str, kw: dict, cache_root: str) -> dict:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # vLLM may log after our line: take the last line that is our JSON
+    out = json.loads(next(x for x in reversed(proc.stdout.splitlines())
+                          if x.startswith('{"import_s"')))
     out["ready_s"] = wall
     return out
 
@@ -92,7 +94,9 @@ def _start(kw: dict) -> dict:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # vLLM may log after our line: take the last line that is our JSON
+    out = json.loads(next(x for x in reversed(proc.stdout.splitlines())
+                          if x.startswith('{"import_s"')))
     out["ready_s"] = wall
     return out
 
