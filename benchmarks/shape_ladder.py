@@ -5,7 +5,8 @@
         --max-batch-requests 64 --max-scheduled-tokens 2048
 
 For every (token bucket, kv level) of the engine's ladder: the trace + lowering and XLA compile
-time (one shape at a time, no executable cache, so each is a real cold compile), and the step
+time (no executable cache, so each is a real cold compile; one shape at a time unless
+`--workers`), and the step
 time of an all-padding step of that shape (median of `--reps`; the reference backend's work does
 not depend on the rows' contents: every shape is fixed). Then, per shape, the step time of the
 smallest *coarser* shape that covers it, i.e. what a step pays if this shape is left out of the
@@ -17,11 +18,19 @@ compile back.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
-import jax
-import numpy as np
+# `python benchmarks/shape_ladder.py` puts benchmarks/ first on sys.path, where scheduler.py (the
+# scheduler benchmark) would shadow the scheduler package
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 
 def main() -> None:
@@ -33,6 +42,8 @@ def main() -> None:
     p.add_argument("--num-pages", type=int, default=1024)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--workers", type=int, default=1,
+                   help="compile threads (1: one shape at a time, uncontended compile times)")
     args = p.parse_args()
 
     from tokenspeed_jax import LLM
@@ -47,6 +58,8 @@ def main() -> None:
     runner = llm.engine.runner
     padding = llm.engine.scheduler.padding_ops()
     shapes = sorted(runner.shapes.warmup_shapes(padding))
+    if args.workers > 1:  # compile times are then per thread, `workers` at a time
+        runner.programs.prepare_many(shapes, workers=args.workers, progress=True)
     step_ms: dict = {}
     for shape in shapes:
         runner.programs.prepare(shape)

@@ -12,9 +12,11 @@ row's token is kept as its slot's last token).
 engine dispatches step N+1 before collecting step N.
 
 Shapes: rows are fixed at `max_batch_requests`; a step's shape key is (token bucket, kv bucket),
-chosen by the runner's `shapes.ShapePolicy`. One compile per shape key; `num_compiles` counts
-traces so tests and benchmarks can prove it, and `warmup()` compiles every (token, kv) pair
-(`shape_keys`), so serving never compiles.
+chosen by the runner's `shapes.ShapePolicy`. One compiled executable per shape key, held by
+`step_programs.StepPrograms`: `warmup()` makes every (token, kv) pair (`shape_keys`) ready ahead
+of time, read from the executable store (`executables`: no trace, no compile) or compiled in a
+thread pool, so serving never compiles; a shape left out runs as a ready covering shape while
+it compiles in the background. `num_compiles` counts traces, `num_loaded` executables read.
 
 Inputs: the StepOps travel as one int32 and one float32 buffer (`step_inputs`, driven by the
 StepOps schema), unpacked inside the jit; `execute(shape, i32, f32)` runs the step on buffers

@@ -247,8 +247,14 @@ def test_metrics_parse_and_move(srv):
                  "tokenspeed_pages_used", "tokenspeed_pages_free", "tokenspeed_prefix_hit_rate",
                  "tokenspeed_retractions_total", "tokenspeed_evictions_total",
                  "tokenspeed_compiles_total", "tokenspeed_e2e_request_latency_seconds_bucket",
-                 "tokenspeed_time_per_output_token_seconds_count", "tokenspeed_prompt_tokens_total"):
+                 "tokenspeed_time_per_output_token_seconds_count", "tokenspeed_prompt_tokens_total",
+                 "tokenspeed_startup_seconds", "tokenspeed_step_shapes_ready"):
         assert name in names, name
+    # the server warmed up before serving: every shape was compiled or read back, and it took time
+    ready = sum(after[("tokenspeed_step_shapes_ready", (("replica", "0"), ("source", s)))]
+                for s in ("compiled", "loaded"))
+    assert ready == len(srv.llm.engines[0].runner.shape_keys)
+    assert after[("tokenspeed_startup_seconds", (("phase", "warmup"), ("replica", "0")))] > 0
 
 
 def test_non_streaming_disconnect_frees_pages_within_2s(srv, monkeypatch):
