@@ -67,38 +67,32 @@ if __name__ == "__main__":
 """
 
 
+def _timed_child(cmd: list[str], env: dict, cwd: str) -> dict:
+    """Run one start in its own process; its JSON line plus `ready_s`, the wall time of it all."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    # vLLM may log after our line: take the last line that is our JSON
+    out = json.loads(next(x for x in reversed(proc.stdout.splitlines())
+                          if x.startswith('{"import_s"')))
+    out["ready_s"] = wall
+    return out
+
+
 def _vllm_start(python: str, kw: dict, cache_root: str) -> dict:
     script = os.path.join(cache_root, "vllm_child.py")
     with open(script, "w") as f:
         f.write(_VLLM_CHILD)
     env = dict(os.environ, VLLM_CACHE_ROOT=cache_root, VLLM_CPU_KVCACHE_SPACE="4")
     env.pop("PYTHONPATH", None)
-    t0 = time.perf_counter()
-    proc = subprocess.run([python, script, json.dumps(kw)], env=env, capture_output=True,
-                          text=True, cwd=cache_root)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(proc.stderr[-3000:])
-    # vLLM may log after our line: take the last line that is our JSON
-    out = json.loads(next(x for x in reversed(proc.stdout.splitlines())
-                          if x.startswith('{"import_s"')))
-    out["ready_s"] = wall
-    return out
+    return _timed_child([python, script, json.dumps(kw)], env, cache_root)
 
 
 def _start(kw: dict) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(kw)], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(proc.stderr[-3000:])
-    # vLLM may log after our line: take the last line that is our JSON
-    out = json.loads(next(x for x in reversed(proc.stdout.splitlines())
-                          if x.startswith('{"import_s"')))
-    out["ready_s"] = wall
-    return out
+    return _timed_child([sys.executable, "-c", _CHILD, json.dumps(kw)], env, ROOT)
 
 
 def main() -> None:
