@@ -145,7 +145,8 @@ def test_warmup_compiles_every_bucket_once_and_changes_nothing():
     runner = llm.engine.runner
     assert llm.warmup() == len(runner.shape_keys) and llm.warmup() == 0
     out = llm.generate([prompt], sp)[0]
-    assert runner.num_compiles == len(runner.shape_keys)  # serving compiled nothing new
+    # serving compiled nothing new (shapes another test stored are read back, not traced)
+    assert runner.num_compiles + runner.num_loaded == len(runner.shape_keys)
     cold = LLM("tiny-random", num_pages=64, **SMALL).generate([prompt], sp)[0]
     assert out.token_ids == cold.token_ids
     np.testing.assert_allclose(out.logprobs, cold.logprobs, atol=1e-6)

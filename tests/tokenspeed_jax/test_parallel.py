@@ -55,7 +55,10 @@ def _worker() -> dict:
             "logprobs": [o.logprobs for o in outs],
             "prompt_logprobs": [o.prompt_logprobs for o in outs],
             "seconds": time.perf_counter() - t0,
-            "compiles": [e.runner.num_compiles for e in llm.engines],
+            # distinct step shapes made ready (compiled, or read back from the executable
+            # cache), once the lazily compiled ones have landed
+            "compiles": [(e.runner.programs.wait_background(), len(e.runner.programs.ready))[1]
+                         for e in llm.engines],
         }
         return llm
 

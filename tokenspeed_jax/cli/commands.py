@@ -29,7 +29,8 @@ from tokenspeed_jax.cli.common import (
     workload_config,
 )
 
-BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap", "startup")
+BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap", "startup",
+              "shape_ladder")
 
 
 def cmd_run(args) -> int:

@@ -67,7 +67,8 @@ class StepPrograms:
         self.records: list[ShapeReady] = []
         self._trace_lock = threading.Lock()  # tracing is Python: one at a time
         self._lock = threading.Lock()  # guards ready / records / _pending
-        self._pending: dict[StepShape, Future] = {}
+        self._pending: dict[StepShape, Future] = {}  # being made ready (by any thread)
+        self._queued: dict[StepShape, Future] = {}  # handed to the background thread
         self._background: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ one shape
@@ -170,12 +171,11 @@ class StepPrograms:
     def prepare_in_background(self, shape: StepShape) -> None:
         """Start making `shape` ready on the background thread (no-op if ready or under way)."""
         with self._lock:
-            if shape in self.ready or shape in self._pending:
+            if shape in self.ready or shape in self._pending or shape in self._queued:
                 return
             if self._background is None:
                 self._background = ThreadPoolExecutor(1, thread_name_prefix="lazy-compile")
-            pool = self._background
-        pool.submit(self._prepare_logged, shape)
+            self._queued[shape] = self._background.submit(self._prepare_logged, shape)
 
     def _prepare_logged(self, shape: StepShape) -> None:
         try:
@@ -186,7 +186,7 @@ class StepPrograms:
     def wait_background(self) -> None:
         """Block until every background compile queued so far has finished (tests, shutdown)."""
         with self._lock:
-            pending = list(self._pending.values())
+            pending = [*self._queued.values(), *self._pending.values()]
         for fut in pending:
             fut.exception()
 
