@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import warnings
@@ -28,6 +29,9 @@ print(json.dumps({"tokens": out.token_ids, "dir": llm.compile_cache_dir}))
 
 
 def _start(cache: pathlib.Path, dtype: str = "float32") -> dict:
+    # JAX's own cache is under test: drop the serialized executables (runtime/executables.py,
+    # tests/tokenspeed_jax/test_executables.py), or a warm start would never read an XLA entry
+    shutil.rmtree(cache / "executables", ignore_errors=True)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(cache), dtype], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
