@@ -30,6 +30,13 @@ SMALL = dict(page_size=4, num_pages=160, max_batch_requests=6, max_scheduled_tok
              max_context_len=96)
 
 
+def _shapes_ready(programs) -> int:
+    """Distinct step shapes made ready (compiled, or read back from the executable cache), once
+    the lazily compiled ones have landed."""
+    programs.wait_background()
+    return len(programs.ready)
+
+
 def _worker() -> dict:
     """Runs in the 4-device subprocess; returns plain numbers / lists for the parent to check."""
     import jax
@@ -55,10 +62,7 @@ def _worker() -> dict:
             "logprobs": [o.logprobs for o in outs],
             "prompt_logprobs": [o.prompt_logprobs for o in outs],
             "seconds": time.perf_counter() - t0,
-            # distinct step shapes made ready (compiled, or read back from the executable
-            # cache), once the lazily compiled ones have landed
-            "compiles": [(e.runner.programs.wait_background(), len(e.runner.programs.ready))[1]
-                         for e in llm.engines],
+            "compiles": [_shapes_ready(e.runner.programs) for e in llm.engines],
         }
         return llm
 

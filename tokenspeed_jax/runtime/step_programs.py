@@ -67,8 +67,7 @@ class StepPrograms:
         self.records: list[ShapeReady] = []
         self._trace_lock = threading.Lock()  # tracing is Python: one at a time
         self._lock = threading.Lock()  # guards ready / records / _pending
-        self._pending: dict[StepShape, Future] = {}  # being made ready (by any thread)
-        self._queued: dict[StepShape, Future] = {}  # handed to the background thread
+        self._pending: dict[StepShape, Future] = {}  # claimed, not ready yet (any thread)
         self._background: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ one shape
@@ -81,15 +80,23 @@ class StepPrograms:
         compiled = self.ready.get(shape)
         if compiled is not None:
             return compiled
+        fut, mine = self._claim(shape)
+        return self._fulfil(shape, fut, background) if mine else fut.result()
+
+    def _claim(self, shape: StepShape) -> tuple[Future, bool]:
+        """The future of `shape` being made ready, and whether the caller must make it."""
         with self._lock:
             fut = self._pending.get(shape)
-            if fut is None:
-                fut = self._pending[shape] = Future()
-                mine = True
-            else:
-                mine = False
-        if not mine:
-            return fut.result()
+            if fut is not None:
+                return fut, False
+            fut = Future()
+            if shape in self.ready:  # finished since the caller looked
+                fut.set_result(self.ready[shape])
+                return fut, False
+            self._pending[shape] = fut
+            return fut, True
+
+    def _fulfil(self, shape: StepShape, fut: Future, background: bool) -> jax.stages.Compiled:
         try:
             compiled = self._make(shape, background)
         except BaseException as e:
@@ -169,24 +176,27 @@ class StepPrograms:
         return best
 
     def prepare_in_background(self, shape: StepShape) -> None:
-        """Start making `shape` ready on the background thread (no-op if ready or under way)."""
+        """Start making `shape` ready on the background thread (no-op if ready or under way).
+        The shape is claimed here, so `wait_background` sees it before the thread starts."""
+        fut, mine = self._claim(shape)
+        if not mine:
+            return
         with self._lock:
-            if shape in self.ready or shape in self._pending or shape in self._queued:
-                return
             if self._background is None:
                 self._background = ThreadPoolExecutor(1, thread_name_prefix="lazy-compile")
-            self._queued[shape] = self._background.submit(self._prepare_logged, shape)
+            pool = self._background
+        pool.submit(self._fulfil_logged, shape, fut)
 
-    def _prepare_logged(self, shape: StepShape) -> None:
+    def _fulfil_logged(self, shape: StepShape, fut: Future) -> None:
         try:
-            self.prepare(shape, background=True)
+            self._fulfil(shape, fut, background=True)
         except Exception:  # noqa: BLE001 - the covering shape keeps serving; say why
             logger.exception("background compile of step shape %s failed", shape)
 
     def wait_background(self) -> None:
-        """Block until every background compile queued so far has finished (tests, shutdown)."""
+        """Block until every compile under way or queued so far has finished (tests, shutdown)."""
         with self._lock:
-            pending = [*self._queued.values(), *self._pending.values()]
+            pending = list(self._pending.values())
         for fut in pending:
             fut.exception()
 
