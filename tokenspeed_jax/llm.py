@@ -85,7 +85,9 @@ class LLM:
     min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`),
     async_scheduling (True, the default: plan step N+1 on the host while the device runs step N;
     False: the synchronous reference loop. Same outputs: see tokenspeed_jax/engine/engine.py and
-    benchmarks/README.md, "Overlapped scheduling").
+    benchmarks/README.md, "Overlapped scheduling"), scan_layers (False: trace and compile one
+    layer per run of identical layers with `lax.scan` instead of every layer; same tokens,
+    `tokenspeed_jax.models.layer_scan`; not on the multi-process runtime).
 
     tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
     intermediate, conv channels, vocab; `tokenspeed_jax.runtime.sharding`). data_parallel_size = D: D
@@ -134,13 +136,17 @@ class LLM:
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
         known = {*SCHEDULER_OPTIONS, "conv_page_size", "honor_full_refresh", "min_kv_bucket",
-                 "async_scheduling", "lazy_compile", "compile_workers"}
+                 "async_scheduling", "lazy_compile", "compile_workers", "scan_layers"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
         if attention_backend not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
                              f"{attention_backend!r}")
+        scan_layers = bool(more_options.get("scan_layers", False))
+        if scan_layers and multi:
+            raise ValueError("scan_layers is not supported on the multi-process runtime (its "
+                             "parameters are placed shard by shard, before any stacking)")
         from tokenspeed_jax.runtime.runner import ModelRunner
         from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET
 
@@ -198,7 +204,8 @@ class LLM:
                                  min_kv_bucket=more_options.get("min_kv_bucket",
                                                                 DEFAULT_MIN_KV_BUCKET),
                                  mesh=mesh, executable_store=store,
-                                 lazy_compile=more_options.get("lazy_compile", "background"))
+                                 lazy_compile=more_options.get("lazy_compile", "background"),
+                                 scan_layers=scan_layers)
             driven: Runner = self._distribute(runner, r) if multi else runner
             self.engines.append(Engine(layout.scheduler_config, driven,
                                        vocab_size=self.model_config.vocab_size,

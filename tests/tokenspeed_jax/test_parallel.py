@@ -9,6 +9,7 @@ record; the assertions run here on it:
   with the reference backend, and tp=2 with the Pallas kernels (interpret mode) under shard_map;
 - params and pools really are sharded (specs and per-device shard shapes);
 - dp: both replicas served requests, `stats()` sums them, `engine` is `engines[0]`;
+- scan_layers under tp=2: same tokens, stacked params and pools sharded like their layer's;
 - one compile per token bucket per replica (the sharded state keeps its sharding across steps);
 - an MoE + sinks + biases config: sharded forward == unsharded (ragged_dot over sharded experts);
 - bad sizes raise ValueError (tp=3 with 2 kv heads, tp*dp > devices, tp=0).
@@ -52,10 +53,10 @@ def _worker() -> dict:
     plp = SamplingParams(max_tokens=4, logprobs=True, prompt_logprobs=True, ignore_eos=True)
     out: dict = {"runs": {}}
 
-    def run(name, tp, dp, backend="reference", prompts=prompts):
+    def run(name, tp, dp, backend="reference", prompts=prompts, **kw):
         t0 = time.perf_counter()
         llm = LLM("tiny-random", tensor_parallel_size=tp, data_parallel_size=dp,
-                  attention_backend=backend, **SMALL)
+                  attention_backend=backend, **SMALL, **kw)
         outs = llm.generate(prompts, gen) + llm.generate(prompts[:2], plp)
         out["runs"][name] = {
             "tokens": [o.token_ids for o in outs],
@@ -94,6 +95,11 @@ def _worker() -> dict:
         "prefix_hit_tokens": st["prefix_hit_tokens"], "prefix_query_tokens": st["prefix_query_tokens"],
     }
     run("dp2", 1, 2)
+    # scan_layers under tp: stacked params and pools keep their layer's spec behind the run axis
+    runner = run("tp2_scan", 2, 1, scan_layers=True).engine.runner
+    leaves = jax.tree_util.tree_leaves_with_path((runner.params, runner.state.caches))
+    out["scan_shards"] = {jax.tree_util.keystr(p): [x.shape, list(x.addressable_shards[0].data.shape)]
+                          for p, x in leaves}
     run("tp2_pallas", 2, 1, backend="pallas", prompts=prompts[:3])
     run("tp1_pallas", 1, 1, backend="pallas", prompts=prompts[:3])
     out["moe_maxdiff"] = _moe_forward_diff()
@@ -148,7 +154,7 @@ def result() -> dict:
 
 
 @pytest.mark.parametrize("name,base", [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"),
-                                       ("tp2_pallas", "tp1_pallas")])
+                                       ("tp2_pallas", "tp1_pallas"), ("tp2_scan", "tp1")])
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
     a, b = result["runs"][base], result["runs"][name]
     assert b["tokens"] == a["tokens"]
@@ -191,6 +197,16 @@ def test_params_and_pools_are_sharded(result):
     check("cache0.k", [160, 4, 2, 16], [160, 4, 1, 16])  # kv-head axis
     check("cache1.conv", [160, 8, 64], [160, 8, 32])  # channel axis
     assert result["mirror_replicated"]
+
+
+def test_scanned_params_and_pools_are_sharded(result):
+    sh = {k: v for k, v in result["scan_shards"].items()}
+    q = [v for k, v in sh.items() if "['runs'][0]['self_attn']['q_proj']['kernel']" in k]
+    assert q == [[[1, 64, 64], [1, 64, 32]]]
+    emb = [v for k, v in sh.items() if "['shell']['embed_tokens']" in k]
+    assert emb == [[[260, 64], [130, 64]]]
+    pools = [v for k, v in sh.items() if k.endswith("['k']")]
+    assert pools and all(v == [[1, 160, 4, 2, 16], [1, 160, 4, 1, 16]] for v in pools)
 
 
 def test_data_parallel_replicas(result):

@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> Non
                    help="compile every step shape afresh (no persistent compilation cache)")
     p.add_argument("--compile-workers", type=int_at_least(1), default=2,
                    help="step shapes compiled (or loaded) at once during warm-up")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="trace and compile one decoder layer per run of identical layers "
+                        "(lax.scan) instead of every layer: faster compiles, same tokens")
     add_distributed_args(p)  # parallel sizes and multi-process launch (docs/distributed.md)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan step N+1 on the host while the device runs step N (same outputs; "
@@ -102,7 +105,7 @@ def make_llm(args):
                data_parallel_size=args.data_parallel_size,
                distributed=distributed_config(args), async_scheduling=args.async_scheduling,
                compile_cache_dir=False if args.no_compile_cache else args.compile_cache_dir,
-               compile_workers=args.compile_workers)
+               compile_workers=args.compile_workers, scan_layers=args.scan_layers)
 
 
 def startup_line(llm) -> str:

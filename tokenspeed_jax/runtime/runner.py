@@ -43,6 +43,7 @@ from scheduler.step_ops import StepOps
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
+from tokenspeed_jax.models.layer_scan import ScannedGraph
 from tokenspeed_jax.page_table import update_rows
 from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import get_paged_attention, get_short_conv, resolve_backend
@@ -130,6 +131,8 @@ class ModelRunner:
       min_token_bucket, min_kv_bucket: the shortest token bucket and kv bucket (in tokens).
       mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.runtime.sharding`);
         None = the default device, unsharded (the single-device path, unchanged).
+      scan_layers: stack each run of identical layers (params and pools) and apply it with
+        `lax.scan` (`models.layer_scan`): one layer body traced and compiled per run.
 
     Attributes: `layout` (as given), `shapes` (the `ShapePolicy`), `num_compiles` (step traces),
     `params` (nnx.State) and `state` / `penalties` (device state, advanced by every step).
@@ -147,6 +150,7 @@ class ModelRunner:
         mesh: Mesh | None = None,
         executable_store: ExecutableStore | None = None,
         lazy_compile: str = "background",
+        scan_layers: bool = False,
     ) -> None:
         self.config = model_config
         self.layout = layout
@@ -165,10 +169,18 @@ class ModelRunner:
         tp = self._tp = None if mesh is None else TensorParallel(mesh, model_config)
         if tp is not None:
             prepare_model(model, tp.tp)  # conv in_proj re-layout (before the split)
-        self._graphdef, params = nnx.split(model)
+        # scan_layers: the layers' params and pools stacked per run of identical layers, applied
+        # by lax.scan (models/layer_scan.py): one layer body to trace and compile, not L
+        self.scan_layers = bool(scan_layers)
+        self._scan: ScannedGraph | None = None
+        if self.scan_layers:
+            self._scan, params = ScannedGraph.split(model, layout.layer_groups)
+        else:
+            self._graphdef, params = nnx.split(model)
         make_state = functools.partial(
             init_state, model_config, layout.layer_groups, layout.page_sizes, layout.widths,
             num_pages=layout.num_pages, max_live_requests=layout.max_live_requests,
+            runs=None if self._scan is None else self._scan.runs,
         )  # fmt: skip
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
         make_penalties = functools.partial(init_penalty_state, layout.max_live_requests,
@@ -214,7 +226,7 @@ class ModelRunner:
                    layout: StepLayout) -> tuple[DeviceState, PenaltyState, *StepOutputs]:
         self.num_compiles += 1  # Python body runs once per trace = once per compile
         ops = unpack(i32, f32, layout)
-        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._param_def, param_leaves))
+        params = jax.tree.unflatten(self._param_def, param_leaves)
         mirrors = _update_mirrors(state.mirrors, ops, self.layout.honor_full_refresh)
         batch = make_paged_batch(
             mirrors, ops["req_slots"], ops["cu_q_lens"], ops["kv_lens"], ops["positions"],
@@ -223,7 +235,12 @@ class ModelRunner:
         )  # fmt: skip
         # resolved in place: everything below that reads the input ids sees the real tokens
         ops["token_ids"] = _input_tokens(ops, state.last_tokens)
-        hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
+        if self._scan is not None:
+            hidden, caches, model = self._scan.forward(params, ops["token_ids"], state.caches,
+                                                       batch, self._attn, self._conv)
+        else:
+            model = nnx.merge(self._graphdef, params)
+            hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
         penalties, last_tokens, tokens, logprobs, plp, top = sample_rows(
             hidden, ops, penalties, state.last_tokens, lm_head=model.logits,
             max_rows=self.max_batch_requests, gather_logits=self._gather_logits)
@@ -288,6 +305,7 @@ class ModelRunner:
             "honor_full_refresh": repr(self.layout.honor_full_refresh),
             "step_layout": repr(self.step_layout(shape)),
             "backend": self.backend,
+            "scan_layers": repr(None if self._scan is None else self._scan.runs),
             "arguments": executables.signature(self._abstract),
             "inputs": repr(self._input_sharding),
             "tp": repr(None if self._tp is None else self._tp.mesh),

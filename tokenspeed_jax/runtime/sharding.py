@@ -77,6 +77,8 @@ _RULES: tuple[tuple[str, P], ...] = (
     (r"conv/conv_bias$", P(AXIS)),
     (r"conv/out_proj/kernel$", P(AXIS, None)),
 )
+# scan_layers params (models/layer_scan.py): the shell's paths, and a run's stacked layers
+_SCANNED = re.compile(r"^(shell/|runs/\d+/)")
 _VOCAB_RULES: tuple[tuple[str, P], ...] = (
     (r"^embed_tokens$", P(AXIS, None)),
     (r"^lm_head/kernel$", P(None, AXIS)),
@@ -258,19 +260,30 @@ class TensorParallel:
         return P()
 
     def param_shardings(self, params):
-        """A pytree like `params` (an nnx.State) of NamedShardings."""
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x: NamedSharding(self.mesh, self.spec_for(_path_str(p), np.ndim(x))), params)
+        """A pytree like `params` (an nnx.State, or scan_layers' {"shell", "runs"}: a run's
+        stacked layers keep their layer's spec behind an unsharded leading axis) of
+        NamedShardings."""
+        def one(p, x):
+            path, ndim, lead = _path_str(p), np.ndim(x), ()
+            scanned = _SCANNED.match(path)
+            if scanned:
+                path = path[scanned.end():]
+                if scanned.group(0).startswith("runs/"):
+                    ndim, lead = ndim - 1, (None,)
+            return NamedSharding(self.mesh, P(*lead, *self.spec_for(path, ndim)))
+
+        return jax.tree_util.tree_map_with_path(one, params)
 
     def state_shardings(self, state):
         """DeviceState shardings: mirrors replicated, K/V pools on kv heads, conv pools on
         channels."""
         def one(path, x):
             name = _path_str(path).rsplit("/", 1)[-1]
-            if name in ("k", "v") and np.ndim(x) == 4:
-                return NamedSharding(self.mesh, P(None, None, AXIS, None))
-            if name == "conv" and np.ndim(x) == 3:
-                return NamedSharding(self.mesh, P(None, None, AXIS))
+            lead = (None,) * (np.ndim(x) - (4 if name in ("k", "v") else 3))  # scan_layers: 1
+            if name in ("k", "v") and len(lead) in (0, 1):
+                return NamedSharding(self.mesh, P(*lead, None, None, AXIS, None))
+            if name == "conv" and len(lead) in (0, 1):
+                return NamedSharding(self.mesh, P(*lead, None, None, AXIS))
             return self.replicated
 
         return jax.tree_util.tree_map_with_path(one, state)

@@ -4,6 +4,7 @@
   mirrors[g]  i32[max_live_requests, W_g]           the scheduler rows of group g (0 = hole)
   caches[l]   attention layer: {"k", "v": f[num_pages, B_g, Hkv, D]}
               conv layer:      {"conv": f[num_pages, B_g, hidden]} (per-token conv input)
+              (scan_layers: caches[r] per run r of n layers, each pool f[n, num_pages, ...])
   last_tokens i32[max_live_requests]                the last token sampled for each slot: a
               step reads it for input tokens flagged `token_from_prev` (overlapped scheduling)
 Page id p means the same index in every layer of every group (one shared BlockPool). Page 0 is
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.models.layer_scan import LayerRun, run_cache_shapes
 
 # CPU has no allocator statistics: pools get this budget (capped at a quarter of the free RAM).
 CPU_POOL_BUDGET_BYTES = 256 * 1024 * 1024
@@ -122,15 +124,19 @@ def init_state(
     *,
     num_pages: int,
     max_live_requests: int,
+    runs: tuple[LayerRun, ...] | None = None,
 ) -> DeviceState:
-    """All-zero mirrors (every column a hole) and all-zero pools (page 0 stays zero forever)."""
+    """All-zero mirrors (every column a hole) and all-zero pools (page 0 stays zero forever).
+
+    runs: with scan_layers, one cache per run of layers, each pool stacked f[n, P, ...]
+    (`models.layer_scan`); None = one cache per layer."""
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (null page + one), got {num_pages}")
     dtype = jnp.dtype(config.dtype)
     mirrors = tuple(jnp.zeros((max_live_requests, w), jnp.int32) for w in widths)
-    caches = tuple(
-        {k: jnp.zeros(s, dtype) for k, s in c.items()}
-        for c in layer_cache_shapes(config, layer_groups, page_sizes, num_pages)
-    )
+    shapes = layer_cache_shapes(config, layer_groups, page_sizes, num_pages)
+    if runs is not None:
+        shapes = run_cache_shapes(shapes, runs)
+    caches = tuple({k: jnp.zeros(s, dtype) for k, s in c.items()} for c in shapes)
     last_tokens = jnp.zeros((max_live_requests,), jnp.int32)
     return DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens)
