@@ -2,7 +2,7 @@
 
     python benchmarks/startup.py                          # tiny-random, 1 cold + 2 warm starts
     python benchmarks/startup.py --model DIR --max-context-len 2048 --max-batch-requests 64 \
-        --max-scheduled-tokens 2048 --vllm-python /path/to/vllm-venv/bin/python
+        --max-scheduled-tokens 2048 --vllm-python /path/to/vllm-venv/bin/python [--scan-layers]
 
 `--vllm-python`: also start vLLM CPU on the same checkpoint dir in the same run (cold: a fresh
 `VLLM_CACHE_ROOT`, then warm), from `LLM(...)` to the first answer (../shared/peers/vllm-cpu.md).
@@ -103,6 +103,8 @@ def main() -> None:
     p.add_argument("--max-scheduled-tokens", type=int, default=512)
     p.add_argument("--num-pages", type=int, default=1024)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="LLM(scan_layers=True): one layer body per run of identical layers")
     p.add_argument("--warm", type=int, default=2, help="warm restarts after the cold one")
     p.add_argument("--cache-dir", default=None, help="default: a fresh temp dir (cold first)")
     p.add_argument("--vllm-python", default=None,
@@ -112,6 +114,8 @@ def main() -> None:
     kw = dict(model=args.model, max_batch_requests=args.max_batch_requests,
               max_scheduled_tokens=args.max_scheduled_tokens, num_pages=args.num_pages,
               dtype=args.dtype, compile_cache_dir=cache)
+    if args.scan_layers:
+        kw["scan_layers"] = True
     if args.max_context_len is not None:
         kw["max_context_len"] = args.max_context_len
     runs = []
@@ -127,6 +131,7 @@ def main() -> None:
     ours = [r for r in runs if not r[0].startswith("vLLM")]
     base = ours[0][1]["tokens"]
     print(f"\n## start-up: {args.model}, {args.dtype}, batch {args.max_batch_requests}, "
+          f"{'scan_layers, ' if args.scan_layers else ''}"
           f"{args.max_scheduled_tokens} tokens/step, {args.num_pages} pages; cache {cache}\n")
     print("| start | import s | load s | warmup s (shapes: compiled / loaded) | trace + XLA s "
           "(summed over threads) | first answer s | ready s | same tokens |")

@@ -49,3 +49,21 @@ def test_version_and_help_show_real_defaults(capsys):
         cli.main(["serve", "--help"])
     assert "sized from device memory" in " ".join(capsys.readouterr().out.split())
 
+
+
+@pytest.mark.parametrize("argv,want", [(["run", "--scan-layers"], True), (["run"], False),
+                                       (["serve", "--scan-layers"], True)])
+def test_scan_layers_flag_reaches_llm(monkeypatch, argv, want):
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake_llm(*_a, **kw):
+        seen.update(kw)
+        raise Loaded
+
+    monkeypatch.setattr("tokenspeed_jax.llm.LLM", fake_llm)
+    with pytest.raises(Loaded):
+        cli.main(argv)
+    assert seen["scan_layers"] is want

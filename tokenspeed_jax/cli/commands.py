@@ -30,7 +30,7 @@ from tokenspeed_jax.cli.common import (
 )
 
 BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap", "startup",
-              "shape_ladder")
+              "shape_ladder", "scan_layers")
 
 
 def cmd_run(args) -> int:

@@ -173,6 +173,7 @@ class ModelRunner:
         # by lax.scan (models/layer_scan.py): one layer body to trace and compile, not L
         self.scan_layers = bool(scan_layers)
         self._scan: ScannedGraph | None = None
+        params: Any  # the model's nnx.State, or scan_layers' {"shell", "runs"}
         if self.scan_layers:
             self._scan, params = ScannedGraph.split(model, layout.layer_groups)
         else:
