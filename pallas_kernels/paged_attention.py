@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend
+from pallas_kernels import backend, pool_bits
 from pallas_kernels.backend import Ref
 from pallas_kernels.paged_attention_tuning import (
     DECODE_TUNING_CANDIDATES,
@@ -380,8 +380,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                 & (kpos < max_pages * page_size)[None, :])
         if sliding_window is not None:
             keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
-        k = k_pages[pages].reshape(span, hkv, d).astype(jnp.float32)
-        v = v_pages[pages].reshape(span, hkv, d).astype(jnp.float32)
+        # 16-bit pools are gathered as their bits (XLA:CPU would upcast the whole pool)
+        k = pool_bits.take(k_pages, pages).reshape(span, hkv, d).astype(jnp.float32)
+        v = pool_bits.take(v_pages, pages).reshape(span, hkv, d).astype(jnp.float32)
         v = jnp.where(jnp.any(keep, axis=0)[:, None, None], v, 0.0)  # NaN * 0 = NaN
         qg = q[jnp.minimum(tok, t - 1)].astype(jnp.float32).reshape(bq, hkv, group, d)
         logits = jnp.einsum("qhgd,lhd->qhgl", qg, k, precision=lax.Precision.HIGHEST) * scale

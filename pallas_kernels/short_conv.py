@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend
+from pallas_kernels import backend, pool_bits
 from pallas_kernels.backend import Ref
 from pallas_kernels.ragged import check_ragged_metadata, token_layout
 
@@ -153,7 +153,7 @@ def short_conv_reference(x: jax.Array, conv_pages: jax.Array, page_table: jax.Ar
         from_pool = lay.valid & (p < lay.chunk_start) & (p >= 0)
         xv = x[jnp.clip(tok - (taps - 1) + j, 0, t - 1)].astype(jnp.float32)
         page = page_table[lay.seq, jnp.clip(p // page_size, 0, max_pages - 1)]
-        pv = conv_pages[page, p % page_size].astype(jnp.float32)
+        pv = pool_bits.take(conv_pages, (page, p % page_size)).astype(jnp.float32)
         tap = jnp.where(from_x[:, None], xv, jnp.where(from_pool[:, None], pv, 0.0))
         acc = acc + tap * weight[j].astype(jnp.float32)
     if bias is not None:

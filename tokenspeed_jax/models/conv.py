@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import short_conv_reference
+from pallas_kernels import pool_bits, short_conv_reference
 from tokenspeed_jax.models.batch import PagedBatch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.layers import Linear
@@ -79,7 +79,7 @@ class ShortConv(nnx.Module):
         pool = cache["conv"]
         num_pages, bs, h = pool.shape
         flat = pool.reshape(num_pages * bs, h)
-        flat = flat.at[batch.write_idx[group]].set(u.astype(flat.dtype), mode="drop")
+        flat = pool_bits.scatter_set(flat, batch.write_idx[group], u)  # 16-bit: as bits
         new_cache = {"conv": flat.reshape(num_pages, bs, h)}
         bias = None if self.conv_bias is None else self.conv_bias[...]
         y = conv_fn(

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import pool_bits
 from tokenspeed_jax.models.batch import PagedBatch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.conv import ShortConv
@@ -98,7 +99,8 @@ class Attention(nnx.Module):
             pool = cache[name]
             p, bs = pool.shape[:2]
             flat = pool.reshape(p * bs, *pool.shape[2:])
-            new[name] = flat.at[idx].set(val.astype(pool.dtype), mode="drop").reshape(pool.shape)
+            # 16-bit pools are written as their bits (XLA:CPU would upcast the whole pool)
+            new[name] = pool_bits.scatter_set(flat, idx, val).reshape(pool.shape)
         out = attn_fn(
             q,
             new["k"],
@@ -183,7 +185,7 @@ class CausalLM(nnx.Module):
 
     def embed(self, token_ids: jax.Array) -> jax.Array:
         """i32[T] -> f[T, H]; Gemma scales by sqrt(H) rounded to the model dtype, as HF does."""
-        x = self.embed_tokens[...][token_ids]
+        x = pool_bits.take(self.embed_tokens[...], token_ids)  # bf16: no f32 copy of the table
         return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
