@@ -64,8 +64,9 @@ def _check_config(cfg: PagedAttentionConfig, page_size: int, group: int) -> None
 def _check_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                   kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
                   sm_scale: float | None, sliding_window: int | None, soft_cap: float | None,
-                  sinks: jax.Array | None) -> float:
-    """Static (shape/dtype/option) validation shared by kernel and reference; returns sm_scale."""
+                  sinks: jax.Array | None, bits_pools: bool = False) -> float:
+    """Static (shape/dtype/option) validation shared by kernel and reference; returns sm_scale.
+    bits_pools (the reference): bf16 pools may also come as their uint16 bits (`pool_bits`)."""
     floats = (jnp.float32, jnp.bfloat16)
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be [T, Hq, D]")
@@ -78,9 +79,12 @@ def _check_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
         raise ValueError(f"{q.shape=} and {k_pages.shape=} disagree on head_dim")
     if hkv < 1 or hq % hkv:
         raise ValueError(f"{q.shape=}: Hq must be a multiple of Hkv ({k_pages.shape=})")
-    if q.dtype not in floats or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    same = ((lambda a: pool_bits.holds(a, q.dtype)) if bits_pools
+            else (lambda a: jnp.dtype(a) == q.dtype))
+    if q.dtype not in floats or not same(k_pages.dtype) or not same(v_pages.dtype):
         raise ValueError(f"{q.dtype=}, {k_pages.dtype=}, {v_pages.dtype=} must all be "
-                         "float32 or all bfloat16")
+                         "float32 or all bfloat16" + (" (pools: or uint16 bits)" if bits_pools
+                                                      else ""))
     check_ragged_metadata(page_table, kv_lens, cu_q_lens, num_seqs)
     if sinks is not None and (sinks.shape != (hq,) or not jnp.issubdtype(sinks.dtype,
                                                                           jnp.floating)):
@@ -344,7 +348,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     del interpret
     scale = _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                          sinks=sinks)
+                          sinks=sinks, bits_pools=True)
     t, hq, d = q.shape
     _, page_size, hkv, _ = k_pages.shape
     s, max_pages = page_table.shape
@@ -380,9 +384,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                 & (kpos < max_pages * page_size)[None, :])
         if sliding_window is not None:
             keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
-        # 16-bit pools are gathered as their bits (XLA:CPU would upcast the whole pool)
-        k = pool_bits.take(k_pages, pages).reshape(span, hkv, d).astype(jnp.float32)
-        v = pool_bits.take(v_pages, pages).reshape(span, hkv, d).astype(jnp.float32)
+        # uint16 pools hold bf16 / f16 bits (pool_bits): only the gathered pages are bitcast
+        k = pool_bits.take(k_pages, pages, q.dtype).reshape(span, hkv, d).astype(jnp.float32)
+        v = pool_bits.take(v_pages, pages, q.dtype).reshape(span, hkv, d).astype(jnp.float32)
         v = jnp.where(jnp.any(keep, axis=0)[:, None, None], v, 0.0)  # NaN * 0 = NaN
         qg = q[jnp.minimum(tok, t - 1)].astype(jnp.float32).reshape(bq, hkv, group, d)
         logits = jnp.einsum("qhgd,lhd->qhgl", qg, k, precision=lax.Precision.HIGHEST) * scale

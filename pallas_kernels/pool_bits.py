@@ -1,11 +1,13 @@
-"""Gathers and scatters of 16-bit float arrays moved as their integer bits.
+"""Page pools of 16-bit floats stored as their uint16 bits (the CPU reference path).
 
-XLA:CPU has no bfloat16 / float16 gather or scatter: its float normalization upcasts the whole
-operand to float32 around each one (and converts the result back). For a bf16 page pool that is a
-full float32 copy of every layer's pool on every K/V write and every page read: a SmolLM2 bf16
-decode step of 16 tokens took 884 ms against 139 ms in float32 (benchmarks/README.md, "bfloat16
-on XLA:CPU"). Moving the same 16 bits as uint16 is exact, native on every backend, and the
-bitcasts around it cost nothing. Other dtypes go through unchanged.
+XLA:CPU has no bfloat16 / float16 scatter: float normalization upcasts the whole operand to
+float32 and back around each one, so a bf16 pool costs a full float32 copy of every layer's pool
+on every K/V write (SmolLM2 bf16, a 16-token decode step: 884 ms against 139 ms in float32). A
+`bitcast_convert_type` of the whole pool is no way out either: XLA:CPU materializes it as a copy
+too. So the runtime stores such pools as uint16 from the start (`storage_dtype`): writes bitcast
+the few new rows to uint16, reads gather uint16 rows and bitcast only those back. Both are exact;
+no pool-sized array is ever converted or copied. Float pools (float32, or 16-bit pools handed to
+the Pallas kernels) go through the plain ops unchanged.
 """
 
 from __future__ import annotations
@@ -16,28 +18,41 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+BITS = jnp.dtype(jnp.uint16)
 
-def _bits(dtype: Any) -> Any:
-    """uint16 for a 16-bit float dtype, else None."""
+
+def is_half(dtype: Any) -> bool:
+    """True for a 16-bit float dtype (bfloat16, float16)."""
     dtype = jnp.dtype(dtype)
-    return jnp.uint16 if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) else None
+    return dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def take(table: jax.Array, index: Any) -> jax.Array:
-    """`table[index]` (any numpy-style index: arrays, tuples of arrays)."""
-    bits = _bits(table.dtype)
-    if bits is None:
-        return table[index]
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(table, bits)[index], table.dtype)
+def storage_dtype(dtype: Any) -> jnp.dtype:
+    """The pool dtype that holds values of `dtype` on the reference path: uint16 for 16-bit
+    floats, else `dtype` itself."""
+    return BITS if is_half(dtype) else jnp.dtype(dtype)
 
 
-def scatter_set(array: jax.Array, index: Any, values: jax.Array, *,
+def holds(pool_dtype: Any, dtype: Any) -> bool:
+    """True when a pool of `pool_dtype` holds values of `dtype` (itself, or its uint16 bits)."""
+    return jnp.dtype(pool_dtype) == jnp.dtype(dtype) or (jnp.dtype(pool_dtype) == BITS
+                                                         and is_half(dtype))
+
+
+def take(pool: jax.Array, index: Any, dtype: Any) -> jax.Array:
+    """`pool[index]` as values of `dtype` (any numpy-style index); uint16 rows are bitcast."""
+    rows = pool[index]
+    if rows.dtype == BITS and is_half(dtype):
+        return lax.bitcast_convert_type(rows, dtype)
+    return rows
+
+
+def scatter_set(pool: jax.Array, index: Any, values: jax.Array, *,
                 mode: str = "drop") -> jax.Array:
-    """`array.at[index].set(values.astype(array.dtype), mode=mode)`."""
-    values = values.astype(array.dtype)
-    bits = _bits(array.dtype)
-    if bits is None:
-        return array.at[index].set(values, mode=mode)
-    out = lax.bitcast_convert_type(array, bits).at[index].set(
-        lax.bitcast_convert_type(values, bits), mode=mode)
-    return lax.bitcast_convert_type(out, array.dtype)
+    """`pool.at[index].set(values, mode=mode)`; a uint16 pool takes 16-bit float values as
+    their bits, any other pool takes `values.astype(pool.dtype)`."""
+    if pool.dtype == BITS:
+        if not is_half(values.dtype):
+            raise ValueError(f"{values.dtype=}: a uint16 pool holds 16-bit float bits")
+        return pool.at[index].set(lax.bitcast_convert_type(values, BITS), mode=mode)
+    return pool.at[index].set(values.astype(pool.dtype), mode=mode)

@@ -47,15 +47,18 @@ class ShortConvConfig:
 
 def _check_inputs(x: jax.Array, conv_pages: jax.Array, page_table: jax.Array,
                   kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-                  weight: jax.Array, bias: jax.Array | None) -> None:
+                  weight: jax.Array, bias: jax.Array | None, bits_pools: bool = False) -> None:
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{x.shape=} ({x.dtype}) must be float [T, C]")
     t, c = x.shape
     if conv_pages.ndim != 3 or conv_pages.shape[2] != c:
         raise ValueError(f"{conv_pages.shape=} must be [P, page_size, C] with C={c} "
                          f"({x.shape=})")
-    if not jnp.issubdtype(conv_pages.dtype, jnp.floating):
-        raise ValueError(f"{conv_pages.dtype=} must be floating")
+    # the reference also takes a bf16 / f16 pool as its uint16 bits (pool_bits)
+    bits = bits_pools and pool_bits.holds(conv_pages.dtype, x.dtype)
+    if not (jnp.issubdtype(conv_pages.dtype, jnp.floating) or bits):
+        raise ValueError(f"{conv_pages.dtype=} must be floating" + (
+            f" (or uint16 bits of {x.dtype=})" if bits_pools else ""))
     if weight.ndim != 2 or weight.shape[1] != c or weight.shape[0] < 1:
         raise ValueError(f"{weight.shape=} must be [K >= 1, C] with C={c}")
     if bias is not None and bias.shape != (c,):
@@ -139,7 +142,8 @@ def short_conv_reference(x: jax.Array, conv_pages: jax.Array, page_table: jax.Ar
                          interpret: bool = False) -> jax.Array:
     """Pure-jnp twin of `short_conv` (same arguments and result; `interpret` is ignored)."""
     del interpret
-    _check_inputs(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs, weight, bias)
+    _check_inputs(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs, weight, bias,
+                  bits_pools=True)
     t, c = x.shape
     _, page_size, _ = conv_pages.shape
     max_pages = page_table.shape[1]
@@ -153,7 +157,7 @@ def short_conv_reference(x: jax.Array, conv_pages: jax.Array, page_table: jax.Ar
         from_pool = lay.valid & (p < lay.chunk_start) & (p >= 0)
         xv = x[jnp.clip(tok - (taps - 1) + j, 0, t - 1)].astype(jnp.float32)
         page = page_table[lay.seq, jnp.clip(p // page_size, 0, max_pages - 1)]
-        pv = pool_bits.take(conv_pages, (page, p % page_size)).astype(jnp.float32)
+        pv = pool_bits.take(conv_pages, (page, p % page_size), x.dtype).astype(jnp.float32)
         tap = jnp.where(from_x[:, None], xv, jnp.where(from_pool[:, None], pv, 0.0))
         acc = acc + tap * weight[j].astype(jnp.float32)
     if bias is not None:

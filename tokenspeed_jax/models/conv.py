@@ -79,7 +79,7 @@ class ShortConv(nnx.Module):
         pool = cache["conv"]
         num_pages, bs, h = pool.shape
         flat = pool.reshape(num_pages * bs, h)
-        flat = pool_bits.scatter_set(flat, batch.write_idx[group], u)  # 16-bit: as bits
+        flat = pool_bits.scatter_set(flat, batch.write_idx[group], u)  # uint16 pool: as bits
         new_cache = {"conv": flat.reshape(num_pages, bs, h)}
         bias = None if self.conv_bias is None else self.conv_bias[...]
         y = conv_fn(

@@ -29,6 +29,7 @@ from tokenspeed_jax.models.layers import (
     Linear,
     RMSNorm,
     apply_rope,
+    matmul,
     rope_attention_factor,
     rope_inv_freq,
 )
@@ -99,7 +100,7 @@ class Attention(nnx.Module):
             pool = cache[name]
             p, bs = pool.shape[:2]
             flat = pool.reshape(p * bs, *pool.shape[2:])
-            # 16-bit pools are written as their bits (XLA:CPU would upcast the whole pool)
+            # a uint16 pool takes bf16 / f16 rows as bits (pool_bits: XLA:CPU has no bf16 scatter)
             new[name] = pool_bits.scatter_set(flat, idx, val).reshape(pool.shape)
         out = attn_fn(
             q,
@@ -185,13 +186,13 @@ class CausalLM(nnx.Module):
 
     def embed(self, token_ids: jax.Array) -> jax.Array:
         """i32[T] -> f[T, H]; Gemma scales by sqrt(H) rounded to the model dtype, as HF does."""
-        x = pool_bits.take(self.embed_tokens[...], token_ids)  # bf16: no f32 copy of the table
+        x = self.embed_tokens[...][token_ids]
         return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden f[..., H] -> float32 logits f32[..., V] (soft-capped for Gemma 2)."""
         if self.lm_head is None:
-            out = hidden @ self.embed_tokens[...].T
+            out = matmul(hidden, self.embed_tokens[...], w_transposed=True)
         else:
             out = self.lm_head(hidden)
         out = out.astype(jnp.float32)

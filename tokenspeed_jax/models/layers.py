@@ -25,8 +25,22 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), cfg.dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...]
+        y = matmul(x, self.kernel[...])
         return y + self.bias[...] if self.bias is not None else y
+
+
+def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Array:
+    """x f[..., K] @ w f[K, N] (w_transposed: w f[N, K], contracted on its last axis, e.g. a tied
+    embedding table) in x's dtype, accumulated in float32.
+
+    Asking for the float32 result is what lets XLA:CPU run a bf16 dot natively (its library
+    path takes bf16 inputs with an f32 output); a bf16 result makes it upcast both operands to
+    float32 first, i.e. convert every weight matrix on every step (SmolLM2 bf16: 212 converts,
+    most of a decode step). Same numbers either way: f32 accumulation, rounded to x's dtype.
+    """
+    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1 if w_transposed else 0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from pallas_kernels import pool_bits
 from scheduler.cache_layout import CacheLayout
 from scheduler.page_table_oracle import clamped_rows
 from scheduler.step_ops import StepOps
@@ -182,6 +183,10 @@ class ModelRunner:
             init_state, model_config, layout.layer_groups, layout.page_sizes, layout.widths,
             num_pages=layout.num_pages, max_live_requests=layout.max_live_requests,
             runs=None if self._scan is None else self._scan.runs,
+            # the jnp reference keeps bf16 / f16 pools as uint16 bits: XLA:CPU has no bf16
+            # scatter and would copy every pool to float32 and back on each write (pool_bits)
+            pool_dtype=pool_bits.storage_dtype(model_config.dtype)
+            if self.backend == "reference" else None,
         )  # fmt: skip
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
         make_penalties = functools.partial(init_penalty_state, layout.max_live_requests,

