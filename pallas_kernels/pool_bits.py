@@ -30,7 +30,8 @@ def is_half(dtype: Any) -> bool:
 def storage_dtype(dtype: Any) -> jnp.dtype:
     """The pool dtype that holds values of `dtype` on the reference path: uint16 for 16-bit
     floats, else `dtype` itself."""
-    return BITS if is_half(dtype) else jnp.dtype(dtype)
+    out: jnp.dtype = BITS if is_half(dtype) else jnp.dtype(dtype)
+    return out
 
 
 def holds(pool_dtype: Any, dtype: Any) -> bool:

@@ -30,7 +30,7 @@ from tokenspeed_jax.cli.common import (
 )
 
 BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap", "startup",
-              "shape_ladder", "scan_layers")
+              "shape_ladder", "scan_layers", "vs_vllm", "step_profile")
 
 
 def cmd_run(args) -> int:
