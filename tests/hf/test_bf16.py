@@ -24,8 +24,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pallas_kernels import pool_bits  # noqa: E402
 from tokenspeed_jax import LLM, SamplingParams  # noqa: E402
+from tokenspeed_jax.runtime.backends import pool_dtype  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -54,8 +54,10 @@ def test_bf16_matches_float32(hf_checkpoints, family):
         runs[dtype] = llm.generate(prompts, sp)
         caches = llm.engine.runner.state.caches
         # the CPU reference keeps bf16 pools as their uint16 bits (pallas_kernels.pool_bits)
-        want = pool_bits.storage_dtype(dtype) if jax.default_backend() == "cpu" else dtype
-        assert all(a.dtype == jnp.dtype(want) for c in caches for a in c.values())
+        want = jnp.dtype(pool_dtype(llm.engine.runner.backend, dtype))
+        assert want == (jnp.uint16 if dtype == "bfloat16" and jax.default_backend() == "cpu"
+                        else jnp.dtype(dtype))
+        assert all(a.dtype == want for c in caches for a in c.values())
         assert llm.model_config.dtype == dtype
     hf_max, hf_mean = _transformers_bf16_error(path, prompts)
     agree, worst_prompt, mean_prompt, worst_gen = [], 0.0, [], 0.0

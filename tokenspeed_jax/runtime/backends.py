@@ -18,11 +18,12 @@ import jax
 from pallas_kernels import (
     paged_attention,
     paged_attention_reference,
+    pool_bits,
     short_conv,
     short_conv_reference,
 )
 
-__all__ = ["BACKENDS", "get_paged_attention", "get_short_conv", "resolve_backend"]
+__all__ = ["BACKENDS", "get_paged_attention", "get_short_conv", "pool_dtype", "resolve_backend"]
 
 BACKENDS = ("auto", "pallas", "reference")
 
@@ -51,3 +52,13 @@ def get_short_conv(backend: str) -> Callable:
     if resolve_backend(backend) == "reference":
         return short_conv_reference
     return short_conv if jax.default_backend() == "gpu" else functools.partial(short_conv, interpret=True)
+
+
+def pool_dtype(backend: str, dtype: str) -> str:
+    """The storage dtype of the page pools of a `dtype` model under `backend`: the jnp reference
+    keeps bf16 / f16 pools as their uint16 bits (XLA:CPU has no bf16 scatter and would copy
+    every pool to float32 and back on each write; `pallas_kernels.pool_bits`), the Pallas
+    kernels read float pools."""
+    if resolve_backend(backend) == "reference":
+        return str(pool_bits.storage_dtype(dtype))
+    return dtype

@@ -37,7 +37,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from pallas_kernels import pool_bits
 from scheduler.cache_layout import CacheLayout
 from scheduler.page_table_oracle import clamped_rows
 from scheduler.step_ops import StepOps
@@ -47,7 +46,12 @@ from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.models.layer_scan import ScannedGraph
 from tokenspeed_jax.page_table import update_rows
 from tokenspeed_jax.runtime import executables
-from tokenspeed_jax.runtime.backends import get_paged_attention, get_short_conv, resolve_backend
+from tokenspeed_jax.runtime.backends import (
+    get_paged_attention,
+    get_short_conv,
+    pool_dtype,
+    resolve_backend,
+)
 from tokenspeed_jax.runtime.executables import ExecutableStore
 from tokenspeed_jax.runtime.sampling import PenaltyState, init_penalty_state, sample_rows
 from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET, ShapePolicy, StepShape
@@ -172,10 +176,9 @@ class ModelRunner:
             prepare_model(model, tp.tp)  # conv in_proj re-layout (before the split)
         # scan_layers: the layers' params and pools stacked per run of identical layers, applied
         # by lax.scan (models/layer_scan.py): one layer body to trace and compile, not L
-        self.scan_layers = bool(scan_layers)
         self._scan: ScannedGraph | None = None
         params: Any  # the model's nnx.State, or scan_layers' {"shell", "runs"}
-        if self.scan_layers:
+        if scan_layers:
             self._scan, params = ScannedGraph.split(model, layout.layer_groups)
         else:
             self._graphdef, params = nnx.split(model)
@@ -183,10 +186,7 @@ class ModelRunner:
             init_state, model_config, layout.layer_groups, layout.page_sizes, layout.widths,
             num_pages=layout.num_pages, max_live_requests=layout.max_live_requests,
             runs=None if self._scan is None else self._scan.runs,
-            # the jnp reference keeps bf16 / f16 pools as uint16 bits: XLA:CPU has no bf16
-            # scatter and would copy every pool to float32 and back on each write (pool_bits)
-            pool_dtype=pool_bits.storage_dtype(model_config.dtype)
-            if self.backend == "reference" else None,
+            pool_dtype=pool_dtype(self.backend, model_config.dtype),  # bf16 as bits (reference)
         )  # fmt: skip
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
         make_penalties = functools.partial(init_penalty_state, layout.max_live_requests,
@@ -254,6 +254,11 @@ class ModelRunner:
                 tokens, logprobs, plp, top)
 
     # ------------------------------------------------------------------ host side
+    @property
+    def scan_layers(self) -> bool:
+        """Whether runs of identical layers are stacked and scanned (`models.layer_scan`)."""
+        return self._scan is not None
+
     @property
     def tp(self) -> TensorParallel | None:
         """The tensor-parallel wiring over the runner's mesh; None on the single-device path."""

@@ -125,7 +125,7 @@ def init_state(
     num_pages: int,
     max_live_requests: int,
     runs: tuple[LayerRun, ...] | None = None,
-    pool_dtype=None,
+    pool_dtype: str | None = None,
 ) -> DeviceState:
     """All-zero mirrors (every column a hole) and all-zero pools (page 0 stays zero forever).
 
