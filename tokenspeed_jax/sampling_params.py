@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 from scheduler.sampling_options import LIMITS, SamplingOptions, check
 
@@ -22,7 +23,12 @@ class SamplingParams:
     logit_bias ({token id: bias}) modify the logits before sampling, on the device (OpenAI /
     vLLM semantics, see `tokenspeed_jax.runtime.sampling`); requests using a penalty do not take
     prefix-cache hits (their token counts are rebuilt from their own inputs).
-    Every field but max_tokens, logprobs and ignore_eos is validated with the scheduler's one
+    structured_outputs: constrain the output with exactly one of {"json": schema},
+    {"json_object": True}, {"regex": pattern}, {"choice": [str, ...]} or {"grammar": Lark or
+    GBNF text} (vLLM's spelling; see `tokenspeed_jax.structured.spec`). Compiled and checked
+    here; the request ends ("stop") when the grammar is complete, and `length` leaves a valid
+    prefix.
+    Every field but max_tokens, logprobs, ignore_eos and structured_outputs is validated with the scheduler's one
     limits table (`scheduler.sampling_options.LIMITS`; an error names the field and its rule),
     and `to_options()` builds the scheduler's record of them.
     """
@@ -41,6 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
@@ -52,6 +59,19 @@ class SamplingParams:
                 if f.name == "logit_bias":
                     value = None if self.logit_bias is None else dict(value)
                 object.__setattr__(self, f.name, value)
+        if self.structured_outputs is not None:
+            from tokenspeed_jax.structured.spec import compile_spec
+
+            spec = dict(self.structured_outputs) if isinstance(
+                self.structured_outputs, dict) else self.structured_outputs
+            grammar = compile_spec(spec)  # ValueError naming structured_outputs.<kind>
+            object.__setattr__(self, "structured_outputs", spec)
+            object.__setattr__(self, "_grammar", grammar)
+
+    @property
+    def grammar(self) -> str | None:
+        """The llguidance grammar compiled from `structured_outputs` (None = unconstrained)."""
+        return getattr(self, "_grammar", None)
 
     def to_options(self, eos_token_ids: Iterable[int] = ()) -> SamplingOptions:
         """The scheduler's sampling record of these params (its fields of the same names); the

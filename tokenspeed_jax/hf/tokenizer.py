@@ -79,6 +79,11 @@ class HFTokenizer:
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         return cls(Tokenizer.from_file(file), config=config, chat_template=template, model_eos=model_eos)
 
+    @property
+    def backend(self):
+        """The wrapped `tokenizers.Tokenizer` (structured outputs hand it to llguidance)."""
+        return self._tok
+
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
