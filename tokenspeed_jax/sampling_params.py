@@ -28,9 +28,9 @@ class SamplingParams:
     GBNF text} (vLLM's spelling; see `tokenspeed_jax.structured.spec`). Compiled and checked
     here; the request ends ("stop") when the grammar is complete, and `length` leaves a valid
     prefix.
-    Every field but max_tokens, logprobs, ignore_eos and structured_outputs is validated with the scheduler's one
-    limits table (`scheduler.sampling_options.LIMITS`; an error names the field and its rule),
-    and `to_options()` builds the scheduler's record of them.
+    Every field but max_tokens, logprobs, ignore_eos and structured_outputs is validated with
+    the scheduler's one limits table (`scheduler.sampling_options.LIMITS`; an error names the
+    field and its rule), and `to_options()` builds the scheduler's record of them.
     """
 
     max_tokens: int = 16

@@ -290,10 +290,17 @@ class DistributedRunner:
             raise RuntimeError(lost) from e
         raise e
 
-    def dispatch(self, ops: StepOps) -> StepHandle:
+    # structured outputs' token masks are not broadcast to the followers (yet): the engine
+    # refuses constrained requests on this runtime instead of running them unconstrained
+    supports_token_mask = False
+
+    def dispatch(self, ops: StepOps, token_mask: np.ndarray | None = None) -> StepHandle:
         """Leader: broadcast `ops` and run it everywhere (blocks until every process ran it, so a
         dead follower surfaces here); returns the runner's `StepHandle`. Defined here, not left
         to the wrapped runner, so the overlapped engine loop broadcasts too."""
+        if token_mask is not None:
+            raise ValueError("token masks (structured outputs) are not supported on the "
+                             "multi-process runtime")
         r = self.runner
         if ops.num_seqs == 0:
             return r.dispatch(ops)  # empty steps never reach the device (nor the followers)

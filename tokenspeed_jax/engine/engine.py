@@ -12,6 +12,13 @@ Two loops (`async_scheduling`):
     step N+1 on the device (`StepOps.token_from_prev`), and the scheduler's plan-ahead rules
     keep pages, finishes and aborts exact (scheduler/scheduler.py).
 `StepClock` (stats) shows the overlap: host, wait and critical-path time per step.
+
+Structured outputs (`SamplingParams.structured_outputs`): the engine keeps one grammar matcher
+per constrained request (`structured.GrammarBook`), advances it with every token the scheduler
+applies, and sends the step's bitmask with the StepOps. A matcher needs its request's previous
+token before the next mask, so the overlapped loop waits for the step in flight first when (and
+only when) the next step samples a constrained request that has a token in that step. A grammar
+that is complete ends its request ("stop") at once, without an EOS.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from scheduler import Scheduler, SchedulerConfig, StepOps
 from tokenspeed_jax.engine.step_clock import StepClock
 from tokenspeed_jax.outputs import CompletionOutput, RequestMetrics
 from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.structured.book import GrammarBook
 
 if TYPE_CHECKING:  # the runner module imports jax; the engine itself does not need it
     from scheduler.cache_layout import CacheLayout
@@ -47,8 +55,9 @@ class Runner(Protocol):
     def layout(self) -> CacheLayout:
         """The setup value the runner was built from (honor_full_refresh)."""
 
-    def dispatch(self, ops: StepOps) -> StepHandle:
-        """Enqueue one step on the device and return at once."""
+    def dispatch(self, ops: StepOps, token_mask: np.ndarray | None = None) -> StepHandle:
+        """Enqueue one step on the device and return at once (token_mask: structured outputs'
+        i32[R, ceil(V / 32)] allowed tokens, or None; runners with `supports_token_mask`)."""
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Block until a dispatched step is done; its host results."""
@@ -142,6 +151,7 @@ class Engine:
         # LLM.generate while a server thread drives the same engine) would reuse donated device
         # buffers, so it is refused loudly instead.
         self._stepping = threading.Lock()
+        self._grammars: GrammarBook | None = None  # built with the first constrained request
 
     # ------------------------------------------------------------------ requests
     def _check_ids(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
@@ -159,6 +169,12 @@ class Engine:
             bad = [t for t in toks if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{what} {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if params.grammar is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs an engine with a tokenizer")
+            if not getattr(self.runner, "supports_token_mask", False):
+                raise ValueError("structured_outputs is not supported by this runtime "
+                                 f"({type(self.runner).__name__})")
         return ids
 
     def validate(self, prompt: Sequence[int], params: SamplingParams) -> CheckedPrompt:
@@ -184,21 +200,37 @@ class Engine:
         else:
             ids = self._check_ids(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.scheduler.add_request(rid, ids, params.max_tokens,
-                                   sampling=params.to_options(self.eos_token_ids))
+        if params.grammar is not None:
+            if rid in self._tracks:  # the scheduler refuses it too; keep the live matcher
+                raise ValueError(f"request id {rid!r} is already live")
+            self._book().add(rid, params.grammar)  # ValueError: nothing queued
+        try:
+            self.scheduler.add_request(rid, ids, params.max_tokens,
+                                       sampling=params.to_options(self.eos_token_ids))
+        except BaseException:
+            if params.grammar is not None:
+                self._book().drop(rid)
+            raise
         track = self._tracks[rid] = _Track(ids, params)
         self.outstanding_tokens += track.cost
         return rid
 
-    def abort(self, request_id: str) -> CompletionOutput | None:
+    def abort(self, request_id: str, finish_reason: str = "abort") -> CompletionOutput | None:
         """Drop a live request (its pages come back at once) and return its output so far
-        (finish_reason "abort"); None when it is unknown or already finished."""
+        (`finish_reason`, "abort" unless the caller ended it for another reason, e.g. a stop
+        string: "stop"); None when it is unknown or already finished."""
         track = self._pop(request_id)
         if track is None:
             return None
         self.scheduler.abort(request_id)
         track.metrics.finish_time = time.perf_counter()
-        return self._output(request_id, track, track.token_ids, "abort")
+        return self._output(request_id, track, track.token_ids, finish_reason)
+
+    def _book(self) -> GrammarBook:
+        if self._grammars is None:
+            self._grammars = GrammarBook(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                         self.scheduler.config.max_batch_requests)
+        return self._grammars
 
     def stream(self, request_id: str, start: int = 0) -> StreamState | None:
         """A live request's generated ids from `start` on, with their logprobs / top-k lists
@@ -216,6 +248,8 @@ class Engine:
         track = self._tracks.pop(request_id, None)
         if track is not None:
             self.outstanding_tokens -= track.cost
+            if self._grammars is not None:
+                self._grammars.drop(request_id)
         return track
 
     def has_unfinished(self) -> bool:
@@ -237,21 +271,26 @@ class Engine:
         clock.probe()
         ops = self.scheduler.schedule()
         clock.probe()
-        handle = self._dispatch(ops, self._inflight is not None) if ops.num_seqs else None
-        prev, outs = self._inflight, []
+        outs: list[CompletionOutput] = []
+        mask = None
+        if ops.num_seqs and self._grammars is not None and len(self._grammars):
+            outs, mask = self._constrain(ops)
+        handle = self._dispatch(ops, self._inflight is not None, mask) if ops.num_seqs else None
+        prev = self._inflight
         if self.async_scheduling:
             self._inflight = None if handle is None else (ops, handle)
         else:
             prev = None if handle is None else (ops, handle)
         if prev is not None:
-            outs = self._finish(*prev)
+            outs += self._finish(*prev)
             if handle is None and self.async_scheduling and self.scheduler.has_unfinished():
                 # nothing could be planned behind the step in flight (its requests all end in
                 # it): now that it has freed their slots and pages, refill the device at once,
                 # as the synchronous loop would, instead of idling through the caller's turn
                 ops = self.scheduler.schedule()
                 if ops.num_seqs:
-                    self._inflight = (ops, self._dispatch(ops, False))
+                    mask = self._constrain(ops)[1] if self._grammars is not None else None
+                    self._inflight = (ops, self._dispatch(ops, False, mask))
         elif handle is None and self.scheduler.has_unfinished():
             # nothing runs, nothing is in flight and the queue head cannot be admitted: no
             # later step can differ, so fail loudly instead of spinning
@@ -271,8 +310,31 @@ class Engine:
         finally:
             self._stepping.release()
 
-    def _dispatch(self, ops: StepOps, pipelined: bool) -> StepHandle:
-        handle = self.runner.dispatch(ops)
+    def _constrain(self, ops: StepOps) -> tuple[list[CompletionOutput], np.ndarray | None]:
+        """The bitmask of `ops`' constrained sampling rows (None: there are none). When one of
+        them has a token in the step in flight, that step is finished first (its outputs are
+        returned): the matcher must see that token before the next mask."""
+        book = self._grammars
+        assert book is not None
+        n = ops.num_seqs
+        rows = book.constrained_rows(ops.request_ids, ops.sample_mask, n)
+        if not rows:
+            return [], None
+        outs: list[CompletionOutput] = []
+        if self._inflight is not None:
+            prev_ops = self._inflight[0]
+            pending = {r for _, r in book.constrained_rows(
+                prev_ops.request_ids, prev_ops.sample_mask, prev_ops.num_seqs)}
+            if any(r in pending for _, r in rows):
+                prev, self._inflight = self._inflight, None
+                outs = self._finish(*prev)
+                rows = book.constrained_rows(ops.request_ids, ops.sample_mask, n)
+        return outs, (book.bitmask(rows) if rows else None)
+
+    def _dispatch(self, ops: StepOps, pipelined: bool,
+                  token_mask: np.ndarray | None = None) -> StepHandle:
+        handle = (self.runner.dispatch(ops) if token_mask is None
+                  else self.runner.dispatch(ops, token_mask))
         self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_seqs, pipelined=pipelined)
         checker = self.scheduler.mirror_checker
         if checker is not None:
@@ -299,7 +361,7 @@ class Engine:
         self.clock.waited(now - t, blocked)
         update = self.scheduler.update_step(ops, result.sampled)
         finished = update.finished
-        self._route_logprobs(ops, result, now, update.applied)
+        ended = self._route_logprobs(ops, result, now, update.applied)
         self.num_steps += 1
         self.num_prefill_tokens += int(ops.num_tokens - ops.sample_mask[:ops.num_seqs].sum())
         outs = []
@@ -310,13 +372,23 @@ class Engine:
             track.metrics.num_cached_tokens = fin.num_cached_tokens
             track.metrics.num_retractions = fin.num_retractions
             outs.append(self._output(fin.request_id, track, fin.token_ids, fin.finish_reason))
+            if self._grammars is not None:
+                self._grammars.drop(fin.request_id)
+        for rid in ended:  # grammar complete: ends here, whatever the scheduler planned next
+            out = self.abort(rid, finish_reason="stop") if rid in self._tracks else None
+            if out is not None:
+                out.metrics.finish_time = now
+                outs.append(out)
         return outs
 
     def _route_logprobs(self, ops: StepOps, result: StepResult, now: float,
-                        applied: list[bool]) -> None:
+                        applied: list[bool]) -> list[str]:
         """Sampled ids and logprobs of the rows whose results the scheduler applied, to their
         requests' tracks (a row planned behind a request that finished or was aborted meanwhile
-        produced nothing for anyone); the same rows append to the scheduler's `Request.tokens`."""
+        produced nothing for anyone); the same rows append to the scheduler's `Request.tokens`.
+        Constrained requests' matchers advance; returns the ids whose grammar is complete."""
+        book = self._grammars if self._grammars is not None and len(self._grammars) else None
+        ended: list[str] = []
         # plain Python over the rows (numpy scalar indexing per row costs more than the work)
         rids, tracks = ops.request_ids, self._tracks
         n = ops.num_seqs
@@ -333,6 +405,8 @@ class Engine:
             if track is None:
                 continue
             track.token_ids.append(sampled[i])
+            if book is not None and book.advance(rids[i], sampled[i]):
+                ended.append(rids[i])
             metrics = track.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -355,6 +429,7 @@ class Engine:
                 track = self._tracks.get(ops.request_ids[row])
                 if track is not None and track.prompt_logprobs is not None:
                     track.prompt_logprobs[int(ops.positions[t]) + 1] = float(plp[t])
+        return ended
 
     def _output(self, rid: str, track: _Track, token_ids: list[int],
                 reason: str) -> CompletionOutput:
@@ -399,5 +474,7 @@ class Engine:
         out.update(self.clock.summary())
         out["num_compiles"] = self.runner.num_compiles
         out["startup"] = self.startup_stats()
+        if self._grammars is not None:
+            out.update(self._grammars.stats())
         return out
 

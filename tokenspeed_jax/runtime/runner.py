@@ -7,6 +7,10 @@ state) -> paged forward (K/V + conv writes, attention through the page tables) -
 (`sampling.sample_rows`: + top-k and prompt logprobs when the step asks for any; each sampling
 row's token is kept as its slot's last token).
 
+Structured outputs: the step also takes `token_mask` i32[R, ceil(V / 32)], the host's bitmask of
+allowed tokens per row (`structured.GrammarBook`); a step with no constrained row passes a
+device-resident all-ones constant (no transfer) and the sampler skips the mask (lax.cond).
+
 `dispatch(ops)` only enqueues the step (JAX dispatch is asynchronous) and returns a handle;
 `collect(handle)` blocks for its host results; `step = collect(dispatch(ops))`. The overlapped
 engine dispatches step N+1 before collecting step N.
@@ -207,19 +211,26 @@ class ModelRunner:
             self.penalties = jax.jit(make_penalties, out_shardings=rep)()
             self._attn, self._conv = tp.wrap_attention(self._attn), tp.wrap_conv(self._conv)
             self._gather_logits = tp.gather_logits  # vocab-sharded: the sampler wants whole rows
-            shardings = dict(in_shardings=(jax.tree.leaves(param_sh), state_sh, rep, rep, rep),
+            shardings = dict(in_shardings=(jax.tree.leaves(param_sh), state_sh, rep, rep, rep, rep),
                              out_shardings=(state_sh, rep, rep, rep, rep, rep))
         self.params = params
         # The jitted step takes the params as their flat list of arrays: flattening the nnx.State
         # (a Python callback per Variable) on every call cost ~0.1 ms of host time per step.
         self.param_leaves, self._param_def = jax.tree.flatten(self.params)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnums=(5,),
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnums=(6,),
                              **shardings)
+        # every bit set: the token mask of steps with no constrained row (never transferred)
+        self.mask_words = (model_config.vocab_size + 31) // 32
+        self._no_mask = jnp.full((self.max_batch_requests, self.mask_words), -1, jnp.int32)
+        if tp is not None:
+            self._no_mask = jax.device_put(self._no_mask, tp.replicated)
         # what the step is compiled for, fixed at construction: lowering never reads the live
         # (donated) state arrays, so a background compile runs beside the step loop
         self._abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             (self.param_leaves, self.state, self.penalties))
+        self._mask_abstract = jax.ShapeDtypeStruct(self._no_mask.shape, jnp.int32,
+                                                   sharding=self._no_mask.sharding)
         self._input_sharding = None if tp is None else tp.replicated
         devices = None if mesh is None else list(mesh.devices.flat)
         self.programs = StepPrograms(
@@ -228,7 +239,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device side
     def _step_impl(self, param_leaves: list[jax.Array], state: DeviceState, penalties: PenaltyState,
-                   i32: jax.Array, f32: jax.Array,
+                   i32: jax.Array, f32: jax.Array, token_mask: jax.Array,
                    layout: StepLayout) -> tuple[DeviceState, PenaltyState, *StepOutputs]:
         self.num_compiles += 1  # Python body runs once per trace = once per compile
         ops = unpack(i32, f32, layout)
@@ -249,11 +260,14 @@ class ModelRunner:
             hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
         penalties, last_tokens, tokens, logprobs, plp, top = sample_rows(
             hidden, ops, penalties, state.last_tokens, lm_head=model.logits,
-            max_rows=self.max_batch_requests, gather_logits=self._gather_logits)
+            max_rows=self.max_batch_requests, gather_logits=self._gather_logits,
+            token_mask=token_mask)
         return (DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens), penalties,
                 tokens, logprobs, plp, top)
 
     # ------------------------------------------------------------------ host side
+    supports_token_mask = True  # `dispatch(ops, token_mask)` (structured outputs)
+
     @property
     def scan_layers(self) -> bool:
         """Whether runs of identical layers are stacked and scanned (`models.layer_scan`)."""
@@ -284,19 +298,24 @@ class ModelRunner:
                                                     cols)
         return lay
 
-    def execute(self, shape: StepShape, i32: np.ndarray | jax.Array, f32: np.ndarray | jax.Array
-                ) -> StepOutputs:
+    def execute(self, shape: StepShape, i32: np.ndarray | jax.Array, f32: np.ndarray | jax.Array,
+                token_mask: np.ndarray | None = None) -> StepOutputs:
         """Enqueue the jitted step on packed inputs and return its device outputs at once.
 
         shape: the step's (token bucket, kv level); i32 int32[L.i32_size], f32 float32[L.f32_size]
         with L = `step_layout(shape)` (`step_inputs.pack`), numpy or already on the devices (under
-        tensor parallelism: replicated over the mesh). The device state advances to the step's
+        tensor parallelism: replicated over the mesh). token_mask: i32[R, ceil(V / 32)] allowed
+        tokens per row (None = all). The device state advances to the step's
         output futures. Returns (tokens i32[R], logprobs f32[R], prompt logprobs f32[T_b],
         (top ids i32[R, K], top logprobs f32[R, K])), T_b = the token bucket.
         """
         fn = self.programs.get(shape) or self.programs.prepare(shape)
+        if token_mask is None:
+            token_mask = self._no_mask
+        elif self._tp is not None:
+            token_mask = jax.device_put(token_mask, self._tp.replicated)
         self.state, self.penalties, tokens, logprobs, plp, top = fn(
-            self.param_leaves, self.state, self.penalties, i32, f32)
+            self.param_leaves, self.state, self.penalties, i32, f32, token_mask)
         return tokens, logprobs, plp, top
 
     # ------------------------------------------------------------------ compiling
@@ -305,7 +324,7 @@ class ModelRunner:
         lay = self.step_layout(shape)
         i32 = jax.ShapeDtypeStruct((lay.i32_size,), jnp.int32, sharding=self._input_sharding)
         f32 = jax.ShapeDtypeStruct((lay.f32_size,), jnp.float32, sharding=self._input_sharding)
-        return self._step.lower(*self._abstract, i32, f32, lay)
+        return self._step.lower(*self._abstract, i32, f32, self._mask_abstract, lay)
 
     def _program_key(self, shape: StepShape) -> str:
         """The executable-store key of the step for `shape`, computed without tracing."""
@@ -317,7 +336,7 @@ class ModelRunner:
             "step_layout": repr(self.step_layout(shape)),
             "backend": self.backend,
             "scan_layers": repr(None if self._scan is None else self._scan.runs),
-            "arguments": executables.signature(self._abstract),
+            "arguments": executables.signature((*self._abstract, self._mask_abstract)),
             "inputs": repr(self._input_sharding),
             "tp": repr(None if self._tp is None else self._tp.mesh),
         }
@@ -328,13 +347,14 @@ class ModelRunner:
         """Step shapes read back from the executable store (no trace, no compile)."""
         return int(self.programs.summary()["shapes_loaded"])
 
-    def _run(self, ops: StepOps, shape: StepShape) -> StepOutputs:
+    def _run(self, ops: StepOps, shape: StepShape, token_mask: np.ndarray | None = None
+             ) -> StepOutputs:
         i32, f32 = pack(ops, self.step_layout(shape))
         if self._tp is not None:
             i32, f32 = jax.device_put((i32, f32), self._tp.replicated)
         # else the numpy buffers go to the jitted call as they are: its C++ dispatch moves them
         # to the device for a fraction of what a Python-level `jax.device_put` costs per step
-        return self.execute(shape, i32, f32)
+        return self.execute(shape, i32, f32, token_mask)
 
     def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None, *, workers: int = 2,
                progress: bool = False) -> int:
@@ -358,9 +378,10 @@ class ModelRunner:
         """Applies one `StepOps`; returns the sampled tokens (numpy). Empty steps skip the device."""
         return self.collect(self.dispatch(ops))
 
-    def dispatch(self, ops: StepOps) -> StepHandle:
+    def dispatch(self, ops: StepOps, token_mask: np.ndarray | None = None) -> StepHandle:
         """Enqueue one `StepOps` on the device and return at once (the state advances to the
-        step's output futures, so the next dispatch queues behind this one)."""
+        step's output futures, so the next dispatch queues behind this one). token_mask:
+        i32[R, ceil(V / 32)] allowed tokens of each row (structured outputs; None = all)."""
         if ops.num_seqs == 0:
             return StepHandle(None, None, None, 0)
         self.warn_clamped(ops)
@@ -370,7 +391,7 @@ class ModelRunner:
             if cover is not None:
                 self.programs.prepare_in_background(shape)
                 shape = cover
-        return self.handle_for(ops, shape.bucket, *self._run(ops, shape))
+        return self.handle_for(ops, shape.bucket, *self._run(ops, shape, token_mask))
 
     def warn_clamped(self, ops: StepOps) -> None:
         """DESIGN §6 rule 3: a row whose update outgrows its mirror is clamped on the device (never

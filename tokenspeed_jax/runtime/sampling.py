@@ -10,6 +10,10 @@ repetition_penalty r divides positive logits by r and multiplies negative ones b
 seen in the prompt or the output; then `logit -= frequency * count + presence * (count > 0)` with
 `count` = occurrences of the token in the generated output. The per-slot counts live on the device
 (`PenaltyState`) and are rebuilt from the step's own input tokens (see `update_penalty_state`).
+
+Structured outputs: after the penalties, tokens outside a row's grammar bitmask (host-computed,
+`structured.GrammarBook`) are set to -inf (`apply_token_mask`), so greedy, temperature, top-k /
+top-p all sample from the allowed tokens; logprobs stay those of the unmodified model.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import jax.numpy as jnp
 from scheduler.step_ops import StepOps, device_schema
 
 __all__ = [
-    "MAX_TOP_LOGPROBS", "PenaltyState", "apply_penalties", "init_penalty_state", "penalize_step",
+    "MAX_TOP_LOGPROBS", "PenaltyState", "apply_penalties", "apply_token_mask",
+    "init_penalty_state", "penalize_step",
     "prompt_logprobs", "sample", "sample_rows", "top_logprobs", "update_penalty_state",
 ]
 
@@ -203,6 +208,16 @@ def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: dict):
     return penalties, jax.lax.cond(active, modify, lambda x: x.astype(jnp.float32), logits)
 
 
+def apply_token_mask(logits: jax.Array, words: jax.Array) -> jax.Array:
+    """logits f32[n, V] with every token whose bit is clear in words i32[n, ceil(V / 32)]
+    (bit t % 32 of word t // 32, llguidance's layout) set to -inf."""
+    v = logits.shape[-1]
+    ids = jnp.arange(v, dtype=jnp.int32)
+    gathered = words[:, ids // 32]
+    bits = jax.lax.shift_right_logical(gathered, jnp.broadcast_to(ids % 32, gathered.shape)) & 1
+    return jnp.where(bits != 0, logits, -jnp.inf)
+
+
 def sample_rows(
     hidden: jax.Array,
     ops: dict,
@@ -212,13 +227,16 @@ def sample_rows(
     lm_head: Callable[[jax.Array], jax.Array],
     max_rows: int,
     gather_logits: Callable[[jax.Array], jax.Array] | None = None,
+    token_mask: jax.Array | None = None,
 ) -> tuple[PenaltyState, jax.Array, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     """One step's sampling tail, inside the jit: penalties, sampling, top-k and prompt logprobs.
 
     hidden f[T, H]: the model's last hidden states; ops: the step's unpacked StepOps arrays
     (R = `max_rows` rows); last_tokens i32[S]: each slot's last sampled token. `lm_head` maps
     hidden f[N, H] -> logits f[N, V]; `gather_logits` (tensor parallel) makes vocab-sharded row
-    logits whole before the sort / argmax.
+    logits whole before the sort / argmax. token_mask i32[R, ceil(V / 32)] (optional): allowed
+    tokens per row (all bits set = unconstrained); applied only on steps where some row is
+    constrained (lax.cond).
     Returns (penalty state after the step, last_tokens i32[S] with each sampling row's token
     stored at its slot, tokens i32[R] (-1 where `sample_mask` is off), logprobs f32[R] (NaN
     there), prompt logprobs f32[T] (NaN where `prompt_targets` < 0), (top ids i32[R, K], top
@@ -234,6 +252,10 @@ def sample_rows(
     if gather_logits is not None:
         logits = gather_logits(logits)
     penalties, processed = penalize_step(penalties, logits, ops)
+    if token_mask is not None:
+        words = token_mask[:n]
+        processed = jax.lax.cond(jnp.any(words != -1), apply_token_mask,
+                                 lambda x, _: x, processed, words)
     tokens, logprobs = sample(
         processed, rows["temperature"], rows["top_k"], rows["top_p"],
         rows["seeds"], rows["sample_index"], raw_logits=logits,
