@@ -2,7 +2,9 @@
 /stats, /metrics.
 
 OpenAI conformance: n samples, stop strings, logprobs / top_logprobs, penalties, logit_bias,
-seed, stream_options.include_usage; unsupported or unknown fields, bad values and malformed JSON
+seed, stream_options.include_usage; structured outputs (response_format, vLLM's guided_* and
+structured_outputs: `server.structured`) and function tools on chat (`server.tools`,
+`server.tool_parse`); unsupported or unknown fields, bad values and malformed JSON
 get HTTP 400 and an unknown model 404 (`model_not_found`), all in OpenAI's error body. A client
 that disconnects (streaming or not) has its requests aborted: their pages come back at once.
 `/health` answers 503 until every replica has compiled its step shapes.
@@ -20,7 +22,6 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenspeed_jax.engine.chat_template import render_chat
 from tokenspeed_jax.engine.replicas import aggregate_stats
 from tokenspeed_jax.server.async_engine import AsyncEngine
 from tokenspeed_jax.server.choice import ChoiceState
@@ -31,6 +32,8 @@ from tokenspeed_jax.server.protocol import (
     CompletionRequest,
     UnsupportedField,
 )
+from tokenspeed_jax.server.tool_parse import ToolOutput
+from tokenspeed_jax.server.tools import ToolPlan, plan_tools, render_prompt
 
 log = logging.getLogger("tokenspeed_jax.server")
 
@@ -145,7 +148,8 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
                 done.add(j)
                 yield ch, d, ch.finish_reason
 
-    async def _run(http: Request, body, prompt_ids: list[int], chat: bool):
+    async def _run(http: Request, body, prompt_ids: list[int], chat: bool,
+                   plan: ToolPlan | None = None):
         try:
             body.check_supported()
             if body.model is not None and body.model != model_name:
@@ -157,7 +161,8 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
             if max_tokens < 1 and wanted is None:
                 raise ValueError(f"prompt ({len(prompt_ids)} tokens) leaves no room to generate "
                                  f"within max_context_len {max_context}")
-            params = [body.to_params(max_tokens, j) for j in range(body.n)]
+            constraint = plan.constraint() if plan is not None and plan.forces else body.constraint()
+            params = [body.to_params(max_tokens, j, constraint) for j in range(body.n)]
             rids, queue = engine().submit(prompt_ids, params)
         except UnsupportedField as e:
             return error_response(400, str(e), param=e.field)
@@ -165,6 +170,8 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
             return error_response(400, str(e))
         stops = body.stop_strings()
         choices = [ChoiceState(j, tokenizer, stops) for j in range(body.n)]
+        tool_out = [ToolOutput(plan) if plan is not None and plan.parses else None
+                    for _ in choices]
         echo = ""
         if not chat and getattr(body, "echo", False) and tokenizer is not None:
             echo = tokenizer.decode(prompt_ids)
@@ -206,6 +213,14 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
                                       "finish_reason": None} for c in choices])
                     async for ch, d, reason in _events(queue, choices, rids, http):
                         lp = logprobs_of(ch, d.token_ids, d.logprobs, d.top) if d.token_ids else None
+                        tools_out = tool_out[ch.index] if chat else None
+                        if tools_out is not None:  # content held back around calls, calls at end
+                            for k, (delta, why) in enumerate(tools_out.deltas(d.text, reason)):
+                                part_lp = None if k else lp
+                                if delta or why or part_lp:  # no empty chunk per held token
+                                    yield chunk([{"index": ch.index, "delta": delta,
+                                                  "logprobs": part_lp, "finish_reason": why}])
+                            continue
                         if chat:
                             delta = {"content": d.text} if d.text else {}
                             one = {"index": ch.index, "delta": delta, "logprobs": lp,
@@ -246,8 +261,16 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
             lp = logprobs_of(ch, ch.tokens, ch.logprobs, ch.top)
             text = ch.text(final=True)
             if chat:
-                out.append({"index": ch.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": lp, "finish_reason": ch.finish_reason})
+                message: dict = {"role": "assistant", "content": text}
+                reason = ch.finish_reason
+                parser = tool_out[ch.index]
+                if parser is not None:
+                    content, calls, reason = parser.final(text, reason)
+                    message = {"role": "assistant", "content": content}
+                    if calls:
+                        message["tool_calls"] = calls
+                out.append({"index": ch.index, "message": message, "logprobs": lp,
+                            "finish_reason": reason})
             else:
                 out.append({"index": ch.index, "text": echo + text, "logprobs": lp,
                             "finish_reason": ch.finish_reason, "token_ids": ch.tokens})
@@ -270,12 +293,14 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
             return error_response(400, "this model has no tokenizer (no tokenizer.json): chat "
                                   "needs one", param="messages")
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt_ids = render_chat(tokenizer, messages)
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                              constrained=body.constraint()[1])
+            messages = [m.as_dict() for m in body.messages]
+            prompt_ids = render_prompt(tokenizer, messages, plan.rendered if plan else None)
         except UnsupportedField as e:
             return error_response(400, str(e), param=e.field)
         except ValueError as e:
             return error_response(400, str(e), param="messages")
-        return await _run(http, body, prompt_ids, chat=True)
+        return await _run(http, body, prompt_ids, chat=True, plan=plan)
 
     return app

@@ -8,6 +8,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+
+class UnsupportedField(ValueError):
+    """A bad or unimplemented value of one request field (HTTP 400, param = field)."""
+
+    def __init__(self, field: str, message: str | None = None) -> None:
+        super().__init__(message or f"'{field}' is not supported by this server")
+        self.field = field
+
+
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
           503: "service_unavailable", 500: "internal_server_error"}
 

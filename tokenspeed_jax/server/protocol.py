@@ -2,32 +2,33 @@
 
 Unknown fields are rejected (HTTP 400 naming the field) rather than silently ignored, and so
 are OpenAI fields this server does not implement (`UNSUPPORTED`) when they carry a value.
+Output constraints (`response_format`, vLLM's `guided_*` and `structured_outputs`) are mapped by
+`tokenspeed_jax.server.structured`; tools (chat only) by `tokenspeed_jax.server.tools`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler.sampling_options import LIMITS
 from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.server.errors import UnsupportedField
+from tokenspeed_jax.server.structured import field_error, request_constraint
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "UNSUPPORTED",
+           "UnsupportedField"]
 
 # bounds checked by pydantic (a 400 naming the field) come from the scheduler's one limits table
 _MAX_TOP_LOGPROBS = int(LIMITS["top_logprobs"].hi)
 
 # OpenAI request fields that exist but are not implemented here: a non-null value is a 400.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-               "response_format", "suffix", "audio", "modalities", "prediction",
-               "web_search_options", "reasoning_effort", "guided_json", "guided_regex")
+UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "modalities", "prediction",
+               "web_search_options", "reasoning_effort")
 
-
-class UnsupportedField(ValueError):
-    """A request field this server knows but does not implement (HTTP 400, param = field)."""
-
-    def __init__(self, field: str, message: str | None = None) -> None:
-        super().__init__(message or f"'{field}' is not supported by this server")
-        self.field = field
+# (structured_outputs dict or None, the request field it came from)
+Constraint = tuple[dict[str, Any] | None, str | None]
 
 
 class StreamOptions(BaseModel):
@@ -56,25 +57,25 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # output constraints (`tokenspeed_jax.server.structured`)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # declared so that a value is reported as unsupported, not as an unknown field
-    tools: list | None = None
-    tool_choice: str | dict | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
     audio: dict | None = None
     modalities: list | None = None
     prediction: dict | None = None
     web_search_options: dict | None = None
     reasoning_effort: str | None = None
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
 
     def check_supported(self) -> None:
         for name in UNSUPPORTED:
-            value = getattr(self, name, None)
-            if value is not None and not (name == "tool_choice" and value == "none"):
+            if getattr(self, name, None) is not None:
                 raise UnsupportedField(name)
         if self.stream_options is not None and not self.stream:
             raise UnsupportedField("stream_options", "stream_options needs stream=true")
@@ -93,21 +94,34 @@ class _Sampling(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_params(self, max_tokens: int, index: int = 0) -> SamplingParams:
-        """Params of sample `index` of this request (seed + index, so n samples differ).
-        ValueError (-> HTTP 400) on bad values, naming the field."""
+    def constraint(self) -> Constraint:
+        """The output constraint this request asks for (UnsupportedField if two at once)."""
+        return request_constraint(self)
+
+    def to_params(self, max_tokens: int, index: int = 0,
+                  constraint: Constraint = (None, None)) -> SamplingParams:
+        """Params of sample `index` of this request (seed + index, so n samples differ), under
+        `constraint` (`constraint()`, or the one tool_choice implies). ValueError (-> HTTP 400)
+        on bad values, naming the field."""
+        spec, field = constraint
         seed = None if self.seed is None else (self.seed + index) & 0xFFFFFFFF
         try:
             bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError:
             raise UnsupportedField("logit_bias", "logit_bias keys must be token ids") from None
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, seed=seed, stop_token_ids=tuple(self.stop_token_ids),
-            logprobs=self.wants_logprobs(), top_logprobs=self.num_top_logprobs(),
-            ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            logit_bias=bias or None)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=self.top_k, seed=seed, stop_token_ids=tuple(self.stop_token_ids),
+                logprobs=self.wants_logprobs(), top_logprobs=self.num_top_logprobs(),
+                ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, logit_bias=bias or None,
+                structured_outputs=spec)
+        except ValueError as e:
+            if field is not None and str(e).startswith("structured_outputs"):
+                raise field_error(field, e) from None
+            raise
 
 
 class CompletionRequest(_Sampling):
@@ -135,11 +149,41 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history (as this server returned it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+    index: int | None = None  # a client may echo the calls it accumulated from a stream
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    refusal: str | None = None  # clients echo it back on assistant messages; ignored
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template sees it (content as text, "" when null)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude={"index"}) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -162,6 +206,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=_MAX_TOP_LOGPROBS)
     store: bool | None = None
     metadata: dict | None = None
+    # function tools (`tokenspeed_jax.server.tools` checks them: a 400 names the field)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -199,7 +199,8 @@ def test_unknown_model_is_404_model_not_found(srv):
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "temperature": [1]}, "temperature"),
     ({"prompt": "x", "bogus_field": 1}, "bogus_field"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "temperature": -1}, None),
     ({"prompt": [1, 2, 99999]}, None),
     ({"prompt": "x", "logit_bias": {"1": 500}}, None),
@@ -218,12 +219,12 @@ def test_bad_requests_get_openai_shaped_400(srv, body, param):
     assert stats["free_pages"] == stats["total_pages"]  # nothing leaked
 
 
-def test_tools_are_rejected_naming_the_field(srv):
+def test_unsupported_fields_are_rejected_naming_the_field(srv):
     with pytest.raises(openai.BadRequestError) as e:
         srv.client.chat.completions.create(
             model="tiny-random", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.param == "tools" and "tools" in str(e.value)
+            functions=[{"name": "f", "parameters": {}}])  # the deprecated spelling of tools
+    assert e.value.param == "functions" and "functions" in str(e.value)
 
 
 def _samples(url) -> dict:
