@@ -377,7 +377,8 @@ class Engine:
         for rid in ended:  # grammar complete: ends here, whatever the scheduler planned next
             out = self.abort(rid, finish_reason="stop") if rid in self._tracks else None
             if out is not None:
-                out.metrics.finish_time = now
+                if out.metrics is not None:
+                    out.metrics.finish_time = now
                 outs.append(out)
         return outs
 

@@ -310,12 +310,11 @@ class ModelRunner:
         (top ids i32[R, K], top logprobs f32[R, K])), T_b = the token bucket.
         """
         fn = self.programs.get(shape) or self.programs.prepare(shape)
-        if token_mask is None:
-            token_mask = self._no_mask
-        elif self._tp is not None:
-            token_mask = jax.device_put(token_mask, self._tp.replicated)
+        mask: np.ndarray | jax.Array = self._no_mask if token_mask is None else token_mask
+        if token_mask is not None and self._tp is not None:
+            mask = jax.device_put(token_mask, self._tp.replicated)
         self.state, self.penalties, tokens, logprobs, plp, top = fn(
-            self.param_leaves, self.state, self.penalties, i32, f32, token_mask)
+            self.param_leaves, self.state, self.penalties, i32, f32, mask)
         return tokens, logprobs, plp, top
 
     # ------------------------------------------------------------------ compiling
