@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,9 +51,10 @@ class SamplingParams:
     structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, numbers.Integral) \
                 or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))  # numpy ints too
         for f in dataclasses.fields(self):
             if f.name in LIMITS:  # normalised: numbers as int / float, stop ids a tuple
                 value = check(f.name, getattr(self, f.name), "SamplingParams.")
