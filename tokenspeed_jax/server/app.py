@@ -18,20 +18,24 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenspeed_jax.engine.replicas import aggregate_stats
 from tokenspeed_jax.server.async_engine import AsyncEngine
+from tokenspeed_jax.server.auth import ApiKeyMiddleware
 from tokenspeed_jax.server.choice import ChoiceState
 from tokenspeed_jax.server.errors import error_response, install_error_handlers
+from tokenspeed_jax.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware, queue_full
 from tokenspeed_jax.server.metrics import ServerMetrics
 from tokenspeed_jax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     UnsupportedField,
 )
+from tokenspeed_jax.server.tokenize_routes import add_tokenize_routes
 from tokenspeed_jax.server.tool_parse import ToolOutput
 from tokenspeed_jax.server.tools import ToolPlan, plan_tools, render_prompt
 
@@ -54,9 +58,17 @@ def describe(llm, model_name: str) -> str:
 
 
 def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
-              route: str = "prefix") -> FastAPI:
+              route: str = "prefix", api_keys: Sequence[str] = (),
+              metrics_require_key: bool = False,
+              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+              max_queued_requests: int | None = None) -> FastAPI:
     """The server app over every data-parallel replica of `llm` (`llm.engines`), routing requests
-    by `route` ("prefix", the default, or "load": `tokenspeed_jax.engine.replicas`)."""
+    by `route` ("prefix", the default, or "load": `tokenspeed_jax.engine.replicas`).
+
+    api_keys: bearer keys every route but /health (and /metrics, /stats unless
+    `metrics_require_key`) needs (`server.auth`; none = open). max_request_bytes: larger bodies
+    get 413 before parsing (None = no limit); max_queued_requests: 503 + Retry-After once the
+    engine holds that many waiting requests (None = unlimited; `server.limits`)."""
     tokenizer = llm.tokenizer
     max_context = llm.engine.scheduler.config.max_context_len
     holder: dict = {}
@@ -73,6 +85,12 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
 
     app = FastAPI(title="tokenspeed-jax", lifespan=lifespan)
     install_error_handlers(app)
+    if max_request_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_keys:  # added last: outermost, so it answers before the body is read
+        app.add_middleware(ApiKeyMiddleware, keys=list(api_keys),
+                           require_key_for_metrics=metrics_require_key)
+    add_tokenize_routes(app, tokenizer, model_name, max_context, llm.model_config.vocab_size)
 
     def engine() -> AsyncEngine:
         return holder["engine"]
@@ -163,11 +181,13 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
                                  f"within max_context_len {max_context}")
             constraint = plan.constraint() if plan is not None and plan.forces else body.constraint()
             params = [body.to_params(max_tokens, j, constraint) for j in range(body.n)]
+            if (full := queue_full(engine().stats(), max_queued_requests)) is not None:
+                return full
             rids, queue = engine().submit(prompt_ids, params)
         except UnsupportedField as e:
             return error_response(400, str(e), param=e.field)
         except ValueError as e:
-            return error_response(400, str(e))
+            return error_response(400, str(e), param=body.engine_error_param(str(e)))
         stops = body.stop_strings()
         choices = [ChoiceState(j, tokenizer, stops) for j in range(body.n)]
         tool_out = [ToolOutput(plan) if plan is not None and plan.parses else None
@@ -281,7 +301,7 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
     async def completions(body: CompletionRequest, http: Request):
         try:
             prompt_ids = _encode(body.prompt)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             return error_response(400, str(e), param="prompt")
         return await _run(http, body, prompt_ids, chat=False)
 
@@ -299,7 +319,7 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
             prompt_ids = render_prompt(tokenizer, messages, plan.rendered if plan else None)
         except UnsupportedField as e:
             return error_response(400, str(e), param=e.field)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: `tokenizers` refusing a string
             return error_response(400, str(e), param="messages")
         return await _run(http, body, prompt_ids, chat=True, plan=plan)
 

@@ -10,6 +10,8 @@ partial UTF-8 character (U+FFFD from a partial byte sequence) is held back the s
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 
 
 def held_back(text: str, stops: list[str]) -> int:
@@ -27,6 +29,56 @@ def find_stop(text: str, stops: list[str]) -> int:
     """Index of the earliest stop string in `text`, -1 if none."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else -1
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable character each byte is spelled with
+    in a ByteLevel BPE vocabulary -> the byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kinds(backend) -> str:
+    """The `tokenizers` decoder chain's class names (e.g. "ByteLevel", "Sequence[ByteFallback,
+    Metaspace...]" as its JSON), to tell how vocabulary pieces spell bytes."""
+    decoder = getattr(backend, "decoder", None)
+    return "" if decoder is None else repr(decoder) + type(decoder).__name__
+
+
+def token_bytes(tokenizer, tok: int) -> list[int]:
+    """The raw bytes of token `tok`, which clients concatenate to rebuild characters split across
+    tokens (the UTF-8 of its decoded text would be U+FFFD for such a piece): the byte itself for
+    the byte tokenizer; for a `tokenizers` vocabulary the piece mapped back through GPT-2's byte
+    alphabet (ByteLevel) or its `<0xAB>` byte-fallback / `▁` spelling (SentencePiece-style).
+    Anything else: the UTF-8 of the decoded text."""
+    if tokenizer is None:
+        return []
+    if type(tokenizer).__name__ == "ByteTokenizer":
+        return [tok] if 0 <= tok < 256 else []
+    backend = getattr(tokenizer, "backend", None)
+    piece = backend.id_to_token(tok) if backend is not None else None
+    if piece is not None:
+        kinds = _decoder_kinds(backend)
+        decoder = _byte_decoder()
+        if "ByteLevel" in kinds and all(c in decoder for c in piece):
+            return [decoder[c] for c in piece]
+        if (m := _BYTE_PIECE.fullmatch(piece)) is not None:
+            return [int(m.group(1), 16)]
+        if "Metaspace" in kinds or "Replace" in kinds:
+            return list(piece.replace("\u2581", " ").encode("utf-8"))
+    return list(tokenizer.decode([tok]).encode("utf-8"))
 
 
 @dataclasses.dataclass
@@ -119,7 +171,7 @@ class ChoiceState:
 
         def entry(t: int, v: float) -> dict:
             s = self.token_str(t)
-            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+            return {"token": s, "logprob": v, "bytes": token_bytes(self.tokenizer, t)}
 
         content = []
         for j, (t, v) in enumerate(zip(ids, lps)):

@@ -8,9 +8,9 @@ Output constraints (`response_format`, vLLM's `guided_*` and `structured_outputs
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from scheduler.sampling_options import LIMITS
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -26,6 +26,20 @@ _MAX_TOP_LOGPROBS = int(LIMITS["top_logprobs"].hi)
 # OpenAI request fields that exist but are not implemented here: a non-null value is a 400.
 UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "modalities", "prediction",
                "web_search_options", "reasoning_effort")
+
+
+def _unicode(text: str) -> str:
+    """JSON may carry a lone surrogate ("\\ud800"), which no tokenizer can encode (the `tokenizers`
+    library raises TypeError, far from any error handling): refused here, a 400 naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode (lone surrogate at index {e.start})") from None
+    return text
+
+
+# a request string that reaches the tokenizer or the stop matcher
+Text = Annotated[str, AfterValidator(_unicode)]
 
 # (structured_outputs dict or None, the request field it came from)
 Constraint = tuple[dict[str, Any] | None, str | None]
@@ -47,7 +61,7 @@ class _Sampling(BaseModel):
     top_k: int = -1
     n: int = Field(1, ge=1, le=64)
     seed: int | None = Field(None, ge=int(LIMITS["seed"].lo))
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     stream: bool = False
@@ -121,11 +135,34 @@ class _Sampling(BaseModel):
         except ValueError as e:
             if field is not None and str(e).startswith("structured_outputs"):
                 raise field_error(field, e) from None
-            raise
+            name = str(e).removeprefix("SamplingParams.").split(" ", 1)[0]
+            sent = self.request_field(name)
+            raise UnsupportedField(sent, str(e).replace(f"SamplingParams.{name}", sent, 1)
+                                   ) from None
+
+    def request_field(self, name: str) -> str:
+        """The request field a `SamplingParams` field's value came from (an error names what
+        the client sent, not an internal name)."""
+        return "logprobs" if name == "top_logprobs" else name
+
+    def engine_error_param(self, message: str) -> str | None:
+        """The request field an engine refusal (`Engine.validate`) is about, None if unknown."""
+        for prefix, field in (("stop token id", "stop_token_ids"),
+                              ("logit_bias token id", "logit_bias"),
+                              ("token id", self.prompt_field), ("negative token id", self.prompt_field),
+                              ("empty prompt", self.prompt_field)):
+            if message.startswith(prefix):
+                return field
+        if message.startswith("prompt ("):  # prompt + max tokens over the context length
+            sent = self.requested_max_tokens() is not None
+            return self.request_field("max_tokens") if sent else self.prompt_field
+        return None
+
+    prompt_field: ClassVar[str] = "prompt"
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[int] | list[Text]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=_MAX_TOP_LOGPROBS)
     best_of: int | None = None
@@ -146,7 +183,7 @@ class CompletionRequest(_Sampling):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ToolCallFunction(BaseModel):
@@ -168,7 +205,7 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
@@ -215,6 +252,13 @@ class ChatCompletionRequest(_Sampling):
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs=true")
+
+    prompt_field: ClassVar[str] = "messages"
+
+    def request_field(self, name: str) -> str:
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return name
 
     def num_top_logprobs(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else 0
