@@ -47,10 +47,12 @@ def test_cli_and_load_generator_do_not_import_jax():
 
 
 def test_host_packages_do_not_import_jax():
-    """The host loop and the package files of cli/workloads/engine/distributed stay jax-free."""
+    """The host loop and the package files of cli/workloads/engine/distributed/structured stay
+    jax-free."""
     for module in ("tokenspeed_jax.engine", "tokenspeed_jax.engine.engine",
                    "tokenspeed_jax.engine.replicas", "tokenspeed_jax.cli",
-                   "tokenspeed_jax.workloads", "tokenspeed_jax.distributed"):
+                   "tokenspeed_jax.workloads", "tokenspeed_jax.distributed",
+                   "tokenspeed_jax.structured"):
         assert not _top(_loaded_after_import(module)) & JAX, module
 
 
