@@ -67,3 +67,48 @@ def test_scan_layers_flag_reaches_llm(monkeypatch, argv, want):
     with pytest.raises(Loaded):
         cli.main(argv)
     assert seen["scan_layers"] is want
+
+
+@pytest.mark.parametrize("argv,env,want", [
+    (["serve"], None, dict(api_keys=[], metrics_require_key=False,
+                           max_request_bytes=8 * 1024 * 1024, max_queued_requests=None)),
+    (["serve", "--api-key", "sk-aaa1", "--api-key", "sk-bbb2", "--metrics-require-key",
+      "--max-request-bytes", "1000", "--max-queued-requests", "4"], "env-key",
+     dict(api_keys=["sk-aaa1", "sk-bbb2"], metrics_require_key=True, max_request_bytes=1000,
+          max_queued_requests=4)),
+    (["serve"], "env-key", dict(api_keys=["env-key"])),
+])
+def test_serve_auth_and_limit_flags_reach_build_app(monkeypatch, caplog, argv, env, want):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import types
+
+    from tokenspeed_jax.cli import commands
+    from tokenspeed_jax.server import limits
+
+    assert commands.DEFAULT_MAX_REQUEST_BYTES == limits.DEFAULT_MAX_REQUEST_BYTES
+    if env is None:
+        monkeypatch.delenv("TOKENSPEED_JAX_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("TOKENSPEED_JAX_API_KEY", env)
+    seen = {}
+    monkeypatch.setattr(commands, "checked_llm",
+                        lambda *_a, **_k: (types.SimpleNamespace(is_leader=True), 0))
+    monkeypatch.setattr("tokenspeed_jax.server.app.build_app",
+                        lambda llm, **kw: seen.update(kw) or "app")
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: seen.update(app=app))
+    caplog.set_level("INFO")
+    assert cli.main(argv) == 0
+    assert seen["app"] == "app" and {k: seen[k] for k in want} == want
+    for key in seen["api_keys"]:  # the count is logged, never a key
+        assert key not in caplog.text
+    assert "authentication:" in caplog.text
+
+
+@pytest.mark.parametrize("argv,needle", [(["serve", "--max-request-bytes", "0"], "--max-request-bytes"),
+                                         (["serve", "--max-queued-requests", "-1"],
+                                          "--max-queued-requests")])
+def test_bad_limit_flags(capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err

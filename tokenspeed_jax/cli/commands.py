@@ -29,6 +29,9 @@ from tokenspeed_jax.cli.common import (
     workload_config,
 )
 
+# = tokenspeed_jax.server.limits.DEFAULT_MAX_REQUEST_BYTES (not imported: fastapi is optional)
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
 BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap", "startup",
               "shape_ladder", "scan_layers", "vs_vllm", "step_profile")
 
@@ -142,9 +145,38 @@ def cmd_serve(args) -> int:
     if not llm.is_leader:
         return follow(llm)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_app(llm, model_name=args.served_model_name or args.model),
-                host=args.host, port=args.port, log_level="info")
+    from tokenspeed_jax.server.auth import resolve_keys
+
+    keys = resolve_keys(args.api_key)
+    # the count only: keys never reach a log
+    logging.getLogger("tokenspeed_jax.server").info(
+        "authentication: %s", f"{len(keys)} API key(s) required" if keys else "off (no --api-key)")
+    app = build_app(llm, model_name=args.served_model_name or args.model, api_keys=keys,
+                    metrics_require_key=args.metrics_require_key,
+                    max_request_bytes=args.max_request_bytes,
+                    max_queued_requests=args.max_queued_requests)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    """The HTTP server's own flags: address, model id, authentication, request limits."""
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=port, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model id clients must send (default: --model)")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                            "(repeatable: any of the keys; default: $TOKENSPEED_JAX_API_KEY, "
+                            "else no authentication)")
+    serve.add_argument("--metrics-require-key", action="store_true",
+                       help="/metrics and /stats need the key too (default: open)")
+    serve.add_argument("--max-request-bytes", type=int_at_least(1),
+                       default=DEFAULT_MAX_REQUEST_BYTES,
+                       help="larger request bodies get 413 before they are parsed")
+    serve.add_argument("--max-queued-requests", type=int_at_least(0), default=None,
+                       help="503 + Retry-After for new requests while this many wait in the "
+                            "engine's queue (default: unlimited)")
 
 
 def cmd_bench(args) -> int:
@@ -188,10 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=fmt)
     add_engine_args(serve, num_pages=None)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=port, default=8000, help="port to listen on")
-    serve.add_argument("--served-model-name", default=None,
-                       help="model id clients must send (default: --model)")
+    add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="interactive chat over the model's chat template (streams "
