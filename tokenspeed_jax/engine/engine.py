@@ -273,7 +273,7 @@ class Engine:
         clock.probe()
         outs: list[CompletionOutput] = []
         mask = None
-        if ops.num_seqs and self._grammars is not None and len(self._grammars):
+        if ops.num_seqs and self._grammars is not None:
             outs, mask = self._constrain(ops)
         handle = self._dispatch(ops, self._inflight is not None, mask) if ops.num_seqs else None
         prev = self._inflight
@@ -366,14 +366,12 @@ class Engine:
         self.num_prefill_tokens += int(ops.num_tokens - ops.sample_mask[:ops.num_seqs].sum())
         outs = []
         for fin in finished:
-            track = self._tracks.pop(fin.request_id)
-            self.outstanding_tokens -= track.cost
+            track = self._pop(fin.request_id)  # its matcher goes too
+            assert track is not None, fin.request_id
             track.metrics.finish_time = now
             track.metrics.num_cached_tokens = fin.num_cached_tokens
             track.metrics.num_retractions = fin.num_retractions
             outs.append(self._output(fin.request_id, track, fin.token_ids, fin.finish_reason))
-            if self._grammars is not None:
-                self._grammars.drop(fin.request_id)
         for rid in ended:  # grammar complete: ends here, whatever the scheduler planned next
             out = self.abort(rid, finish_reason="stop") if rid in self._tracks else None
             if out is not None:

@@ -220,8 +220,8 @@ class ModelRunner:
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnums=(6,),
                              **shardings)
         # every bit set: the token mask of steps with no constrained row (never transferred)
-        self.mask_words = (model_config.vocab_size + 31) // 32
-        self._no_mask = jnp.full((self.max_batch_requests, self.mask_words), -1, jnp.int32)
+        words = (model_config.vocab_size + 31) // 32
+        self._no_mask = jnp.full((self.max_batch_requests, words), -1, jnp.int32)
         if tp is not None:
             self._no_mask = jax.device_put(self._no_mask, tp.replicated)
         # what the step is compiled for, fixed at construction: lowering never reads the live

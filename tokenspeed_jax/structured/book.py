@@ -25,8 +25,7 @@ class GrammarBook:
                  max_rows: int) -> None:
         self._source = (tokenizer, vocab_size, tuple(eos_token_ids))
         self._ll = None
-        self.vocab_size, self.max_rows = vocab_size, max_rows
-        self.words = (vocab_size + 31) // 32
+        self.max_rows, self.words = max_rows, (vocab_size + 31) // 32
         self._matchers: dict[str, Any] = {}
         self.mask_s = 0.0  # host seconds computing bitmasks (stats)
         self.num_masked_rows = 0

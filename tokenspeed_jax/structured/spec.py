@@ -14,6 +14,7 @@ Errors are ValueErrors naming `structured_outputs.<kind>` and what the compiler 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -78,9 +79,25 @@ def compile_spec(spec: Mapping[str, Any]) -> str:
     if len(kinds) != 1:
         raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}, got "
                          f"{sorted(spec) if kinds else 'none'}")
-    kind = kinds[0]
+    kind, value = kinds[0], spec[kinds[0]]
+    # the same constraint again (n samples, a schema every request repeats) is cached by its JSON
+    # text; other values (tuples, sets, ...) compile, or are refused, as given
+    if type(value) in (dict, list, str, bool):
+        try:
+            return _compile_text(kind, json.dumps(value))  # key order matters: kept
+        except TypeError:  # not JSON inside (keys of mixed types, objects)
+            pass
+    return _compile(kind, value)
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_text(kind: str, text: str) -> str:
+    return _compile(kind, json.loads(text))
+
+
+def _compile(kind: str, value: Any) -> str:
     try:
-        grammar = _grammar(kind, spec[kind])
+        grammar = _grammar(kind, value)
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg if msg.startswith("structured_outputs") else
