@@ -166,11 +166,10 @@ def test_bad_request_then_serving_continues_without_leaks(sync_llm):
     assert len(sync_llm.engines[0]._book()) == 0  # every matcher dropped
 
 
-def test_retraction_keeps_constraints_exact():
+def test_retraction_keeps_constraints_exact(sync_llm):
     # few pages: constrained requests are retracted and resumed; outputs still validate and
     # equal a roomy engine's (greedy)
     tight = LLM("tiny-random", **{**SMALL, "num_pages": 72})
-    roomy_outs = None
     params = [SamplingParams(max_tokens=90, structured_outputs={"json": SCHEMAS[i % 3]})
               for i in range(6)]
     prompts = [f"prompt number {i} " * 3 for i in range(6)]
@@ -178,7 +177,7 @@ def test_retraction_keeps_constraints_exact():
     assert tight.engines[0].scheduler.stats()["num_retractions"] > 0
     for out, p in zip(outs, params, strict=True):
         jsonschema.validate(json.loads(out.text), p.structured_outputs["json"])
-    roomy_outs = LLM("tiny-random", **SMALL).generate(prompts, params)
+    roomy_outs = sync_llm.generate(prompts, params)  # the same config, with room
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy_outs]
 
 
