@@ -82,6 +82,16 @@ class Limit:
 TOKEN_ID = Limit(0, integer=True)
 
 
+class ParamError(ValueError):
+    """A value `check` (or `SamplingParams`) refused; `param` names the option it was given for,
+    so a caller can point at its own field (the server names the request field the client sent)
+    without parsing the message."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _option(default: Any, limit: Limit, column: str | tuple[str, ...] = (), *, extra: bool = False,
             penalty: bool = False) -> Any:
     """A `SamplingOptions` field. column: the StepOps column(s) it fills (a field of (id, value)
@@ -182,14 +192,14 @@ COLUMNS = tuple(Column(f.name, f.metadata["columns"], f.metadata["extra"])
 
 def check(name: str, value: Any, owner: str = "") -> Any:
     """`value` of option `name` normalised (numbers as int / float, ids as a tuple, a bias as
-    (id, bias) pairs sorted by id, a flag as a bool); ValueError "{owner}{name} ..." naming
-    the rule when `LIMITS[name]` refuses it."""
+    (id, bias) pairs sorted by id, a flag as a bool); `ParamError(name, "{owner}{name} ...")`
+    naming the rule when `LIMITS[name]` refuses it."""
     limit = LIMITS[name]
     if limit.kind == "flag":
         return bool(value)
     if limit.kind == "number":
         if not limit.allows(value):
-            raise ValueError(f"{owner}{name} must be {limit}, got {value!r}")
+            raise ParamError(name, f"{owner}{name} must be {limit}, got {value!r}")
         return None if value is None else int(value) if limit.integer else float(value)
     if value is None:
         return ()
@@ -197,19 +207,19 @@ def check(name: str, value: Any, owner: str = "") -> Any:
         try:
             ids = tuple(value)
         except TypeError:
-            raise ValueError(f"{owner}{name} must be {limit}, got {value!r:.80}") from None
+            raise ParamError(name, f"{owner}{name} must be {limit}, got {value!r:.80}") from None
         bad = [t for t in ids if not TOKEN_ID.allows(t)]
         if bad:
-            raise ValueError(f"{owner}{name} must be {limit}, got {bad[0]!r} in it")
+            raise ParamError(name, f"{owner}{name} must be {limit}, got {bad[0]!r} in it")
         return tuple(int(t) for t in ids)
     try:  # "bias"
         pairs = sorted((int(t), float(b)) for t, b in dict(value).items())
     except (TypeError, ValueError):
-        raise ValueError(f"{owner}{name} must be {limit}, got {value!r:.80}") from None
+        raise ParamError(name, f"{owner}{name} must be {limit}, got {value!r:.80}") from None
     bad = [t for t, b in pairs if t < 0 or not limit.allows(b)]
     if bad:
-        raise ValueError(f"{owner}{name} must be {limit}, got token {bad[0]} with "
+        raise ParamError(name, f"{owner}{name} must be {limit}, got token {bad[0]} with "
                          f"{dict(pairs)[bad[0]]}")
     if limit.max_len is not None and len(pairs) > limit.max_len:
-        raise ValueError(f"{owner}{name} must be {limit}, got {len(pairs)} entries")
+        raise ParamError(name, f"{owner}{name} must be {limit}, got {len(pairs)} entries")
     return tuple(pairs)

@@ -7,7 +7,7 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-from scheduler.sampling_options import LIMITS, SamplingOptions, check
+from scheduler.sampling_options import LIMITS, ParamError, SamplingOptions, check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,8 @@ class SamplingParams:
     prefix.
     Every field but max_tokens, logprobs, ignore_eos and structured_outputs is validated with
     the scheduler's one limits table (`scheduler.sampling_options.LIMITS`; an error names the
-    field and its rule), and `to_options()` builds the scheduler's record of them.
+    field and its rule), and `to_options()` builds the scheduler's record of them. A refused
+    value raises `ParamError` (a ValueError) whose `param` is the field's name.
     """
 
     max_tokens: int = 16
@@ -53,7 +54,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, numbers.Integral) \
                 or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            raise ParamError("max_tokens", f"SamplingParams.max_tokens must be an int >= 1, got "
+                                           f"{self.max_tokens!r}")
         object.__setattr__(self, "max_tokens", int(self.max_tokens))  # numpy ints too
         for f in dataclasses.fields(self):
             if f.name in LIMITS:  # normalised: numbers as int / float, stop ids a tuple
@@ -66,7 +68,10 @@ class SamplingParams:
 
             spec = dict(self.structured_outputs) if isinstance(
                 self.structured_outputs, dict) else self.structured_outputs
-            grammar = compile_spec(spec)  # ValueError naming structured_outputs.<kind>
+            try:
+                grammar = compile_spec(spec)  # ValueError naming structured_outputs.<kind>
+            except ValueError as e:
+                raise ParamError("structured_outputs", str(e)) from None
             object.__setattr__(self, "structured_outputs", spec)
             object.__setattr__(self, "_grammar", grammar)
 

@@ -71,11 +71,13 @@ def test_scan_layers_flag_reaches_llm(monkeypatch, argv, want):
 
 @pytest.mark.parametrize("argv,env,want", [
     (["serve"], None, dict(api_keys=[], metrics_require_key=False,
-                           max_request_bytes=8 * 1024 * 1024, max_queued_requests=None)),
+                           max_request_bytes=8 * 1024 * 1024, max_queued_requests=None,
+                           request_timeout_s=None, shutdown_grace_s=30.0)),
     (["serve", "--api-key", "sk-aaa1", "--api-key", "sk-bbb2", "--metrics-require-key",
-      "--max-request-bytes", "1000", "--max-queued-requests", "4"], "env-key",
+      "--max-request-bytes", "1000", "--max-queued-requests", "4", "--request-timeout-s", "2.5",
+      "--shutdown-grace-s", "0"], "env-key",
      dict(api_keys=["sk-aaa1", "sk-bbb2"], metrics_require_key=True, max_request_bytes=1000,
-          max_queued_requests=4)),
+          max_queued_requests=4, request_timeout_s=2.5, shutdown_grace_s=0.0)),
     (["serve"], "env-key", dict(api_keys=["env-key"])),
 ])
 def test_serve_auth_and_limit_flags_reach_build_app(monkeypatch, caplog, argv, env, want):
@@ -84,9 +86,10 @@ def test_serve_auth_and_limit_flags_reach_build_app(monkeypatch, caplog, argv, e
     import types
 
     from tokenspeed_jax.cli import commands
-    from tokenspeed_jax.server import limits
+    from tokenspeed_jax.server import drain, limits
 
     assert commands.DEFAULT_MAX_REQUEST_BYTES == limits.DEFAULT_MAX_REQUEST_BYTES
+    assert commands.DEFAULT_SHUTDOWN_GRACE_S == drain.DEFAULT_SHUTDOWN_GRACE_S
     if env is None:
         monkeypatch.delenv("TOKENSPEED_JAX_API_KEY", raising=False)
     else:
@@ -96,7 +99,7 @@ def test_serve_auth_and_limit_flags_reach_build_app(monkeypatch, caplog, argv, e
                         lambda *_a, **_k: (types.SimpleNamespace(is_leader=True), 0))
     monkeypatch.setattr("tokenspeed_jax.server.app.build_app",
                         lambda llm, **kw: seen.update(kw) or "app")
-    monkeypatch.setattr("uvicorn.run", lambda app, **kw: seen.update(app=app))
+    monkeypatch.setattr(drain, "serve", lambda app, host, port: seen.update(app=app))
     caplog.set_level("INFO")
     assert cli.main(argv) == 0
     assert seen["app"] == "app" and {k: seen[k] for k in want} == want
@@ -107,7 +110,11 @@ def test_serve_auth_and_limit_flags_reach_build_app(monkeypatch, caplog, argv, e
 
 @pytest.mark.parametrize("argv,needle", [(["serve", "--max-request-bytes", "0"], "--max-request-bytes"),
                                          (["serve", "--max-queued-requests", "-1"],
-                                          "--max-queued-requests")])
+                                          "--max-queued-requests"),
+                                         (["serve", "--request-timeout-s", "0"],
+                                          "--request-timeout-s"),
+                                         (["serve", "--shutdown-grace-s", "-1"],
+                                          "--shutdown-grace-s")])
 def test_bad_limit_flags(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)

@@ -29,8 +29,10 @@ from tokenspeed_jax.cli.common import (
     workload_config,
 )
 
-# = tokenspeed_jax.server.limits.DEFAULT_MAX_REQUEST_BYTES (not imported: fastapi is optional)
+# = tokenspeed_jax.server.limits.DEFAULT_MAX_REQUEST_BYTES and server.drain.DEFAULT_SHUTDOWN_GRACE_S
+# (not imported: fastapi is optional)
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap", "startup",
               "shape_ladder", "scan_layers", "vs_vllm", "step_profile")
@@ -134,8 +136,7 @@ def cmd_serve(args) -> int:
     if problem is not None:
         return fail(problem)
     try:
-        import uvicorn
-
+        from tokenspeed_jax.server import drain
         from tokenspeed_jax.server.app import build_app
     except ImportError as e:
         return fail(f"serve needs the 'serve' extra (pip install -e '.[serve]'): {e}")
@@ -154,13 +155,16 @@ def cmd_serve(args) -> int:
     app = build_app(llm, model_name=args.served_model_name or args.model, api_keys=keys,
                     metrics_require_key=args.metrics_require_key,
                     max_request_bytes=args.max_request_bytes,
-                    max_queued_requests=args.max_queued_requests)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+                    max_queued_requests=args.max_queued_requests,
+                    request_timeout_s=args.request_timeout_s,
+                    shutdown_grace_s=args.shutdown_grace_s)
+    drain.serve(app, args.host, args.port)  # returns once SIGTERM / Ctrl-C has drained it
     return 0
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
-    """The HTTP server's own flags: address, model id, authentication, request limits."""
+    """The HTTP server's own flags: address, model id, authentication, request limits,
+    shutdown."""
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", default=None,
@@ -177,6 +181,13 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-queued-requests", type=int_at_least(0), default=None,
                        help="503 + Retry-After for new requests while this many wait in the "
                             "engine's queue (default: unlimited)")
+    serve.add_argument("--request-timeout-s", type=float_at_least(0.001), default=None,
+                       help="abort a request not finished after this many seconds: 504, or a "
+                            "final error event when streaming (default: no limit)")
+    serve.add_argument("--shutdown-grace-s", type=float_at_least(0.0),
+                       default=DEFAULT_SHUTDOWN_GRACE_S,
+                       help="on SIGTERM / Ctrl-C: refuse new requests (503), give those in "
+                            "flight this long to finish, abort the rest, exit 0")
 
 
 def cmd_bench(args) -> int:

@@ -7,12 +7,17 @@ structured_outputs: `server.structured`) and function tools on chat (`server.too
 `server.tool_parse`); unsupported or unknown fields, bad values and malformed JSON
 get HTTP 400 and an unknown model 404 (`model_not_found`), all in OpenAI's error body. A client
 that disconnects (streaming or not) has its requests aborted: their pages come back at once.
-`/health` answers 503 until every replica has compiled its step shapes.
+`/health` answers 503 until every replica has compiled its step shapes, and again while the
+server drains for a shutdown (`server.drain`). A request past `request_timeout_s` is aborted:
+504 (`request_timeout`), or a final error event when streaming (`server.events`).
+
+One request's failure stays its own: a prompt the tokenizer or chat template cannot take is a
+400 naming the field; a failure while its output is produced (detokenizing, logprob records, tool
+parsing) is a 422 `request_failed` (an error event when streaming), and the others go on.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -27,7 +32,9 @@ from tokenspeed_jax.engine.replicas import aggregate_stats
 from tokenspeed_jax.server.async_engine import AsyncEngine
 from tokenspeed_jax.server.auth import ApiKeyMiddleware
 from tokenspeed_jax.server.choice import ChoiceState
-from tokenspeed_jax.server.errors import error_response, install_error_handlers
+from tokenspeed_jax.server.drain import DEFAULT_SHUTDOWN_GRACE_S, Drain
+from tokenspeed_jax.server.errors import error_event, error_response, install_error_handlers
+from tokenspeed_jax.server.events import Deadline, Disconnected, TimedOut, choice_events
 from tokenspeed_jax.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware, queue_full
 from tokenspeed_jax.server.metrics import ServerMetrics
 from tokenspeed_jax.server.protocol import (
@@ -35,15 +42,12 @@ from tokenspeed_jax.server.protocol import (
     CompletionRequest,
     UnsupportedField,
 )
+from tokenspeed_jax.server.respond import failure, tokenizer_call, whole_body
 from tokenspeed_jax.server.tokenize_routes import add_tokenize_routes
 from tokenspeed_jax.server.tool_parse import ToolOutput
 from tokenspeed_jax.server.tools import ToolPlan, plan_tools, render_prompt
 
 log = logging.getLogger("tokenspeed_jax.server")
-
-
-class _Disconnected(Exception):
-    pass
 
 
 def describe(llm, model_name: str) -> str:
@@ -61,42 +65,53 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
               route: str = "prefix", api_keys: Sequence[str] = (),
               metrics_require_key: bool = False,
               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-              max_queued_requests: int | None = None) -> FastAPI:
+              max_queued_requests: int | None = None, request_timeout_s: float | None = None,
+              shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> FastAPI:
     """The server app over every data-parallel replica of `llm` (`llm.engines`), routing requests
     by `route` ("prefix", the default, or "load": `tokenspeed_jax.engine.replicas`).
 
     api_keys: bearer keys every route but /health (and /metrics, /stats unless
     `metrics_require_key`) needs (`server.auth`; none = open). max_request_bytes: larger bodies
     get 413 before parsing (None = no limit); max_queued_requests: 503 + Retry-After once the
-    engine holds that many waiting requests (None = unlimited; `server.limits`)."""
+    engine holds that many waiting requests (None = unlimited; `server.limits`).
+    request_timeout_s: abort a request not done after that long (None = never).
+    shutdown_grace_s: what in-flight requests get to finish once a shutdown begins
+    (`server.drain.Drain`, on `app.state.drain`; `server.drain.serve` runs the app with it)."""
     tokenizer = llm.tokenizer
     max_context = llm.engine.scheduler.config.max_context_len
+    vocab_size = llm.model_config.vocab_size
     holder: dict = {}
     metrics = ServerMetrics(lambda: holder["engine"].stats())
+    drain = Drain(shutdown_grace_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        engine = AsyncEngine(llm.engines, warmup=warmup, on_finish=metrics.observe, route=route)
+        engine = AsyncEngine(llm.engines, warmup=warmup, on_finish=metrics.observe,
+                             on_scheduled=metrics.observe_queue_time, route=route)
         holder["engine"] = engine
         _app.state.engine = engine
+        drain.live, drain.abort_rest = engine.num_live, engine.abort_all
         log.info("tokenspeed-jax serving: %s (warming up)", describe(llm, model_name))
         yield
         engine.shutdown()
 
     app = FastAPI(title="tokenspeed-jax", lifespan=lifespan)
+    app.state.drain = drain
     install_error_handlers(app)
     if max_request_bytes is not None:
         app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_keys:  # added last: outermost, so it answers before the body is read
         app.add_middleware(ApiKeyMiddleware, keys=list(api_keys),
                            require_key_for_metrics=metrics_require_key)
-    add_tokenize_routes(app, tokenizer, model_name, max_context, llm.model_config.vocab_size)
+    add_tokenize_routes(app, tokenizer, model_name, max_context, vocab_size)
 
     def engine() -> AsyncEngine:
         return holder["engine"]
 
     @app.get("/health")
     def health():
+        if drain.draining:
+            return JSONResponse(status_code=503, content={"status": "draining"})
         if "engine" not in holder or not engine().ready:
             return JSONResponse(status_code=503, content={"status": "warming up"})
         return {"status": "ok"}
@@ -121,80 +136,47 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
         if tokenizer is None:
             raise ValueError("this model has no tokenizer (no tokenizer.json): send token ids")
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
+            return tokenizer_call(tokenizer.encode, prompt)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            return tokenizer.encode(prompt[0])
+            return tokenizer_call(tokenizer.encode, prompt[0])
         raise ValueError("prompt must be a string, a list of token ids, or a list of one string")
 
-    async def _next(queue: asyncio.Queue, http: Request, clock: list[float]):
-        """The next engine event; raises _Disconnected within ~0.2 s of the client leaving
-        (checked on that period whether or not events keep arriving)."""
-        while True:
-            now = time.monotonic()
-            if now - clock[0] >= 0.2:
-                clock[0] = now
-                if await http.is_disconnected():
-                    raise _Disconnected()
-            try:
-                return await asyncio.wait_for(queue.get(), timeout=0.2)
-            except TimeoutError:
-                continue
-
-    async def _events(queue, choices: list[ChoiceState], rids: list[str], http: Request):
-        """(choice, Delta, finish_reason or None) as tokens arrive, until every choice ends."""
-        done: set[int] = set()
-        clock = [time.monotonic()]
-        while len(done) < len(choices):
-            j, event = await _next(queue, http, clock)
-            if j in done:
-                continue
-            ch = choices[j]
-            if event[0] == "error":
-                raise RuntimeError(event[1])
-            if event[0] == "delta":
-                d = ch.feed(event[1], event[2], event[3])
-                if ch.stopped:  # a stop string: end this choice now, free its pages
-                    engine().abort(rids[j], finish_reason="stop")
-                    ch.finish_reason = "stop"
-                    done.add(j)
-                    yield ch, d, "stop"
-                elif d.text or d.token_ids:
-                    yield ch, d, None
-            else:
-                d = ch.feed([], None, None, final=True)
-                ch.finish_reason = "stop" if ch.stopped else event[1].finish_reason
-                done.add(j)
-                yield ch, d, ch.finish_reason
+    def _abort(rids: list[str], reason: str | None = None) -> None:
+        for rid in rids:  # no-op once finished; frees pages otherwise
+            engine().abort(rid, finish_reason=reason)
 
     async def _run(http: Request, body, prompt_ids: list[int], chat: bool,
                    plan: ToolPlan | None = None):
+        deadline = Deadline(request_timeout_s)
+        if drain.draining:
+            return drain.refusal()
         try:
             body.check_supported()
             if body.model is not None and body.model != model_name:
                 return error_response(404, f"The model '{body.model}' does not exist (this server "
                                       f"serves '{model_name}')", param="model",
                                       code="model_not_found")
-            wanted = body.requested_max_tokens()
-            max_tokens = wanted if wanted is not None else max_context - len(prompt_ids)
-            if max_tokens < 1 and wanted is None:
-                raise ValueError(f"prompt ({len(prompt_ids)} tokens) leaves no room to generate "
-                                 f"within max_context_len {max_context}")
+            max_tokens = body.check_prompt(prompt_ids, vocab_size, max_context)
             constraint = plan.constraint() if plan is not None and plan.forces else body.constraint()
             params = [body.to_params(max_tokens, j, constraint) for j in range(body.n)]
+            echo = ""
+            if not chat and getattr(body, "echo", False) and tokenizer is not None:
+                try:
+                    echo = tokenizer_call(tokenizer.decode, prompt_ids)
+                except ValueError as e:
+                    raise UnsupportedField("prompt", str(e)) from None
             if (full := queue_full(engine().stats(), max_queued_requests)) is not None:
                 return full
             rids, queue = engine().submit(prompt_ids, params)
         except UnsupportedField as e:
             return error_response(400, str(e), param=e.field)
-        except ValueError as e:
-            return error_response(400, str(e), param=body.engine_error_param(str(e)))
+        except ValueError as e:  # the engine's own checks (the request's were done above)
+            return error_response(400, str(e))
         stops = body.stop_strings()
         choices = [ChoiceState(j, tokenizer, stops) for j in range(body.n)]
         tool_out = [ToolOutput(plan) if plan is not None and plan.parses else None
                     for _ in choices]
-        echo = ""
-        if not chat and getattr(body, "echo", False) and tokenizer is not None:
-            echo = tokenizer.decode(prompt_ids)
+        events = choice_events(engine(), queue, choices, rids, http, deadline, drain.aborting)
         for ch in choices:
             ch.text_offset = len(echo)
         top_k = body.num_top_logprobs()
@@ -231,7 +213,7 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
                     elif echo:
                         yield chunk([{"index": c.index, "text": echo, "logprobs": None,
                                       "finish_reason": None} for c in choices])
-                    async for ch, d, reason in _events(queue, choices, rids, http):
+                    async for ch, d, reason in events:
                         lp = logprobs_of(ch, d.token_ids, d.logprobs, d.top) if d.token_ids else None
                         tools_out = tool_out[ch.index] if chat else None
                         if tools_out is not None:  # content held back around calls, calls at end
@@ -252,56 +234,37 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
                     if include_usage:
                         yield chunk([], usage())
                     yield "data: [DONE]\n\n"
-                except _Disconnected:
+                except Disconnected:
                     return
-                except RuntimeError as e:
-                    err = {"error": {"message": str(e), "type": "internal_server_error",
-                                     "param": None, "code": None}}
-                    yield f"data: {json.dumps(err)}\n\n"
+                except Exception as e:  # noqa: BLE001 - this request only: a final error event
+                    if isinstance(e, TimedOut):
+                        _abort(rids, "timeout")
+                    status, message, code = failure(e)
+                    yield error_event(status, message, code=code)
                 finally:
-                    for rid in rids:  # no-op once finished; frees pages on disconnect
-                        engine().abort(rid)
+                    _abort(rids)
 
             return StreamingResponse(sse(), media_type="text/event-stream")
 
         try:
-            async for _ in _events(queue, choices, rids, http):
+            async for _ in events:
                 pass
-        except _Disconnected:
-            for rid in rids:
-                engine().abort(rid)
+            return whole_body(chat, meta, choices, tool_out, echo, logprobs_of, usage())
+        except Disconnected:
             return Response(status_code=499)
-        except RuntimeError as e:
-            return error_response(500, str(e))
+        except Exception as e:  # noqa: BLE001 - this request only: an OpenAI error body
+            if isinstance(e, TimedOut):
+                _abort(rids, "timeout")
+            status, message, code = failure(e)
+            return error_response(status, message, code=code)
         finally:
-            for rid in rids:
-                engine().abort(rid)
-        out = []
-        for ch in choices:
-            lp = logprobs_of(ch, ch.tokens, ch.logprobs, ch.top)
-            text = ch.text(final=True)
-            if chat:
-                message: dict = {"role": "assistant", "content": text}
-                reason = ch.finish_reason
-                parser = tool_out[ch.index]
-                if parser is not None:
-                    content, calls, reason = parser.final(text, reason)
-                    message = {"role": "assistant", "content": content}
-                    if calls:
-                        message["tool_calls"] = calls
-                out.append({"index": ch.index, "message": message, "logprobs": lp,
-                            "finish_reason": reason})
-            else:
-                out.append({"index": ch.index, "text": echo + text, "logprobs": lp,
-                            "finish_reason": ch.finish_reason, "token_ids": ch.tokens})
-        return {**meta, "object": "chat.completion" if chat else "text_completion",
-                "choices": out, "usage": usage()}
+            _abort(rids)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         try:
             prompt_ids = _encode(body.prompt)
-        except (ValueError, TypeError) as e:
+        except ValueError as e:
             return error_response(400, str(e), param="prompt")
         return await _run(http, body, prompt_ids, chat=False)
 
@@ -321,6 +284,9 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
             return error_response(400, str(e), param=e.field)
         except (ValueError, TypeError) as e:  # TypeError: `tokenizers` refusing a string
             return error_response(400, str(e), param="messages")
+        except Exception as e:  # noqa: BLE001 - the tokenizer / chat template refusing them
+            return error_response(400, f"these messages cannot be rendered or tokenized "
+                                  f"({type(e).__name__}: {e})", param="messages")
         return await _run(http, body, prompt_ids, chat=True, plan=plan)
 
     return app

@@ -13,6 +13,13 @@ least loaded (running + waiting requests, deferred samples included). "load" pic
 outstanding tokens instead. The n samples of one request stay on one replica and the 2nd..n-th are
 queued only once the first has computed its prompt, so they share its prompt pages through the
 prefix cache instead of each computing the prompt. Tokens stream from `Engine.stream`.
+
+Isolation: what the stepping thread does for one request after a step (pushing its tokens,
+`on_finish`, `on_scheduled`, queueing a deferred sample) is guarded per request: an exception
+there fails that request alone (a "failed" event; it is aborted) and the thread keeps stepping.
+
+Queue time: the first step that schedules a sample reports the seconds since `submit` to
+`on_scheduled` (the server's `tokenspeed_queue_time_seconds` histogram).
 """
 
 from __future__ import annotations
@@ -37,13 +44,14 @@ class _Subscriber:
     """One sample's feed into the queue its request shares with its siblings (items are tagged
     with the sample's index)."""
 
-    __slots__ = ("loop", "queue", "sent", "index")
+    __slots__ = ("loop", "queue", "sent", "index", "submitted")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int) -> None:
         self.loop = loop
         self.queue = queue
         self.index = index
         self.sent = 0
+        self.submitted = time.perf_counter()
 
     def push(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
@@ -58,6 +66,7 @@ class _Replica:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.subs: dict[str, _Subscriber] = {}
+        self.unscheduled: dict[str, _Subscriber] = {}  # no step has scheduled them yet
         # first sample's request id -> [(request id, validated sample)] queued once it has prefilled
         self.deferred: dict[str, list[tuple[str, CheckedPrompt]]] = {}
         self.ready = False
@@ -67,21 +76,26 @@ class _Replica:
 
 class AsyncEngine:
     """Queue items are (sample index, event) with event ("delta", ids, logprobs, top),
-    ("done", CompletionOutput) or ("error", str).
+    ("done", CompletionOutput), ("error", str) (a failed step: every request in it) or
+    ("failed", str) (this request alone).
 
     engines: the data-parallel replicas. warmup: compile every step shape before serving
     (`ready` turns True after). on_finish(output): called on the stepping thread for each
-    finished request (metrics). route: the routing policy over the replicas, "prefix" (the
-    default) or "load" (`tokenspeed_jax.engine.replicas`)."""
+    finished request (metrics). on_scheduled(seconds): called there once per sample, by the
+    first step that schedules it, with its time queued since `submit`. route: the routing
+    policy over the replicas, "prefix" (the default) or "load"
+    (`tokenspeed_jax.engine.replicas`)."""
 
     def __init__(self, engines: Engine | Sequence[Engine], *, warmup: bool = True,
                  on_finish: Callable[[CompletionOutput], None] | None = None,
+                 on_scheduled: Callable[[float], None] | None = None,
                  route: str = "prefix") -> None:
         engines = [engines] if isinstance(engines, Engine) else list(engines)
         self.router = Replicas(engines, route=route)
         self.replicas = [_Replica(i, e) for i, e in enumerate(engines)]
         self.engine = engines[0]
         self._on_finish = on_finish
+        self._on_scheduled = on_scheduled
         self._warmup = warmup
         self._stopped = False
         self._owner: dict[str, _Replica] = {}
@@ -129,7 +143,7 @@ class AsyncEngine:
             if len(plist) > 1:
                 rep.deferred[rid] = list(zip(rids[1:], checked[1:]))
             for j, r_id in enumerate(rids):
-                rep.subs[r_id] = _Subscriber(loop, queue, j)
+                rep.subs[r_id] = rep.unscheduled[r_id] = _Subscriber(loop, queue, j)
                 self._owner[r_id] = rep
         rep.wake.set()
         return rids, queue
@@ -138,18 +152,51 @@ class AsyncEngine:
         """Drop a request (its pages come back at once). finish_reason: the request ended
         normally from the client's view (a stop string: "stop"), so it is reported to
         `on_finish` with that reason; None = a real abort (client gone)."""
-        rep = self._owner.pop(request_id, None)
+        rep = self._owner.get(request_id)
         if rep is None:
             return
         with rep.lock:
-            rep.subs.pop(request_id, None)
-            for first, rest in list(rep.deferred.items()):
-                rest[:] = [x for x in rest if x[0] != request_id]
-                if not rest:
-                    del rep.deferred[first]
-            out = rep.engine.abort(request_id)
-        if out is not None and finish_reason is not None and self._on_finish is not None:
-            self._on_finish(dataclasses.replace(out, finish_reason=finish_reason))
+            self._detach(rep, request_id)
+            out = self._engine_abort(rep, request_id)
+        if out is not None and finish_reason is not None:
+            self._finished(dataclasses.replace(out, finish_reason=finish_reason))
+
+    def num_live(self) -> int:
+        """Requests (samples) still generating for a subscriber, on every replica."""
+        return len(self._owner)
+
+    def abort_all(self, message: str = "aborted: the server is shutting down") -> int:
+        """Abort every live request (shutdown's last resort, for requests no handler ended):
+        their subscribers get a "failed" event. Returns how many there were."""
+        rids = list(self._owner)
+        for rid in rids:
+            rep = self._owner.get(rid)
+            if rep is not None:
+                with rep.lock:
+                    self._fail_one(rep, rid, message)
+        return len(rids)
+
+    @staticmethod
+    def _engine_abort(rep: _Replica, rid: str) -> CompletionOutput | None:
+        """`Engine.abort` (lock held); an exception building the output (e.g. the tokenizer
+        failing on its tokens) is logged: the request is gone from the scheduler by then, its
+        pages back."""
+        try:
+            return rep.engine.abort(rid)
+        except Exception:  # noqa: BLE001 - one request's output must not fail its caller
+            log.exception("aborting request %s: building its output failed", rid)
+            return None
+
+    def _detach(self, rep: _Replica, rid: str) -> _Subscriber | None:
+        """Forget request `rid` (lock held): its subscriber (returned), its place among the
+        deferred samples and its owner entry; the engine is not touched."""
+        self._owner.pop(rid, None)
+        rep.unscheduled.pop(rid, None)
+        for first, rest in list(rep.deferred.items()):
+            rest[:] = [x for x in rest if x[0] != rid]
+            if not rest:
+                del rep.deferred[first]
+        return rep.subs.pop(rid, None)
 
     def stats(self) -> list[dict]:
         out = []
@@ -197,6 +244,7 @@ class AsyncEngine:
                     log.exception("engine step failed")
                     self._fail_all(rep, f"engine step failed: {e}")
                     continue
+                self._note_scheduled(rep, finished)
                 self._publish(rep, finished)
                 self._release_siblings(rep)
 
@@ -209,36 +257,74 @@ class AsyncEngine:
                 for rid, checked in rep.deferred.pop(first):
                     try:
                         engine.add_request(checked, checked.params, rid)
-                    except ValueError as e:  # validated at submit; defensive
-                        sub = rep.subs.pop(rid, None)
-                        if sub is not None:
-                            sub.push(("error", str(e)))
+                    except Exception as e:  # noqa: BLE001 - validated at submit; defensive
+                        self._fail_one(rep, rid, f"{type(e).__name__}: {e}")
+
+    def _finished(self, out: CompletionOutput) -> None:
+        """`on_finish(out)`; a failing callback (metrics) is logged, never raised."""
+        if self._on_finish is None:
+            return
+        try:
+            self._on_finish(out)
+        except Exception:  # noqa: BLE001 - one request's bookkeeping must not stop the loop
+            log.exception("on_finish failed for request %s", out.request_id)
+
+    def _note_scheduled(self, rep: _Replica, finished: list[CompletionOutput]) -> None:
+        """Report the queue time of the samples the step just run scheduled first."""
+        if not rep.unscheduled:
+            return
+        now = time.perf_counter()
+        done = {out.request_id for out in finished}
+        for rid, sub in list(rep.unscheduled.items()):
+            req = rep.engine.scheduler.get_request(rid)
+            if rid in done or (req is not None and getattr(req, "admitted_once", True)):
+                del rep.unscheduled[rid]
+                if self._on_scheduled is not None:
+                    try:
+                        self._on_scheduled(now - sub.submitted)
+                    except Exception:  # noqa: BLE001 - metrics must not stop the loop
+                        log.exception("on_scheduled failed for request %s", rid)
 
     def _publish(self, rep: _Replica, finished: list[CompletionOutput]) -> None:
         engine = rep.engine
-        for rid, sub in rep.subs.items():
-            state = engine.stream(rid, sub.sent)
-            if state is None or not state.token_ids:  # finished (below), deferred, or no news
-                continue
-            sub.push(("delta", state.token_ids, state.logprobs, state.top_logprobs))
-            sub.sent = state.num_generated
+        for rid, sub in list(rep.subs.items()):
+            try:
+                state = engine.stream(rid, sub.sent)
+                if state is None or not state.token_ids:  # finished (below), deferred, no news
+                    continue
+                sub.push(("delta", state.token_ids, state.logprobs, state.top_logprobs))
+                sub.sent = state.num_generated
+            except Exception as e:  # noqa: BLE001 - fail this request, keep the others
+                log.exception("publishing request %s failed", rid)
+                self._fail_one(rep, rid, f"{type(e).__name__}: {e}")
         for out in finished:
-            if self._on_finish is not None:
-                self._on_finish(out)
-            waiting = rep.subs.pop(out.request_id, None)
-            self._owner.pop(out.request_id, None)
+            self._finished(out)
+            waiting = self._detach(rep, out.request_id)
             if waiting is None:
                 continue
-            tail = out.token_ids[waiting.sent:]
-            if tail:
-                waiting.push(("delta", list(tail), (out.logprobs or [])[waiting.sent:],
-                              (out.top_logprobs or [])[waiting.sent:]))
-            waiting.push(("done", out))
+            try:
+                tail = out.token_ids[waiting.sent:]
+                if tail:
+                    waiting.push(("delta", list(tail), (out.logprobs or [])[waiting.sent:],
+                                  (out.top_logprobs or [])[waiting.sent:]))
+                waiting.push(("done", out))
+            except Exception:  # noqa: BLE001 - e.g. its event loop is gone
+                log.exception("delivering request %s failed", out.request_id)
+
+    def _fail_one(self, rep: _Replica, rid: str, message: str) -> None:
+        """Abort one request (lock held) and send its subscriber a "failed" event."""
+        sub = self._detach(rep, rid)
+        self._engine_abort(rep, rid)
+        if sub is not None:
+            with contextlib.suppress(Exception):  # its event loop may be gone
+                sub.push(("failed", message))
 
     def _fail_all(self, rep: _Replica, message: str) -> None:
         for rid, sub in list(rep.subs.items()):
-            rep.engine.abort(rid)
+            self._engine_abort(rep, rid)
             self._owner.pop(rid, None)
-            sub.push(("error", message))
+            with contextlib.suppress(Exception):
+                sub.push(("error", message))
         rep.subs.clear()
+        rep.unscheduled.clear()
         rep.deferred.clear()

@@ -21,7 +21,8 @@ class UnsupportedField(ValueError):
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 503: "service_unavailable", 500: "internal_server_error"}
+          413: "invalid_request_error", 422: "request_failed_error", 503: "service_unavailable",
+          500: "internal_server_error", 504: "timeout_error"}
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
@@ -36,6 +37,12 @@ def error_response(status: int, message: str, *, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, headers=headers, content=error_body(
         status, message, param=param, code=code, type_=type_))
+
+
+def error_event(status: int, message: str, *, code: str | None = None) -> str:
+    """A stream's last event when it fails after its 200 was sent: the OpenAI error object as
+    an SSE `data:` line (the `openai` client raises it as an APIError), then `[DONE]`."""
+    return f"data: {json.dumps(error_body(status, message, code=code))}\n\ndata: [DONE]\n\n"
 
 
 def _union_tag(part) -> bool:

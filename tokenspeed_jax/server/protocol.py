@@ -12,7 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from scheduler.sampling_options import LIMITS
+from scheduler.sampling_options import LIMITS, ParamError
 from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.server.errors import UnsupportedField
 from tokenspeed_jax.server.structured import field_error, request_constraint
@@ -119,10 +119,7 @@ class _Sampling(BaseModel):
         on bad values, naming the field."""
         spec, field = constraint
         seed = None if self.seed is None else (self.seed + index) & 0xFFFFFFFF
-        try:
-            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise UnsupportedField("logit_bias", "logit_bias keys must be token ids") from None
+        bias = dict(zip(self.bias_ids(), (self.logit_bias or {}).values()))
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -132,12 +129,11 @@ class _Sampling(BaseModel):
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logit_bias=bias or None,
                 structured_outputs=spec)
-        except ValueError as e:
-            if field is not None and str(e).startswith("structured_outputs"):
+        except ParamError as e:
+            if field is not None and e.param == "structured_outputs":
                 raise field_error(field, e) from None
-            name = str(e).removeprefix("SamplingParams.").split(" ", 1)[0]
-            sent = self.request_field(name)
-            raise UnsupportedField(sent, str(e).replace(f"SamplingParams.{name}", sent, 1)
+            sent = self.request_field(e.param)
+            raise UnsupportedField(sent, str(e).replace(f"SamplingParams.{e.param}", sent, 1)
                                    ) from None
 
     def request_field(self, name: str) -> str:
@@ -145,18 +141,34 @@ class _Sampling(BaseModel):
         the client sent, not an internal name)."""
         return "logprobs" if name == "top_logprobs" else name
 
-    def engine_error_param(self, message: str) -> str | None:
-        """The request field an engine refusal (`Engine.validate`) is about, None if unknown."""
-        for prefix, field in (("stop token id", "stop_token_ids"),
-                              ("logit_bias token id", "logit_bias"),
-                              ("token id", self.prompt_field), ("negative token id", self.prompt_field),
-                              ("empty prompt", self.prompt_field)):
-            if message.startswith(prefix):
-                return field
-        if message.startswith("prompt ("):  # prompt + max tokens over the context length
-            sent = self.requested_max_tokens() is not None
-            return self.request_field("max_tokens") if sent else self.prompt_field
-        return None
+    def bias_ids(self) -> list[int]:
+        """The token ids `logit_bias` is keyed by (JSON keys are strings)."""
+        try:
+            return [int(k) for k in self.logit_bias or {}]
+        except ValueError:
+            raise UnsupportedField("logit_bias", "logit_bias keys must be token ids") from None
+
+    def check_prompt(self, prompt_ids: list[int], vocab_size: int, max_context: int) -> int:
+        """The max tokens to generate for `prompt_ids` (the one asked for, else up to the context
+        limit), after the engine's request checks done here first, so that a refusal names the
+        request field it is about (UnsupportedField -> 400): an empty prompt or one with ids
+        outside the vocabulary, stop ids or logit_bias keys outside it, no room to generate."""
+        if not prompt_ids:
+            raise UnsupportedField(self.prompt_field, f"{self.prompt_field}: the prompt is empty")
+        for field, ids in ((self.prompt_field, prompt_ids), ("stop_token_ids", self.stop_token_ids),
+                           ("logit_bias", self.bias_ids())):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise UnsupportedField(field, f"{field}: token id {bad} outside the vocabulary "
+                                              f"[0, {vocab_size})")
+        wanted = self.requested_max_tokens()
+        max_tokens = wanted if wanted is not None else max_context - len(prompt_ids)
+        if len(prompt_ids) + max(max_tokens, 1) > max_context:
+            field = self.request_field("max_tokens") if wanted is not None else self.prompt_field
+            raise UnsupportedField(field, f"{field}: the prompt ({len(prompt_ids)} tokens) + "
+                                          f"{max(max_tokens, 1)} tokens to generate exceed the "
+                                          f"model's context of {max_context} tokens")
+        return max_tokens
 
     prompt_field: ClassVar[str] = "prompt"
 
