@@ -160,16 +160,20 @@ class Admission:
         return total
 
     # ------------------------------------------------------------------ every row
-    def acquire_row(self, req: Request, n: int, holes: list[list[int]]) -> ScheduledRow:
+    def acquire_row(self, req: Request, n: int, holes: list[list[int]],
+                    samples: bool | None = None) -> ScheduledRow:
         """Acquire the pages of `req`'s next `n` tokens (the caller made room: `available_for`)
-        and describe the row; `holes` are the slots reclaim punched for it."""
+        and describe the row; `holes` are the slots reclaim punched for it. samples: whether the
+        row samples (None: iff it reaches the end of the request's tokens; a speculative row
+        runs past them and samples)."""
         tables = cast("list[BlockTable]", req.tables)  # running: set
         begins = [len(t.pages) for t in tables]
         ok = self.coord.acquire(tables, n, available=self.available_for(req))
         assert ok, "acquire failed after the availability check"
         self.settle(req)
         sizes = [len(t.pages) - b for t, b in zip(tables, begins)]
-        samples = n == req.remaining
+        if samples is None:
+            samples = n == req.remaining
         refresh = self.needs_full_refresh(req, holes)
         if req.prefill_done:
             req.num_decode_rows += 1

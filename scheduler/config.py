@@ -7,6 +7,7 @@ from typing import cast
 
 from scheduler.block_table import ceil_div
 from scheduler.group_spec import PagedCacheGroupSpec
+from scheduler.speculative import SpeculativeConfig
 from scheduler.step_ops import GroupLayout
 
 
@@ -24,6 +25,8 @@ class SchedulerConfig:
         token budget), so one long prompt cannot take a step's budget from everyone else.
     debug_checks: after every schedule/update run `check_invariants()` and the tail-only mirror
         comparison (slow; for tests and debugging).
+    speculative: n-gram speculative decoding (`scheduler.speculative`; None = off; a dict in
+        vLLM's `speculative_config` spelling is accepted).
     """
 
     num_pages: int
@@ -38,6 +41,7 @@ class SchedulerConfig:
     enable_adoption: bool = True
     max_prefill_chunk_tokens: int | None = None
     debug_checks: bool = False
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_batch_requests", "max_scheduled_tokens",
@@ -61,6 +65,27 @@ class SchedulerConfig:
             self.groups = [PagedCacheGroupSpec.make("full", "full_history", page_size=self.page_size)]
         elif not self.groups:
             raise ValueError("SchedulerConfig.groups is empty")
+        self.speculative = SpeculativeConfig.parse(self.speculative)
+        if self.speculative is not None:
+            self._check_speculative(self.speculative)
+
+    def _check_speculative(self, spec: SpeculativeConfig) -> None:
+        k = spec.num_speculative_tokens
+        if k + 1 > self.max_scheduled_tokens:
+            raise ValueError(f"speculative_config.num_speculative_tokens {k} + 1 exceeds "
+                             f"max_scheduled_tokens {self.max_scheduled_tokens}")
+        for g in cast("list[PagedCacheGroupSpec]", self.groups):
+            if g.family == "state":
+                raise ValueError(f"speculative decoding is not supported with recurrent-state "
+                                 f"cache group {g.group_id!r} (its state cannot roll back)")
+            if g.live_tail_alloc:
+                # A live-tail group decides real pages vs holes at the acquire's frontier; the
+                # drafts must not push it past a slot the accepted frontier still reads.
+                limit = g.page_size + cast(int, g.sliding_window_tokens) - 3
+                if k > limit:
+                    raise ValueError(f"speculative_config.num_speculative_tokens {k} exceeds "
+                                     f"{limit} for live-tail cache group {g.group_id!r} (page "
+                                     f"size {g.page_size}, window {g.sliding_window_tokens})")
 
     @property
     def num_live_slots(self) -> int:

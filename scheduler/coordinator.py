@@ -99,6 +99,27 @@ class CacheCoordinator:
                 need += min(full, m.resume_pages + ceil_div(min(max_chunk_tokens, total_tokens), b) + 2)
         return need
 
+    def truncate(self, tables: list[BlockTable], num_tokens: int) -> bool:
+        """Roll every group back to `num_tokens` tokens (speculative decoding: positions a step
+        wrote for rejected drafts). Slots wholly past it leave the table and their pages go back
+        to the pool: they were acquired by that step alone, so nothing else references them and
+        nothing published them. Returns True when a slot left (the device row must refresh)."""
+        dropped = False
+        for m, t in zip(self.managers, tables):
+            b = m.page_size
+            keep = ceil_div(num_tokens, b)
+            if keep < len(t.pages):
+                gone = [p for p in t.pages[keep:] if p != NULL_PAGE]
+                assert all(self.pool.refcount(p) == 1 and self.pool.key_of(p) is None
+                           for p in gone), "rolled-back pages must be private and unpublished"
+                del t.pages[keep:]
+                self.pool.free(gone)
+                t.num_published = min(t.num_published, keep)
+                t.reclaim_floor = min(t.reclaim_floor, keep)
+                dropped = True
+            t.tail_avail = keep * b - num_tokens
+        return dropped
+
     def free(self, tables: list[BlockTable]) -> None:
         for m, t in zip(self.managers, tables):
             m.free(self.pool, t)

@@ -30,6 +30,9 @@ class ScheduledRow:
     # True only when the row has no full refresh, no new page and no hole in any group (a plain
     # decode): the builder then skips its per-group work. False is always safe.
     plain: bool = False
+    # speculative drafts: the row's inputs are its last known token then these (verified on
+    # the device, which samples at each of their positions)
+    drafts: list[int] = dataclasses.field(default_factory=list)
 
 
 class OpsBuilder:
@@ -95,6 +98,7 @@ class OpsBuilder:
         full_refresh = np.zeros(R, bool)
         kv_lens = np.zeros(R, i32)
         sample_mask = np.zeros(R, bool)
+        draft_lens = np.zeros(R, i32)
         sample_index = np.zeros(R, i32)
         token_ids = np.zeros(T, i32)
         positions = np.zeros(T, i32)
@@ -136,6 +140,11 @@ class OpsBuilder:
                     off += k
                     if known < k:  # pending tokens (only the last one, at depth 1)
                         token_ids[off - k + max(known, 0):off] = PLACEHOLDER_TOKEN
+                for i, row in enumerate(rows):
+                    if row.drafts:  # after the row's one known token (a synchronous decode)
+                        end = int(cu_q_lens[i + 1])
+                        token_ids[end - len(row.drafts):end] = row.drafts
+                        draft_lens[i] = len(row.drafts)
             off = 0
             wanted = [o.prompt_logprobs for o in samplings]
             for req, want, s, k in zip(reqs, wanted, starts, lens) if any(wanted) else ():
@@ -153,7 +162,7 @@ class OpsBuilder:
             num_seqs=n, num_tokens=q,
             request_ids=tuple(r.request_id for r in reqs),
             req_slots=req_slots, full_refresh=full_refresh,
-            cu_q_lens=cu_q_lens, kv_lens=kv_lens, sample_mask=sample_mask,
+            cu_q_lens=cu_q_lens, kv_lens=kv_lens, sample_mask=sample_mask, draft_lens=draft_lens,
             token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
             positions=positions, token_rows=token_rows,
             prompt_targets=prompt_targets, sample_index=sample_index, **cols,
@@ -205,6 +214,7 @@ class OpsBuilder:
             request_ids=tuple(r.request_id for r in reqs),
             req_slots=req_slots, full_refresh=np.zeros(R, bool),
             cu_q_lens=self._qs_decode[n].copy(), kv_lens=kv_lens, sample_mask=sample_mask,
+            draft_lens=np.zeros(R, i32),
             token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
             positions=positions, token_rows=token_rows,
             prompt_targets=self._minus1_T.copy(), sample_index=sample_index, **cols,

@@ -52,11 +52,11 @@ class Request:
                  "hasher", "status", "tables", "slot", "num_computed", "reserved",
                  "prefill_done", "num_decode_rows", "needs_refresh", "num_cached_tokens",
                  "num_retractions", "finish_reason", "published_base_pages", "admitted_once",
-                 "num_inflight", "num_pending", "epoch")
+                 "num_inflight", "num_pending", "epoch", "speculate", "drafts")
 
     def __init__(self, request_id: str, prompt: list[int], max_new_tokens: int, *,
                  sampling: SamplingOptions, arrival: int, hash_base: int,
-                 cache_salt: str | bytes | None = None) -> None:
+                 cache_salt: str | bytes | None = None, speculate: bool = False) -> None:
         self.request_id = request_id
         self.prompt_len = len(prompt)
         self.tokens = list(prompt)
@@ -82,6 +82,8 @@ class Request:
         self.num_inflight = 0  # tokens scheduled in steps not yet fed back by `update`
         self.num_pending = 0  # sampled tokens still on the device (placeholders on the host)
         self.epoch = 0  # bumped by every release; a step row whose epoch differs is stale
+        self.speculate = speculate  # may propose drafts (speculative decoding)
+        self.drafts: list[int] = []  # the drafts of its row in the step in flight
 
     @property
     def num_generated(self) -> int:

@@ -27,6 +27,7 @@ from scheduler.mirror_check import MirrorChecker
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.sampling_options import SamplingOptions
+from scheduler.speculative import propose_ngram
 from scheduler.step_ops import PLACEHOLDER_TOKEN, StepOps
 from scheduler.step_plan import StepPlan
 
@@ -39,6 +40,9 @@ class StepUpdate:
 
     finished: list[RequestOutput]
     applied: list[bool]
+    # row -> every token a speculative row appended (accepted drafts, then the device's own
+    # token; cut after a stop / length), in order; rows without drafts append `sampled[row]`
+    spec_tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class Scheduler:
@@ -60,7 +64,9 @@ class Scheduler:
         self.decode_fast_path = True
         self._stats = {"num_retractions": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0,
                        "adopted_pages": 0, "num_steps": 0, "num_aborted": 0,
-                       "num_full_refresh_rows": 0, "num_dropped_tokens": 0}
+                       "num_full_refresh_rows": 0, "num_dropped_tokens": 0,
+                       "spec_num_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self._spec = config.speculative
         # steps scheduled but not yet fed back: (ops, [(request, epoch) per row]), oldest first
         self._flights: collections.deque[tuple[StepOps, list[tuple[Request, int]]]] = (
             collections.deque())
@@ -69,12 +75,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_new_tokens: int, *,
-                    sampling: SamplingOptions | None = None, **options: Any) -> None:
+                    sampling: SamplingOptions | None = None, speculate: bool = True,
+                    **options: Any) -> None:
         """Queue a request sampled as `sampling` says. Without it, the keyword options build the
         record (`SamplingOptions.from_options`: its field names, e.g. stop_token_ids,
         temperature, top_p, top_k, seed, prompt_logprobs, penalties, logit_bias, top_logprobs).
-        cache_salt (str | bytes) is the one other option. Raises ValueError on bad input, naming
-        unknown options (nothing changes then)."""
+        cache_salt (str | bytes) is the one other option. speculate=False keeps the request out
+        of speculative decoding (requests with penalties, logit_bias, top logprobs or prompt
+        logprobs never speculate). Raises ValueError on bad input, naming unknown options
+        (nothing changes then)."""
         cfg = self.config
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -98,8 +107,10 @@ class Scheduler:
                 raise ValueError(f"options {sorted(options)} beside sampling= (put them in it)")
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
+        speculate = (speculate and self._spec is not None and not sampling.needs_extras
+                     and not sampling.prompt_logprobs)
         req = Request(request_id, prompt, max_new_tokens, sampling=sampling, cache_salt=salt,
-                      arrival=next(self._arrival), hash_base=self.coord.base)
+                      arrival=next(self._arrival), hash_base=self.coord.base, speculate=speculate)
         self._requests[request_id] = req
         self._waiting.append(req)
 
@@ -205,9 +216,11 @@ class Scheduler:
                 # prefix hits do not lag a step. Whoever hits them runs later.
                 self._publish(req, extent)
                 room = pool.num_free >= adm.reserved_total  # adoption frees private copies
+            drafts = (self._propose(req, plan.budget) if req.speculate and not pending
+                      and not req.num_inflight and req.prefill_done else None)
             # Decode fast path: one token, no refresh, room in every tail, nothing to reclaim
             # and no reservation shortfall. Exactly what the general path below would decide.
-            if (fast and room and req.num_decode_rows and not req.needs_refresh
+            if (fast and room and not drafts and req.num_decode_rows and not req.needs_refresh
                     and not req.reserved and req.prefill_done
                     and len(tokens) + pending - start == 1
                     and coord.grow_in_tail(cast("list[BlockTable]", req.tables), extent)):
@@ -216,7 +229,7 @@ class Scheduler:
                 plan.add_decode(req, req, start, PLACEHOLDER_TOKEN if pending else tokens[-1])
                 i += 1
                 continue
-            row = self._schedule_running(req, plan.budget, extent)
+            row = self._schedule_running(req, plan.budget, extent, drafts)
             room = pool.num_free >= adm.reserved_total
             if row is None:  # req itself was retracted (it was the LIFO victim)
                 continue
@@ -258,7 +271,23 @@ class Scheduler:
             self._stats["num_full_refresh_rows"] += int(ops.full_refresh.sum())
         return ops
 
-    def _schedule_running(self, req: Request, budget: int, extent: int) -> ScheduledRow | None:
+    def _propose(self, req: Request, budget: int) -> list[int] | None:
+        """Drafts for `req`'s next decode row (synchronous: its tokens are all known), at most
+        what its max_tokens, max_context_len and the step budget leave after its own token."""
+        spec = self._spec
+        assert spec is not None  # `speculate` is only set with a speculative config
+        tokens = req.tokens
+        if len(tokens) - req.num_computed != 1:
+            return None
+        k = min(spec.num_speculative_tokens, req.max_new_tokens - req.num_generated - 1,
+                self.config.max_context_len - len(tokens) - 1, budget - 1,
+                self._admission.chunk_cap - 1)
+        if k < 1:
+            return None
+        return propose_ngram(tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max) or None
+
+    def _schedule_running(self, req: Request, budget: int, extent: int,
+                          drafts: list[int] | None = None) -> ScheduledRow | None:
         coord = self.coord
         n = min(req.remaining, budget, self._admission.chunk_cap)
         tables = cast("list[BlockTable]", req.tables)  # running: set
@@ -266,6 +295,14 @@ class Scheduler:
         # loop). With a step in flight that is its scheduled extent: a slot that step still reads
         # may be freed now, as whoever gets the page is in a later step, which runs after it.
         holes = coord.reclaim(tables, extent)
+        if drafts:
+            # Speculation never retracts anyone: the drafts' pages must be free for the taking,
+            # else the row decodes its one token as usual.
+            k = 1 + len(drafts)
+            if coord.blocks_needed_for(tables, k) <= self._admission.available_for(req):
+                row = self._admission.acquire_row(req, k, holes, samples=True)
+                row.drafts = req.drafts = drafts
+                return row
         need = coord.blocks_needed_for(tables, n)
         while need > self._admission.available_for(req):
             victim = self._running[-1]
@@ -331,12 +368,17 @@ class Scheduler:
         req.epoch += 1
 
     # ------------------------------------------------------------------ update
-    def update(self, ops: StepOps, sampled_token_ids: np.ndarray) -> list[RequestOutput]:
-        """`update_step(ops, sampled_token_ids).finished`: the requests that finished."""
-        return self.update_step(ops, sampled_token_ids).finished
+    def update(self, ops: StepOps, sampled_token_ids: np.ndarray,
+               accepted: np.ndarray | None = None) -> list[RequestOutput]:
+        """`update_step(ops, sampled_token_ids, accepted).finished`: the requests that finished."""
+        return self.update_step(ops, sampled_token_ids, accepted).finished
 
-    def update_step(self, ops: StepOps, sampled_token_ids: np.ndarray) -> StepUpdate:
-        """Feed back one step: `sampled_token_ids` i32[max_batch_requests], entry i for row i.
+    def update_step(self, ops: StepOps, sampled_token_ids: np.ndarray,
+                    accepted: np.ndarray | None = None) -> StepUpdate:
+        """Feed back one step: `sampled_token_ids` i32[max_batch_requests], entry i for row i;
+        `accepted` i32[max_batch_requests]: drafts the device accepted per row (needed when a
+        row has `draft_lens` > 0; row i then appends its first accepted[i] drafts and then
+        sampled[i], and rolls its pages back to what it computed for those).
 
         Steps must be fed back in the order they were scheduled (at most the in-flight ones).
         Returns the requests that finished in this step and which rows were applied."""
@@ -357,6 +399,12 @@ class Scheduler:
         sample_mask = ops.sample_mask[:n].tolist()
         qs = ops.cu_q_lens[:n + 1].tolist()
         sampled_list = sampled[:n].tolist()
+        num_drafts = ops.draft_lens[:n].tolist()
+        if any(num_drafts):
+            if accepted is None:
+                raise ValueError("a step with speculative drafts needs `accepted`")
+            accepted_list = np.asarray(accepted)[:n].tolist()
+        spec_tokens: dict[int, list[int]] = {}
         running, done = Status.RUNNING, Status.FINISHED
         applied = [True] * n
         done_running = False
@@ -367,20 +415,45 @@ class Scheduler:
                 self._stats["num_dropped_tokens"] += sample_mask[i]
                 continue
             live = req.epoch == epoch  # else retracted meanwhile: the KV it wrote is void
+            d = num_drafts[i]
+            new = [int(sampled_list[i])] if sample_mask[i] else []
+            if d:  # speculative: the accepted drafts come before the device's own token
+                a = int(accepted_list[i])
+                if not 0 <= a <= d or len(req.drafts) != d:
+                    raise ValueError(f"row {i}: accepted {a} of {d} drafts "
+                                     f"({len(req.drafts)} proposed)")
+                new = req.drafts[:a] + new
+                req.drafts = []
+                self._stats["spec_num_rows"] += 1
+                self._stats["spec_draft_tokens"] += d
+                self._stats["spec_accepted_tokens"] += a
             if live:
                 k = qs[i + 1] - qs[i]
                 req.num_inflight -= k
-                req.num_computed += k
-            if sample_mask[i]:
+                req.num_computed += k - d + len(new) - 1 if d else k
+            if new:
                 req.num_pending -= 1
-                tok = int(sampled_list[i])
                 tokens = req.tokens
-                tokens.append(tok)
-                if tok in req.sampling.stop_token_ids:
-                    req.finish_reason = "stop"
-                elif (len(tokens) - req.prompt_len >= req.max_new_tokens
-                      or len(tokens) >= max_len):
-                    req.finish_reason = "length"
+                stops = req.sampling.stop_token_ids
+                for j, tok in enumerate(new):
+                    tokens.append(tok)
+                    if tok in stops:
+                        req.finish_reason = "stop"
+                    elif (len(tokens) - req.prompt_len >= req.max_new_tokens
+                          or len(tokens) >= max_len):
+                        req.finish_reason = "length"
+                    else:
+                        continue
+                    del new[j + 1:]  # nothing past a stop or the length limit
+                    break
+                if d:
+                    spec_tokens[i] = new
+            # roll the rejected drafts' positions back: tail_avail, and pages they alone took;
+            # the device row still lists dropped pages: it refreshes whole next time
+            if (d and live and req.status is running and req.finish_reason is None
+                    and self.coord.truncate(cast("list[BlockTable]", req.tables),
+                                            req.num_computed)):
+                req.needs_refresh = True
             if live and req.num_computed // base > req.published_base_pages:
                 self._publish(req, req.num_computed)
             if req.finish_reason is not None:
@@ -399,7 +472,7 @@ class Scheduler:
             self._running = [r for r in self._running if r.status is running]
         if self.mirror_checker is not None:
             self.check_invariants()
-        return StepUpdate(finished, applied)
+        return StepUpdate(finished, applied, spec_tokens)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
@@ -417,6 +490,12 @@ class Scheduler:
                                 zip(cast("list[PagedCacheGroupSpec]", self.config.groups), per_group)})
         q = out["prefix_query_tokens"]
         out["prefix_hit_rate"] = out["prefix_hit_tokens"] / q if q else 0.0
+        if self._spec is not None:
+            drafted, rows = out["spec_draft_tokens"], out["spec_num_rows"]
+            out["spec_acceptance_rate"] = out["spec_accepted_tokens"] / drafted if drafted else 0.0
+            # tokens one speculative row yields: accepted drafts + the device's own token
+            out["spec_mean_accepted_len"] = ((out["spec_accepted_tokens"] + rows) / rows
+                                             if rows else 0.0)
         if self.mirror_checker is not None:
             out["tail_only_divergences"] = self.mirror_checker.tail_only_divergences
         return out

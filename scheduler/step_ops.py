@@ -97,6 +97,9 @@ class StepOps:
     kv_lens: np.ndarray = _dev("row", "i32")
     # bool[R] the row's last token yields a sampled token; False padding
     sample_mask: np.ndarray = _dev("row", "bool")
+    # i32[R] speculative drafts among the row's last query tokens: the device verifies them
+    # and samples at each of the row's last draft_lens + 1 positions; 0 padding (no drafts)
+    draft_lens: np.ndarray = _dev("row", "i32", 0)
     # i32[T] input token ids; PLACEHOLDER_TOKEN where token_from_prev; 0 padding
     token_ids: np.ndarray = _dev("token", "i32")
     # bool[T] the token is the one the previous step sampled for this row's slot: the device

@@ -87,7 +87,10 @@ class LLM:
     False: the synchronous reference loop. Same outputs: see tokenspeed_jax/engine/engine.py and
     benchmarks/README.md, "Overlapped scheduling"), scan_layers (False: trace and compile one
     layer per run of identical layers with `lax.scan` instead of every layer; same tokens,
-    `tokenspeed_jax.models.layer_scan`; not on the multi-process runtime).
+    `tokenspeed_jax.models.layer_scan`; not on the multi-process runtime),
+    speculative_config (None: n-gram speculative decoding in vLLM's spelling, e.g.
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1}; `scheduler.speculative`; the engine then runs the synchronous loop).
 
     tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
     intermediate, conv channels, vocab; `tokenspeed_jax.runtime.sharding`). data_parallel_size = D: D
@@ -136,7 +139,8 @@ class LLM:
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
         known = {*SCHEDULER_OPTIONS, "conv_page_size", "honor_full_refresh", "min_kv_bucket",
-                 "async_scheduling", "lazy_compile", "compile_workers", "scan_layers"}
+                 "async_scheduling", "lazy_compile", "compile_workers", "scan_layers",
+                 "speculative_config"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
@@ -165,6 +169,7 @@ class LLM:
             num_pages=2 if num_pages is None else num_pages, page_size=page_size,
             max_batch_requests=max_batch_requests, max_scheduled_tokens=max_scheduled_tokens,
             max_context_len=max_context_len, enable_prefix_cache=enable_prefix_cache,
+            speculative=more_options.get("speculative_config"),
             **{k: more_options[k] for k in SCHEDULER_OPTIONS if k in more_options})
         # the one setup value: the Scheduler is built from layout.scheduler_config, the runner
         # from the layout itself (num_pages=None: 2 until the pool is sized just below)

@@ -19,6 +19,11 @@ applies, and sends the step's bitmask with the StepOps. A matcher needs its requ
 token before the next mask, so the overlapped loop waits for the step in flight first when (and
 only when) the next step samples a constrained request that has a token in that step. A grammar
 that is complete ends its request ("stop") at once, without an EOS.
+
+Speculative decoding (`SchedulerConfig.speculative`): a row proposes drafts from its own tokens,
+so it needs its newest token on the host; such an engine runs the synchronous loop (planning
+step N+1 needs step N's accepted count). Requests that ask for logprobs or a grammar do not
+speculate (their per-token work is not done per draft).
 """
 
 from __future__ import annotations
@@ -133,7 +138,8 @@ class Engine:
                  async_scheduling: bool = False) -> None:
         self.scheduler = Scheduler(scheduler_config)
         self.runner = runner
-        self.async_scheduling = bool(async_scheduling)
+        # speculation proposes from the newest token: the synchronous loop (module docstring)
+        self.async_scheduling = bool(async_scheduling) and scheduler_config.speculative is None
         self._inflight: tuple[StepOps, StepHandle] | None = None  # overlapped: step N, not collected
         self.clock = StepClock()
         self.vocab_size = vocab_size
@@ -205,8 +211,9 @@ class Engine:
                 raise ValueError(f"request id {rid!r} is already live")
             self._book().add(rid, params.grammar)  # ValueError: nothing queued
         try:
-            self.scheduler.add_request(rid, ids, params.max_tokens,
-                                       sampling=params.to_options(self.eos_token_ids))
+            self.scheduler.add_request(
+                rid, ids, params.max_tokens, sampling=params.to_options(self.eos_token_ids),
+                speculate=params.grammar is None and not params.logprobs)
         except BaseException:
             if params.grammar is not None:
                 self._book().drop(rid)
@@ -359,9 +366,9 @@ class Engine:
         result = self.runner.collect(handle)
         now = time.perf_counter()
         self.clock.waited(now - t, blocked)
-        update = self.scheduler.update_step(ops, result.sampled)
+        update = self.scheduler.update_step(ops, result.sampled, result.accepted)
         finished = update.finished
-        ended = self._route_logprobs(ops, result, now, update.applied)
+        ended = self._route_logprobs(ops, result, now, update.applied, update.spec_tokens)
         self.num_steps += 1
         self.num_prefill_tokens += int(ops.num_tokens - ops.sample_mask[:ops.num_seqs].sum())
         outs = []
@@ -381,11 +388,12 @@ class Engine:
         return outs
 
     def _route_logprobs(self, ops: StepOps, result: StepResult, now: float,
-                        applied: list[bool]) -> list[str]:
+                        applied: list[bool], spec_tokens: dict[int, list[int]]) -> list[str]:
         """Sampled ids and logprobs of the rows whose results the scheduler applied, to their
         requests' tracks (a row planned behind a request that finished or was aborted meanwhile
         produced nothing for anyone); the same rows append to the scheduler's `Request.tokens`.
-        Constrained requests' matchers advance; returns the ids whose grammar is complete."""
+        Constrained requests' matchers advance; returns the ids whose grammar is complete.
+        A speculative row appends every token it produced (`spec_tokens`; no logprobs)."""
         book = self._grammars if self._grammars is not None and len(self._grammars) else None
         ended: list[str] = []
         # plain Python over the rows (numpy scalar indexing per row costs more than the work)
@@ -402,6 +410,13 @@ class Engine:
             count += 1
             track = tracks.get(rids[i])
             if track is None:
+                continue
+            if spec_tokens and i in spec_tokens:
+                got = spec_tokens[i]
+                track.token_ids.extend(got)
+                count += len(got) - 1
+                if track.metrics.first_token_time is None:
+                    track.metrics.first_token_time = now
                 continue
             track.token_ids.append(sampled[i])
             if book is not None and book.advance(rids[i], sampled[i]):

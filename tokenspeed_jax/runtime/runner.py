@@ -67,8 +67,9 @@ from tokenspeed_jax.runtime.step_programs import StepPrograms
 logger = logging.getLogger(__name__)
 
 # device outputs of one step: sampled ids i32[R], logprobs f32[R], prompt logprobs f32[T],
-# (top ids i32[R, K], top logprobs f32[R, K])
-StepOutputs: TypeAlias = tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]
+# (top ids i32[R, K], top logprobs f32[R, K]), accepted drafts i32[R]
+StepOutputs: TypeAlias = tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array],
+                               jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,7 @@ class StepResult:
     prompt_logprobs: np.ndarray
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    accepted: np.ndarray | None = None  # i32[R] drafts accepted per row; None: no drafts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,7 @@ class StepHandle:
     prompt_logprobs: jax.Array | None
     bucket: int
     top: tuple[jax.Array, jax.Array] | None = None  # (top ids, top logprobs) when asked for
+    accepted: jax.Array | None = None  # drafts accepted per row, on steps with drafts
 
     def is_ready(self) -> bool:
         """True once the device has finished the step (never blocks)."""
@@ -165,6 +168,8 @@ class ModelRunner:
         self.layout = layout
         self.max_batch_requests = layout.scheduler_config.max_batch_requests
         self.max_scheduled_tokens = layout.scheduler_config.max_scheduled_tokens
+        spec = layout.scheduler_config.speculative
+        self.num_speculative = 0 if spec is None else spec.num_speculative_tokens  # static
         self.backend = resolve_backend(backend)
         self.shapes = ShapePolicy.build(layout.widths, layout.page_sizes, self.max_scheduled_tokens,
                                         backend=self.backend, min_token_bucket=min_token_bucket,
@@ -212,7 +217,7 @@ class ModelRunner:
             self._attn, self._conv = tp.wrap_attention(self._attn), tp.wrap_conv(self._conv)
             self._gather_logits = tp.gather_logits  # vocab-sharded: the sampler wants whole rows
             shardings = dict(in_shardings=(jax.tree.leaves(param_sh), state_sh, rep, rep, rep, rep),
-                             out_shardings=(state_sh, rep, rep, rep, rep, rep))
+                             out_shardings=(state_sh, rep, rep, rep, rep, rep, rep))
         self.params = params
         # The jitted step takes the params as their flat list of arrays: flattening the nnx.State
         # (a Python callback per Variable) on every call cost ~0.1 ms of host time per step.
@@ -258,12 +263,12 @@ class ModelRunner:
         else:
             model = nnx.merge(self._graphdef, params)
             hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
-        penalties, last_tokens, tokens, logprobs, plp, top = sample_rows(
+        penalties, last_tokens, tokens, logprobs, plp, top, accepted = sample_rows(
             hidden, ops, penalties, state.last_tokens, lm_head=model.logits,
             max_rows=self.max_batch_requests, gather_logits=self._gather_logits,
-            token_mask=token_mask)
+            token_mask=token_mask, num_speculative=self.num_speculative)
         return (DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens), penalties,
-                tokens, logprobs, plp, top)
+                tokens, logprobs, plp, top, accepted)
 
     # ------------------------------------------------------------------ host side
     supports_token_mask = True  # `dispatch(ops, token_mask)` (structured outputs)
@@ -307,15 +312,16 @@ class ModelRunner:
         tensor parallelism: replicated over the mesh). token_mask: i32[R, ceil(V / 32)] allowed
         tokens per row (None = all). The device state advances to the step's
         output futures. Returns (tokens i32[R], logprobs f32[R], prompt logprobs f32[T_b],
-        (top ids i32[R, K], top logprobs f32[R, K])), T_b = the token bucket.
+        (top ids i32[R, K], top logprobs f32[R, K]), accepted drafts i32[R]), T_b = the token
+        bucket.
         """
         fn = self.programs.get(shape) or self.programs.prepare(shape)
         mask: np.ndarray | jax.Array = self._no_mask if token_mask is None else token_mask
         if token_mask is not None and self._tp is not None:
             mask = jax.device_put(token_mask, self._tp.replicated)
-        self.state, self.penalties, tokens, logprobs, plp, top = fn(
+        self.state, self.penalties, tokens, logprobs, plp, top, accepted = fn(
             self.param_leaves, self.state, self.penalties, i32, f32, mask)
-        return tokens, logprobs, plp, top
+        return tokens, logprobs, plp, top, accepted
 
     # ------------------------------------------------------------------ compiling
     def _lower(self, shape: StepShape) -> jax.stages.Lowered:
@@ -334,6 +340,7 @@ class ModelRunner:
             "honor_full_refresh": repr(self.layout.honor_full_refresh),
             "step_layout": repr(self.step_layout(shape)),
             "backend": self.backend,
+            "speculative": repr(self.num_speculative),
             "scan_layers": repr(None if self._scan is None else self._scan.runs),
             "arguments": executables.signature((*self._abstract, self._mask_abstract)),
             "inputs": repr(self._input_sharding),
@@ -406,7 +413,8 @@ class ModelRunner:
                                "clamped", rid, lay.groups[g].group_id, lay.widths[g])
 
     def handle_for(self, ops: StepOps, bucket: int, tokens: jax.Array, logprobs: jax.Array,
-                   plp: jax.Array | None, top: tuple[jax.Array, jax.Array] | None) -> StepHandle:
+                   plp: jax.Array | None, top: tuple[jax.Array, jax.Array] | None,
+                   accepted: jax.Array | None = None) -> StepHandle:
         """Wrap one dispatched step's device outputs; copies back only what the step asked for."""
         for x in (tokens, logprobs):  # start the device->host copies now, not when collected
             x.copy_to_host_async()
@@ -414,7 +422,9 @@ class ModelRunner:
             plp = None  # no prompt logprobs asked for in this step: nothing to copy back
         if not np.asarray(ops.top_logprobs).any():
             top = None  # copy the [R, K] top-k back only when asked for
-        return StepHandle(tokens, logprobs, plp, bucket, top)
+        if not ops.draft_lens.any():
+            accepted = None  # no drafts in this step: nothing to copy back
+        return StepHandle(tokens, logprobs, plp, bucket, top, accepted)
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Block until a dispatched step is done; its host results."""
@@ -430,8 +440,9 @@ class ModelRunner:
         top_ids = top_lp = None
         if handle.top is not None:
             top_ids, top_lp = np.asarray(handle.top[0]), np.asarray(handle.top[1])
+        accepted = None if handle.accepted is None else np.asarray(handle.accepted)
         return StepResult(np.asarray(handle.tokens), np.asarray(handle.logprobs), plp_full,
-                          top_ids, top_lp)
+                          top_ids, top_lp, accepted)
 
     def host_mirrors(self) -> list[np.ndarray]:
         """The device page-table mirrors after the last dispatched step (blocks; debug checks)."""

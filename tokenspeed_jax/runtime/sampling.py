@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from scheduler.step_ops import StepOps, device_schema
 
 __all__ = [
-    "MAX_TOP_LOGPROBS", "PenaltyState", "apply_penalties", "apply_token_mask",
+    "MAX_TOP_LOGPROBS", "PenaltyState", "apply_penalties", "apply_token_mask", "filtered_logits",
     "init_penalty_state", "penalize_step",
     "prompt_logprobs", "sample", "sample_rows", "top_logprobs", "update_penalty_state",
 ]
@@ -37,7 +37,7 @@ MAX_TOP_LOGPROBS = 20  # K of the on-device top-k logprobs (OpenAI's top_logprob
 _ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
 
 
-def _filtered_logits(logits, temperature, top_k, top_p):
+def filtered_logits(logits, temperature, top_k, top_p):
     """Temperature-scaled logits with everything outside top-k and then top-p set to -inf.
 
     One descending sort per row: top-k cuts the sorted list at k (<= 0 or >= V = all), top-p
@@ -81,7 +81,7 @@ def sample(
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def stochastic(_):
-        filtered = _filtered_logits(logits, temperature, top_k, top_p)
+        filtered = filtered_logits(logits, temperature, top_k, top_p)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
             seeds.astype(jnp.uint32), sample_index.astype(jnp.int32)
         )
@@ -228,7 +228,9 @@ def sample_rows(
     max_rows: int,
     gather_logits: Callable[[jax.Array], jax.Array] | None = None,
     token_mask: jax.Array | None = None,
-) -> tuple[PenaltyState, jax.Array, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+    num_speculative: int = 0,
+) -> tuple[PenaltyState, jax.Array, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array],
+           jax.Array]:
     """One step's sampling tail, inside the jit: penalties, sampling, top-k and prompt logprobs.
 
     hidden f[T, H]: the model's last hidden states; ops: the step's unpacked StepOps arrays
@@ -236,11 +238,14 @@ def sample_rows(
     hidden f[N, H] -> logits f[N, V]; `gather_logits` (tensor parallel) makes vocab-sharded row
     logits whole before the sort / argmax. token_mask i32[R, ceil(V / 32)] (optional): allowed
     tokens per row (all bits set = unconstrained); applied only on steps where some row is
-    constrained (lax.cond).
+    constrained (lax.cond). num_speculative: k > 0 verifies the drafts of rows with
+    `draft_lens` > 0 (`spec_verify.verify_drafts`, only on steps that carry drafts: lax.cond).
     Returns (penalty state after the step, last_tokens i32[S] with each sampling row's token
     stored at its slot, tokens i32[R] (-1 where `sample_mask` is off), logprobs f32[R] (NaN
     there), prompt logprobs f32[T] (NaN where `prompt_targets` < 0), (top ids i32[R, K], top
-    logprobs f32[R, K]) with K = min(MAX_TOP_LOGPROBS, V), -1 / NaN on rows that sample nothing).
+    logprobs f32[R, K]) with K = min(MAX_TOP_LOGPROBS, V), -1 / NaN on rows that sample nothing,
+    accepted i32[R]: drafts each row accepted (0 without drafts); a speculative row's token is
+    the one after its accepted drafts).
     """
     t = hidden.shape[0]
     # A step has at most one row per token, so rows >= min(R, T) are padding: the LM head and
@@ -260,6 +265,17 @@ def sample_rows(
         processed, rows["temperature"], rows["top_k"], rows["top_p"],
         rows["seeds"], rows["sample_index"], raw_logits=logits,
     )  # fmt: skip
+    accepted = jnp.zeros((n,), jnp.int32)
+    if num_speculative:
+        from tokenspeed_jax.runtime.spec_verify import verify_drafts
+
+        spec = rows["draft_lens"] > 0
+        verified, got = jax.lax.cond(
+            jnp.any(spec),
+            lambda h: verify_drafts(h, ops, n, num_speculative, lm_head, gather_logits),
+            lambda h: (tokens, accepted), hidden)
+        tokens = jnp.where(spec, verified, tokens)
+        accepted = jnp.where(spec, got, 0)
     pad = max_rows - n
     mask = rows["sample_mask"]
     keep = jnp.where(mask, ops["req_slots"][:n], last_tokens.shape[0])  # others dropped
@@ -284,4 +300,5 @@ def sample_rows(
         lambda h: jnp.full((t,), jnp.nan, jnp.float32),
         hidden,
     )
-    return penalties, last_tokens, tokens, logprobs, plp, (top_ids, top_lp)
+    accepted = jnp.pad(accepted, (0, pad))
+    return penalties, last_tokens, tokens, logprobs, plp, (top_ids, top_lp), accepted

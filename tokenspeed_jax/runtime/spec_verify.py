@@ -1,0 +1,89 @@
+"""On-device verification of speculative drafts (n-gram speculation, `scheduler.speculative`).
+
+A speculative row's query tokens end with its last known token then d drafts (`StepOps.
+draft_lens`). The model's output at each of those d + 1 positions is a next-token distribution
+p_j; draft j + 1 is checked against p_j, left to right:
+
+  - greedy (temperature 0): accepted iff it is p_j's argmax;
+  - sampled: accepted with probability p_j(draft) (speculative sampling with a deterministic
+    proposer, whose q is one-hot at the draft: min(1, p / q) = p(draft)); on rejection the row's
+    token is drawn from p_j with the draft removed and renormalised.
+
+The row's accepted count a is the length of the leading run of accepted drafts, and its token is
+the one at position a (a correction, or the bonus token after all d drafts), so every emitted
+token follows the target distribution exactly. p_j is the row's filtered distribution
+(temperature, top-k, top-p); rows with penalties, logit_bias, logprobs or a grammar never carry
+drafts (the scheduler and engine keep them out). Position j's randomness is
+fold_in(PRNGKey(seed), sample_index + j): a function of the seed and the token's index in the
+output, as for ordinary rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from tokenspeed_jax.runtime.sampling import filtered_logits
+
+__all__ = ["verify_drafts"]
+
+
+def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
+                  lm_head: Callable[[jax.Array], jax.Array],
+                  gather_logits: Callable[[jax.Array], jax.Array] | None = None,
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Verify the drafts of the first n rows (k = the most drafts a row may carry, static).
+
+    hidden f[T, H] the model's last hidden states; ops: the step's unpacked StepOps arrays
+    (`draft_lens`, `cu_q_lens`, `token_ids` resolved, sampling columns). Returns (tokens i32[n]:
+    each row's token after its accepted drafts, accepted i32[n]: its accepted draft count);
+    rows without drafts get their ordinary sample (greedy or drawn at sample_index)."""
+    t = hidden.shape[0]
+    d = ops["draft_lens"][:n]
+    j = jnp.arange(k + 1, dtype=jnp.int32)
+    # positions of the row's last known token (j = 0) and its drafts; clipped past the row's end
+    # (those columns are never used)
+    first = ops["cu_q_lens"][1:n + 1] - 1 - d
+    idx = jnp.clip(first[:, None] + jnp.minimum(j[None, :], d[:, None]), 0, t - 1)
+    logits = lm_head(hidden[idx.reshape(-1)])
+    if gather_logits is not None:
+        logits = gather_logits(logits)
+    v = logits.shape[-1]
+    logits = logits.astype(jnp.float32).reshape(n, k + 1, v)
+    drafts = ops["token_ids"][jnp.clip(idx + 1, 0, t - 1)]  # the draft after position j
+    is_draft = j[None, :] < d[:, None]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temperature = ops["temperature"][:n]
+
+    def sampled(_):
+        def per_row(x):
+            return jnp.repeat(x[:n], k + 1)
+
+        flat = filtered_logits(logits.reshape(n * (k + 1), v), per_row(temperature),
+                               per_row(ops["top_k"]), per_row(ops["top_p"]))
+        filtered = flat.reshape(n, k + 1, v)
+        index = ops["sample_index"][:n, None] + j[None, :]
+        keys = jax.vmap(jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i),
+                                 in_axes=(None, 0)))(ops["seeds"][:n].astype(jnp.uint32), index)
+        split = jax.vmap(jax.vmap(jax.random.split))(keys)  # [n, k + 1, 2, key]
+        u = jax.vmap(jax.vmap(jax.random.uniform))(split[:, :, 0])
+        p = jax.nn.softmax(filtered, axis=-1)
+        p_draft = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
+        accept = u < p_draft
+        # rejected: draw from p without the draft (renormalised by categorical); past the drafts
+        # (the bonus position) from p itself
+        hit = jnp.arange(v, dtype=jnp.int32)[None, None, :] == drafts[..., None]
+        residual = jnp.where(is_draft[..., None] & hit, -jnp.inf, filtered)
+        drawn = jax.vmap(jax.vmap(jax.random.categorical))(split[:, :, 1], residual)
+        out = jnp.where(is_draft & accept, drafts, drawn.astype(jnp.int32))
+        hot = temperature[:, None] > 0
+        return jnp.where(hot, out, greedy), jnp.where(hot, accept, greedy == drafts)
+
+    out, accept = jax.lax.cond(jnp.any(temperature > 0), sampled,
+                               lambda _: (greedy, greedy == drafts), None)
+    run = jnp.cumprod((accept & is_draft).astype(jnp.int32), axis=1)
+    accepted = run.sum(axis=1).astype(jnp.int32)
+    tokens = jnp.take_along_axis(out, accepted[:, None], axis=1)[:, 0]
+    return tokens, accepted
