@@ -242,3 +242,37 @@ def test_verify_sampling_keeps_the_target_distribution():
         chi2 = float(((counts - expected) ** 2 / expected).sum())
         assert chi2 < 16.27, (counts, expected)  # chi-square, 3 dof, p = 0.001
     assert abs((accepted >= 1).mean() - p0[1]) < 0.03  # draft 1 accepted with p0(1)
+
+
+# ---------------------------------------------------------------------- the CLI flag
+@pytest.mark.parametrize("argv", [
+    ["run", "--speculative-config", '{"num_speculative_tokens": 0}'],
+    ["serve", "--speculative-config", "not json"],
+    ["run", "--speculative-config", '{"method": "medusa"}'],
+])
+def test_cli_bad_speculative_config(capsys, argv):
+    from tokenspeed_jax import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--speculative-config" in err[0], err
+
+
+@pytest.mark.parametrize("cmd", ["run", "serve"])
+def test_cli_speculative_config_reaches_llm(monkeypatch, cmd):
+    from tokenspeed_jax import cli
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake_llm(*_a, **kw):
+        seen.update(kw)
+        raise Loaded
+
+    monkeypatch.setattr("tokenspeed_jax.llm.LLM", fake_llm)
+    with pytest.raises(Loaded):
+        cli.main([cmd, "--speculative-config", '{"num_speculative_tokens": 3}'])
+    assert seen["speculative_config"] == {"num_speculative_tokens": 3}

@@ -73,6 +73,24 @@ def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> Non
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan step N+1 on the host while the device runs step N (same outputs; "
                         "default: on; --no-async-scheduling runs the synchronous reference loop)")
+    p.add_argument("--speculative-config", type=speculative_json, default=None,
+                   help="n-gram speculative decoding, vLLM's JSON spelling, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (default: off)")
+
+
+def speculative_json(text: str) -> dict:
+    """--speculative-config: a JSON object checked as `SpeculativeConfig` (argparse error else)."""
+    import json
+
+    from scheduler.speculative import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+        SpeculativeConfig.parse(value)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"bad --speculative-config: {e}") from None
+    return value
 
 
 def add_workload_args(p: argparse.ArgumentParser, *, sessions: int, turns: int,
@@ -105,7 +123,8 @@ def make_llm(args):
                data_parallel_size=args.data_parallel_size,
                distributed=distributed_config(args), async_scheduling=args.async_scheduling,
                compile_cache_dir=False if args.no_compile_cache else args.compile_cache_dir,
-               compile_workers=args.compile_workers, scan_layers=args.scan_layers)
+               compile_workers=args.compile_workers, scan_layers=args.scan_layers,
+               speculative_config=args.speculative_config)
 
 
 def startup_line(llm) -> str:
