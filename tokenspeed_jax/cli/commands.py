@@ -35,7 +35,7 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap", "startup",
-              "shape_ladder", "scan_layers", "vs_vllm", "step_profile")
+              "shape_ladder", "scan_layers", "vs_vllm", "step_profile", "soak")
 
 
 def cmd_run(args) -> int:

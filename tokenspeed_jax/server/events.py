@@ -61,12 +61,13 @@ class Deadline:
 
 async def _next(queue: asyncio.Queue, http: Request, deadline: Deadline,
                 aborting: Callable[[], bool], clock: list[float]):
-    """The next engine event; None once the drain aborts in-flight requests. Raises
-    `Disconnected` / `TimedOut` within ~POLL_S of the client leaving or the deadline passing."""
+    """The next engine event; None once the drain aborts in-flight requests (and the events
+    that had already arrived are consumed). Raises `Disconnected` / `TimedOut` within ~POLL_S of
+    the client leaving or the deadline passing."""
     while True:
         deadline.check()
         if aborting():
-            return None
+            return None if queue.empty() else queue.get_nowait()
         now = time.monotonic()
         if now - clock[0] >= POLL_S:
             clock[0] = now
