@@ -28,6 +28,11 @@ _COUNTERS = {
     "prefix_query_tokens": ("tokenspeed_prefix_query_tokens", "prompt tokens looked up in the cache"),
     "num_engine_steps": ("tokenspeed_engine_steps", "device steps run"),
     "num_aborted": ("tokenspeed_aborted_requests", "requests aborted (client gone, stop string)"),
+    "spec_draft_tokens": ("tokenspeed_spec_draft_tokens", "speculative draft tokens proposed"),
+    "spec_accepted_tokens": ("tokenspeed_spec_accepted_tokens",
+                             "speculative draft tokens accepted"),
+    "spec_num_rows": ("tokenspeed_spec_rows", "speculative rows verified (one per request and "
+                      "step that drafted)"),
 }
 # Engine.startup_stats() keys exported as tokenspeed_startup_seconds{phase=...}
 _STARTUP_PHASES = {"load": "load_s", "warmup": "warmup_s", "trace": "trace_s",
