@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--no-padding-only", action="store_true",
+                   help="up to k drafts per row whatever the token bucket (padding_only=False)")
     args = p.parse_args()
 
     from tokenspeed_jax import LLM, SamplingParams
@@ -72,17 +74,21 @@ def main() -> None:
 
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k,
                 "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
-    engines = {"off": LLM(args.model, **llm_kwargs(args)),
-               "ngram": LLM(args.model, **llm_kwargs(args, speculative_config=spec_cfg))}
-    for llm in engines.values():
-        llm.warmup()
+    if args.no_padding_only:
+        spec_cfg["padding_only"] = False
+    # lazy_compile="sync": the untimed warm runs below compile exactly the shapes timed later
+    engines = {"off": LLM(args.model, **llm_kwargs(args, lazy_compile="sync")),
+               "ngram": LLM(args.model, **llm_kwargs(args, speculative_config=spec_cfg,
+                                                     lazy_compile="sync"))}
     tok = engines["off"].tokenizer
     copy = [render_chat(tok, [{"role": "user", "content": c}]) for c in COPY_TASKS]
     chat = [render_chat(tok, [{"role": "system", "content": SYSTEM_PROMPT},
                               {"role": "user", "content": q}]) for q in QUESTIONS[:len(copy)]]
     params = SamplingParams(max_tokens=args.max_tokens)
-    for llm in engines.values():  # warm every shape both workloads reach
-        llm.generate(copy[:args.batch] + chat[:args.batch], params)
+    for llm in engines.values():  # warm every shape both workloads reach, at both batch sizes
+        for prompts in (copy, chat):
+            llm.generate(prompts[:1], params)
+            llm.generate(prompts[:args.batch], params)
 
     def run(name, prompts, batch):
         llm = engines[name]
@@ -102,7 +108,8 @@ def main() -> None:
                     decode=dec_tokens / dec_time if dec_time > 0 else 0.0, **spec)
 
     print(f"model {args.model}, dtype {args.dtype}, greedy, up to {args.max_tokens} new tokens, "
-          f"ngram k={args.k} lookup {args.lookup_min}..{args.lookup_max}, best of {args.reps}")
+          f"ngram k={args.k} lookup {args.lookup_min}..{args.lookup_max} padding_only="
+          f"{not args.no_padding_only}, best of {args.reps}")
     print("| workload | batch | spec | out tokens | out tok/s | decode tok/s (batch 1) | "
           "speed-up | acceptance | tokens / spec row | identical |")
     print("|---|---|---|---|---|---|---|---|---|---|")

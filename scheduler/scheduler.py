@@ -27,7 +27,7 @@ from scheduler.mirror_check import MirrorChecker
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.sampling_options import SamplingOptions
-from scheduler.speculative import propose_ngram
+from scheduler.speculative import draft_budget, propose_ngram
 from scheduler.step_ops import PLACEHOLDER_TOKEN, StepOps
 from scheduler.step_plan import StepPlan
 
@@ -67,6 +67,9 @@ class Scheduler:
                        "num_full_refresh_rows": 0, "num_dropped_tokens": 0,
                        "spec_num_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self._spec = config.speculative
+        # the runner's token buckets (ascending), set by the engine: speculation's
+        # `padding_only` budget (() = unknown: no limit)
+        self.token_buckets: tuple[int, ...] = ()
         # steps scheduled but not yet fed back: (ops, [(request, epoch) per row]), oldest first
         self._flights: collections.deque[tuple[StepOps, list[tuple[Request, int]]]] = (
             collections.deque())
@@ -166,6 +169,10 @@ class Scheduler:
         """Plan the next step: release what the steps in flight end, rows for the running
         requests, admissions while rows, budget and slots last; emit the StepOps."""
         plan = StepPlan(budget=self.config.max_scheduled_tokens, ending=self._release_ending())
+        if self._spec is not None:
+            plan.drafts_left, plan.draft_cap = draft_budget(
+                self._spec, len(self._running), self.token_buckets,
+                self.config.max_batch_requests)
         self._plan_running(plan)
         self._plan_waiting(plan)
         ops = self._emit(plan)
@@ -216,8 +223,9 @@ class Scheduler:
                 # prefix hits do not lag a step. Whoever hits them runs later.
                 self._publish(req, extent)
                 room = pool.num_free >= adm.reserved_total  # adoption frees private copies
-            drafts = (self._propose(req, plan.budget) if req.speculate and not pending
-                      and not req.num_inflight and req.prefill_done else None)
+            drafts = (self._propose(req, plan) if req.speculate and not pending
+                      and not req.num_inflight and req.prefill_done and plan.drafts_left
+                      else None)
             # Decode fast path: one token, no refresh, room in every tail, nothing to reclaim
             # and no reservation shortfall. Exactly what the general path below would decide.
             if (fast and room and not drafts and req.num_decode_rows and not req.needs_refresh
@@ -271,20 +279,23 @@ class Scheduler:
             self._stats["num_full_refresh_rows"] += int(ops.full_refresh.sum())
         return ops
 
-    def _propose(self, req: Request, budget: int) -> list[int] | None:
+    def _propose(self, req: Request, plan: StepPlan) -> list[int] | None:
         """Drafts for `req`'s next decode row (synchronous: its tokens are all known), at most
-        what its max_tokens, max_context_len and the step budget leave after its own token."""
+        what its max_tokens, max_context_len, the step's token budget and its draft budget
+        (`speculative.draft_budget`) leave after its own token."""
         spec = self._spec
         assert spec is not None  # `speculate` is only set with a speculative config
         tokens = req.tokens
         if len(tokens) - req.num_computed != 1:
             return None
-        k = min(spec.num_speculative_tokens, req.max_new_tokens - req.num_generated - 1,
-                self.config.max_context_len - len(tokens) - 1, budget - 1,
+        k = min(plan.draft_cap, plan.drafts_left, req.max_new_tokens - req.num_generated - 1,
+                self.config.max_context_len - len(tokens) - 1, plan.budget - 1,
                 self._admission.chunk_cap - 1)
         if k < 1:
             return None
-        return propose_ngram(tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max) or None
+        drafts = propose_ngram(tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        plan.drafts_left -= len(drafts)
+        return drafts or None
 
     def _schedule_running(self, req: Request, budget: int, extent: int,
                           drafts: list[int] | None = None) -> ScheduledRow | None:

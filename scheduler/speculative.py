@@ -26,12 +26,18 @@ class SpeculativeConfig:
 
     num_speculative_tokens: k, the most drafts one row proposes per step (>= 1).
     prompt_lookup_max / prompt_lookup_min: the longest / shortest suffix n-gram matched.
+    padding_only (ours, not vLLM's): drafts only fill the padding of the token bucket the
+        step's one-token rows already occupy, shared evenly among the rows (`draft_budget`), so
+        a speculative step costs what the plain step costs where the step's cost follows its
+        token count (CPUs, compute-bound hosts). False: up to k drafts per row whatever the
+        bucket (memory-bound accelerators, where a bigger bucket costs little).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    padding_only: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -41,6 +47,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.padding_only, bool):
+            raise ValueError(f"speculative_config.padding_only must be a bool, got "
+                             f"{self.padding_only!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
                              f"> prompt_lookup_max ({self.prompt_lookup_max})")
@@ -57,6 +66,22 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
         return cls(**dict(value))
+
+
+def draft_budget(spec: SpeculativeConfig, num_rows: int, token_buckets: tuple[int, ...],
+                 max_rows: int) -> tuple[int, int]:
+    """(draft tokens the step may carry, the most one row may carry) for a step of `num_rows`
+    running requests (capped at `max_rows`) on a runner with `token_buckets` (ascending; () =
+    unknown: no padding limit). With `padding_only`, the step's drafts fill the padding of the
+    smallest bucket holding its one-token rows, shared evenly (at least one per row while any
+    padding is left)."""
+    k = spec.num_speculative_tokens
+    rows = min(num_rows, max_rows)
+    if not spec.padding_only or not token_buckets or rows == 0:
+        return rows * k, k
+    bucket = next((b for b in token_buckets if b >= rows), token_buckets[-1])
+    budget = max(0, bucket - rows)
+    return budget, min(k, max(1, budget // rows))
 
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:

@@ -25,28 +25,38 @@ from tokenspeed_jax.runtime.spec_verify import verify_drafts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}
-KW = dict(page_size=4, num_pages=200, max_batch_requests=4, max_scheduled_tokens=32,
+# a pool tight enough that the 4-row batches below retract (decode_reserve_tokens=0)
+KW = dict(page_size=4, num_pages=48, max_batch_requests=4, max_scheduled_tokens=32,
           max_context_len=256, max_prefill_chunk_tokens=12, compile_cache_dir=False,
-          debug_checks=True)
+          debug_checks=True, decode_reserve_tokens=0)
 
 
-def _cycling(llm: LLM) -> LLM:
+def _cycling(llm: LLM, on: bool = True) -> LLM:
     """Zero every layer's output projections (attention o_proj, MLP down_proj, conv out_proj):
-    each token's logits then depend on that token alone and greedy outputs cycle."""
+    each token's logits then depend on that token alone and greedy outputs cycle. on=False puts
+    the random weights back."""
     for e in llm.engines:
         r = e.runner
+        if not hasattr(r, "_random_leaves"):
+            r._random_leaves = list(r.param_leaves)
         paths = [jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(r.params)[0]]
-        r.param_leaves = [x * 0 if any(k in p for k in ("o_proj", "down_proj", "out_proj")) else x
-                          for p, x in zip(paths, r.param_leaves)]
+        zero = ("o_proj", "down_proj", "out_proj")
+        r.param_leaves = [x * 0 if on and any(k in p for k in zero) else x
+                          for p, x in zip(paths, r._random_leaves)]
     return llm
 
 
 @pytest.fixture(scope="module")
-def pair():
-    """(without speculation, with speculation) engines on the same cycling weights."""
-    return (_cycling(LLM("tiny-random", **KW)),
-            _cycling(LLM("tiny-random", speculative_config=SPEC, **KW)))
+def engines():
+    """(without speculation, with speculation) engines on the same weights."""
+    return LLM("tiny-random", **KW), LLM("tiny-random", speculative_config=SPEC, **KW)
+
+
+@pytest.fixture
+def pair(engines):
+    """`engines` on the cycling weights."""
+    return tuple(_cycling(e) for e in engines)
 
 
 def _identity(h):
@@ -86,14 +96,14 @@ def test_greedy_equal(pair):
     _no_leak(spec)
 
 
-def test_greedy_equal_random_weights():
+def test_greedy_equal_random_weights(engines):
     """Full model weights: the cache contents decide every token (few drafts are accepted)."""
+    base, spec = (_cycling(e, on=False) for e in engines)
     prompts = _prompts()[:4]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    base = LLM("tiny-random", **KW).generate(prompts, params)
-    spec = LLM("tiny-random", speculative_config=SPEC, **KW)
-    _check_equal(base, spec.generate(prompts, params))
-    assert spec.engine.stats()["spec_draft_tokens"] > 0
+    before = spec.engine.stats()["spec_draft_tokens"]
+    _check_equal(base.generate(prompts, params), spec.generate(prompts, params))
+    assert spec.engine.stats()["spec_draft_tokens"] > before
     _no_leak(spec)
 
 
@@ -110,16 +120,16 @@ def test_stops_and_max_tokens_inside_accepted_runs(pair):
     _no_leak(spec)
 
 
-def test_retraction_and_abort():
-    """A pool too small for the batch forces retraction mid-speculation; an abort between steps
+def test_retraction_and_abort(pair):
+    """The pool is too small for the batch: retraction mid-speculation; an abort between steps
     returns its pages at once; the others finish as without speculation."""
-    kw = dict(KW, num_pages=48, decode_reserve_tokens=0)
+    base, llm = pair
     prompts = _prompts()[:4]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    ref = _cycling(LLM("tiny-random", **kw)).generate(prompts, params)
-    llm = _cycling(LLM("tiny-random", speculative_config=SPEC, **kw))
+    ref = base.generate(prompts, params)
+    before = llm.engine.stats()["num_retractions"]
     _check_equal(ref, llm.generate(prompts, params))
-    assert llm.engine.stats()["num_retractions"] > 0
+    assert llm.engine.stats()["num_retractions"] > before
     engine = llm.engine
     rids = [engine.add_request(p, params) for p in prompts]
     for _ in range(6):
@@ -276,3 +286,18 @@ def test_cli_speculative_config_reaches_llm(monkeypatch, cmd):
     with pytest.raises(Loaded):
         cli.main([cmd, "--speculative-config", '{"num_speculative_tokens": 3}'])
     assert seen["speculative_config"] == {"num_speculative_tokens": 3}
+
+
+def test_draft_budget_fills_bucket_padding():
+    from scheduler.speculative import draft_budget
+
+    cfg = SpeculativeConfig(num_speculative_tokens=4)
+    buckets = (16, 32, 64)
+    assert draft_budget(cfg, 1, buckets, 64) == (15, 4)  # batch 1: k drafts, all in padding
+    assert draft_budget(cfg, 8, buckets, 64) == (8, 1)  # 8 rows in bucket 16: one each
+    assert draft_budget(cfg, 5, buckets, 64) == (11, 2)
+    assert draft_budget(cfg, 16, buckets, 64) == (0, 1)  # bucket full: no drafts
+    assert draft_budget(cfg, 40, buckets, 32) == (0, 1)  # 32 rows at most, bucket 32 full
+    assert draft_budget(cfg, 3, (), 64) == (12, 4)  # buckets unknown: k per row
+    free = SpeculativeConfig(num_speculative_tokens=4, padding_only=False)
+    assert draft_budget(free, 16, buckets, 64) == (64, 4)

@@ -137,6 +137,8 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), tokenizer: Any = None,
                  async_scheduling: bool = False) -> None:
         self.scheduler = Scheduler(scheduler_config)
+        # speculation's padding_only draft budget follows the runner's token buckets
+        self.scheduler.token_buckets = tuple(getattr(runner, "buckets", ()))
         self.runner = runner
         # speculation proposes from the newest token: the synchronous loop (module docstring)
         self.async_scheduling = bool(async_scheduling) and scheduler_config.speculative is None
