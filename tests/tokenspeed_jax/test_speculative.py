@@ -144,13 +144,17 @@ def test_retraction_and_abort(pair):
 
 
 def test_sampled_runs_and_ineligible_requests(pair):
-    """Temperature / top-p rows speculate and finish with their lengths; rows with logprobs or
-    penalties do not speculate and match the engine without speculation exactly."""
+    """Seeded temperature / top-p / top-k rows speculate and emit the very tokens they emit
+    without speculation (each position draws with the ordinary key: `spec_verify`); rows with
+    logprobs or penalties do not speculate and match the engine without speculation exactly."""
     base, spec = pair
     prompts = _prompts()[:3]
-    hot = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
-    outs = spec.generate(prompts, hot)
-    assert [len(o.token_ids) for o in outs] == [30, 30, 30]
+    hot = [SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+           SamplingParams(max_tokens=30, temperature=1.3, top_k=5, seed=6, ignore_eos=True),
+           SamplingParams(max_tokens=30, temperature=0.5, seed=7, ignore_eos=True)]
+    before = spec.engine.stats()["spec_accepted_tokens"]
+    _check_equal(base.generate(prompts, hot), spec.generate(prompts, hot))
+    assert spec.engine.stats()["spec_accepted_tokens"] > before
     plain = [SamplingParams(max_tokens=25, logprobs=True, ignore_eos=True),
              SamplingParams(max_tokens=25, presence_penalty=0.5, ignore_eos=True),
              SamplingParams(max_tokens=25, top_logprobs=2, logprobs=True, ignore_eos=True)]
@@ -233,8 +237,9 @@ def test_verify_greedy_counts():
 def test_verify_sampling_keeps_the_target_distribution():
     """Row j of 4000 identical rows: position 0 targets p0, position 1 targets p1; the draft is
     token 1 then token 2. The first emitted token must follow p0 and, after an accepted first
-    draft, the second must follow p1 (chi-square, fixed seeds; a rule that accepts the draft
-    unconditionally or resamples without removing it fails both by a wide margin)."""
+    draft, the second must follow p1 (chi-square, fixed seeds; a rule that accepted the draft
+    unconditionally would emit token 1 first every time), and draft 1 is accepted with
+    probability p0(1)."""
     n, v = 4000, 4
     p0 = np.array([0.1, 0.5, 0.3, 0.1])
     p1 = np.array([0.4, 0.1, 0.2, 0.3])

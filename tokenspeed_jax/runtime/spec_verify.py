@@ -5,17 +5,18 @@ draft_lens`). The model's output at each of those d + 1 positions is a next-toke
 p_j; draft j + 1 is checked against p_j, left to right:
 
   - greedy (temperature 0): accepted iff it is p_j's argmax;
-  - sampled: accepted with probability p_j(draft) (speculative sampling with a deterministic
-    proposer, whose q is one-hot at the draft: min(1, p / q) = p(draft)); on rejection the row's
-    token is drawn from p_j with the draft removed and renormalised.
+  - sampled: the row draws x_j ~ p_j with the very key an ordinary row would use for that output
+    index (fold_in(PRNGKey(seed), sample_index + j)), and the draft is accepted iff x_j equals it.
+    That is speculative sampling for a deterministic proposer (whose q is one-hot at the draft):
+    the draft is accepted with probability p_j(draft) = min(1, p / q), and on rejection x_j is
+    a draw from p_j without the draft, renormalised. Drawing with the ordinary key couples the
+    two runs: a seeded request emits the same tokens with speculation as without.
 
 The row's accepted count a is the length of the leading run of accepted drafts, and its token is
-the one at position a (a correction, or the bonus token after all d drafts), so every emitted
-token follows the target distribution exactly. p_j is the row's filtered distribution
+x_a (a correction, or the bonus token after all d drafts), so every emitted token follows the
+target distribution exactly. p_j is the row's filtered distribution
 (temperature, top-k, top-p); rows with penalties, logit_bias, logprobs or a grammar never carry
-drafts (the scheduler and engine keep them out). Position j's randomness is
-fold_in(PRNGKey(seed), sample_index + j): a function of the seed and the token's index in the
-output, as for ordinary rows.
+drafts (the scheduler and engine keep them out).
 """
 
 from __future__ import annotations
@@ -63,26 +64,17 @@ def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
 
         flat = filtered_logits(logits.reshape(n * (k + 1), v), per_row(temperature),
                                per_row(ops["top_k"]), per_row(ops["top_p"]))
-        filtered = flat.reshape(n, k + 1, v)
-        index = ops["sample_index"][:n, None] + j[None, :]
-        keys = jax.vmap(jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i),
-                                 in_axes=(None, 0)))(ops["seeds"][:n].astype(jnp.uint32), index)
-        split = jax.vmap(jax.vmap(jax.random.split))(keys)  # [n, k + 1, 2, key]
-        u = jax.vmap(jax.vmap(jax.random.uniform))(split[:, :, 0])
-        p = jax.nn.softmax(filtered, axis=-1)
-        p_draft = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
-        accept = u < p_draft
-        # rejected: draw from p without the draft (renormalised by categorical); past the drafts
-        # (the bonus position) from p itself
-        hit = jnp.arange(v, dtype=jnp.int32)[None, None, :] == drafts[..., None]
-        residual = jnp.where(is_draft[..., None] & hit, -jnp.inf, filtered)
-        drawn = jax.vmap(jax.vmap(jax.random.categorical))(split[:, :, 1], residual)
-        out = jnp.where(is_draft & accept, drafts, drawn.astype(jnp.int32))
-        hot = temperature[:, None] > 0
-        return jnp.where(hot, out, greedy), jnp.where(hot, accept, greedy == drafts)
+        # position j draws with the key an ordinary row sampling output index sample_index + j
+        # would use (`sampling.sample`), so the drawn token is the one decoding without drafts
+        # would have drawn there
+        index = (ops["sample_index"][:n, None] + j[None, :]).reshape(-1)
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
+            per_row(ops["seeds"]).astype(jnp.uint32), index)
+        drawn = jax.vmap(jax.random.categorical)(keys, flat).astype(jnp.int32).reshape(n, k + 1)
+        return jnp.where(temperature[:, None] > 0, drawn, greedy)
 
-    out, accept = jax.lax.cond(jnp.any(temperature > 0), sampled,
-                               lambda _: (greedy, greedy == drafts), None)
+    out = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    accept = out == drafts
     run = jnp.cumprod((accept & is_draft).astype(jnp.int32), axis=1)
     accepted = run.sum(axis=1).astype(jnp.int32)
     tokens = jnp.take_along_axis(out, accepted[:, None], axis=1)[:, 0]
