@@ -17,10 +17,13 @@ Checks (the exit status is 1 when one fails):
   client did not cause itself, any finished choice without a finish reason);
 - pages: every page free and nothing running or waiting once the clients stop;
 - RSS growth of the server process between the first and the last window (medians of 1 s
-  samples from /proc) below `--rss-bound-mb`;
+  samples from /proc) below `--rss-bound-mb` (64 MB: the server holds ~1.1 GB, most of it the
+  JAX runtime and compiled programs; a leak of one page table or output per request would pass
+  it within minutes at this request rate);
 - SIGTERM at the end: exit status 0 within the grace.
-p50 / p99 latency of the completed requests is reported per window (first vs last minute);
-it is reported, not checked (a shared machine's speed varies).
+p50 / p99 latency of the completed requests is reported per window (first and last, and every
+window in between), with the server's CPU use and the machine's load average, to tell a slower
+server from a busier machine; it is reported, not checked (a shared machine's speed varies).
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ def _rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _body(rng: random.Random, stream: bool) -> tuple[str, dict]:
@@ -148,19 +158,26 @@ class Soak:
                 await self._one(client, rng)
 
 
-def _window(records: list[dict], rss: list[tuple[float, float]], lo: float, hi: float) -> dict:
+def _window(records: list[dict], samples: list[tuple[float, float, float, float]], lo: float,
+            hi: float) -> dict:
+    """Requests that started in [lo, hi): count, client hang-ups, p50 / p99 latency of the
+    completed ones; from the 1 s samples: median server RSS, server CPU use, machine load."""
     rows = [r for r in records if lo <= r["t"] < hi]
     lat = sorted(r["latency"] for r in rows if r["completed"])
     q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
-    mem = [m for t, m in rss if lo <= t < hi]
+    inside = [x for x in samples if lo <= x[0] < hi]
+    cpu = ((inside[-1][2] - inside[0][2]) / (inside[-1][0] - inside[0][0])
+           if len(inside) >= 2 else float("nan"))
     return {"requests": len(rows), "aborted": sum(not r["completed"] for r in rows),
             "p50_ms": 1000 * q[49], "p99_ms": 1000 * q[98],
-            "rss_mb": statistics.median(mem) if mem else float("nan")}
+            "rss_mb": statistics.median(x[1] for x in inside) if inside else float("nan"),
+            "server_cpu": cpu, "load": statistics.mean(x[3] for x in inside) if inside else 0.0}
 
 
-async def _sample_rss(pid: int, until: float, out: list[tuple[float, float]]) -> None:
+async def _sample(pid: int, until: float, out: list[tuple[float, float, float, float]]) -> None:
+    """(time, server RSS MB, server CPU s, 1-minute load average) every second."""
     while time.monotonic() < until:
-        out.append((time.monotonic(), _rss_mb(pid)))
+        out.append((time.monotonic(), _rss_mb(pid), _cpu_s(pid), os.getloadavg()[0]))
         await asyncio.sleep(1.0)
 
 
@@ -216,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.duration_s:g}s with {args.clients} clients", flush=True)
         t0 = time.monotonic()
         soak = Soak(url, t0 + args.duration_s, args.seed)
-        rss: list[tuple[float, float]] = []
+        rss: list[tuple[float, float, float, float]] = []
 
         async def run() -> None:
-            await asyncio.gather(_sample_rss(proc.pid, soak.deadline, rss),
+            await asyncio.gather(_sample(proc.pid, soak.deadline, rss),
                                  *(soak.client(i) for i in range(args.clients)))
 
         asyncio.run(run())
@@ -242,12 +259,17 @@ def main(argv: list[str] | None = None) -> int:
                         if line.startswith("tokenspeed_queue_time_seconds_count")), 0.0)
     print(f"\nrequests: {len(soak.records)} ({', '.join(f'{k} {v}' for k, v in kinds.items())}); "
           f"queue-time samples in /metrics: {queue_count:.0f}")
-    print("| window | requests | client hang-ups | p50 latency ms | p99 latency ms | server RSS MB |")
-    print("|---|---|---|---|---|---|")
-    for name, row in ((f"first {w:g} s", first), (f"last {w:g} s", last)):
+    print("| window | requests | client hang-ups | p50 latency ms | p99 latency ms | server RSS MB "
+          "| server CPU (cores) | load avg |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = [(f"{lo:g}-{lo + w:g} s", _window(soak.records, rss, t0 + lo, t0 + lo + w))
+            for lo in range(0, int(args.duration_s - w) + 1, int(w))] if w >= 1 else []
+    for name, row in [(f"first {w:g} s", first), *rows, (f"last {w:g} s", last)]:
         print(f"| {name} | {row['requests']} | {row['aborted']} | {row['p50_ms']:.0f} | "
-              f"{row['p99_ms']:.0f} | {row['rss_mb']:.1f} |")
-    print(f"RSS over the run: min {min(m for _, m in rss):.1f} MB, max {max(m for _, m in rss):.1f} MB")
+              f"{row['p99_ms']:.0f} | {row['rss_mb']:.1f} | {row['server_cpu']:.2f} | "
+              f"{row['load']:.1f} |")
+    print(f"RSS over the run: min {min(x[1] for x in rss):.1f} MB, "
+          f"max {max(x[1] for x in rss):.1f} MB")
     checks = {
         "server errors = 0": not soak.errors,
         "every page back, nothing running or waiting": pages_ok,

@@ -165,7 +165,7 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
                     echo = tokenizer_call(tokenizer.decode, prompt_ids)
                 except ValueError as e:
                     raise UnsupportedField("prompt", str(e)) from None
-            if (full := queue_full(engine().stats(), max_queued_requests)) is not None:
+            if (full := queue_full(engine().waiting_stats(), max_queued_requests)) is not None:
                 return full
             rids, queue = engine().submit(prompt_ids, params)
         except UnsupportedField as e:

@@ -32,46 +32,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tokenspeed_jax.engine.engine import CheckedPrompt, Engine
+from tokenspeed_jax.engine.engine import Engine
 from tokenspeed_jax.engine.replicas import Replicas
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.server.replica_state import ReplicaState, Subscriber
 
 log = logging.getLogger("tokenspeed_jax.server")
-
-
-class _Subscriber:
-    """One sample's feed into the queue its request shares with its siblings (items are tagged
-    with the sample's index)."""
-
-    __slots__ = ("loop", "queue", "sent", "index", "submitted")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int) -> None:
-        self.loop = loop
-        self.queue = queue
-        self.index = index
-        self.sent = 0
-        self.submitted = time.perf_counter()
-
-    def push(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
-
-
-class _Replica:
-    """One engine, its lock, its stepping thread and its deferred sibling samples."""
-
-    def __init__(self, index: int, engine: Engine) -> None:
-        self.index = index
-        self.engine = engine
-        self.lock = threading.Lock()
-        self.wake = threading.Event()
-        self.subs: dict[str, _Subscriber] = {}
-        self.unscheduled: dict[str, _Subscriber] = {}  # no step has scheduled them yet
-        # first sample's request id -> [(request id, validated sample)] queued once it has prefilled
-        self.deferred: dict[str, list[tuple[str, CheckedPrompt]]] = {}
-        self.ready = False
-        self.warmup_s = 0.0
-        self.compiled = 0
 
 
 class AsyncEngine:
@@ -92,13 +59,13 @@ class AsyncEngine:
                  route: str = "prefix") -> None:
         engines = [engines] if isinstance(engines, Engine) else list(engines)
         self.router = Replicas(engines, route=route)
-        self.replicas = [_Replica(i, e) for i, e in enumerate(engines)]
+        self.replicas = [ReplicaState(i, e) for i, e in enumerate(engines)]
         self.engine = engines[0]
         self._on_finish = on_finish
         self._on_scheduled = on_scheduled
         self._warmup = warmup
         self._stopped = False
-        self._owner: dict[str, _Replica] = {}
+        self._owner: dict[str, ReplicaState] = {}
         self._threads = [threading.Thread(target=self._loop, args=(r,), daemon=True,
                                           name=f"tokenspeed-engine-{r.index}")
                          for r in self.replicas]
@@ -110,7 +77,7 @@ class AsyncEngine:
         return all(r.ready for r in self.replicas)
 
     # ------------------------------------------------------------------ requests
-    def _route(self, prompt: list[int]) -> _Replica:
+    def _route(self, prompt: list[int]) -> ReplicaState:
         if len(self.replicas) == 1:
             return self.replicas[0]
         locks = [r.lock for r in self.replicas]
@@ -143,7 +110,7 @@ class AsyncEngine:
             if len(plist) > 1:
                 rep.deferred[rid] = list(zip(rids[1:], checked[1:]))
             for j, r_id in enumerate(rids):
-                rep.subs[r_id] = rep.unscheduled[r_id] = _Subscriber(loop, queue, j)
+                rep.subs[r_id] = rep.unscheduled[r_id] = Subscriber(loop, queue, j)
                 self._owner[r_id] = rep
         rep.wake.set()
         return rids, queue
@@ -177,7 +144,7 @@ class AsyncEngine:
         return len(rids)
 
     @staticmethod
-    def _engine_abort(rep: _Replica, rid: str) -> CompletionOutput | None:
+    def _engine_abort(rep: ReplicaState, rid: str) -> CompletionOutput | None:
         """`Engine.abort` (lock held); an exception building the output (e.g. the tokenizer
         failing on its tokens) is logged: the request is gone from the scheduler by then, its
         pages back."""
@@ -187,16 +154,19 @@ class AsyncEngine:
             log.exception("aborting request %s: building its output failed", rid)
             return None
 
-    def _detach(self, rep: _Replica, rid: str) -> _Subscriber | None:
-        """Forget request `rid` (lock held): its subscriber (returned), its place among the
-        deferred samples and its owner entry; the engine is not touched."""
+    def _detach(self, rep: ReplicaState, rid: str) -> Subscriber | None:
+        """Forget request `rid` (lock held; `ReplicaState.forget`) and its owner entry."""
         self._owner.pop(rid, None)
-        rep.unscheduled.pop(rid, None)
-        for first, rest in list(rep.deferred.items()):
-            rest[:] = [x for x in rest if x[0] != rid]
-            if not rest:
-                del rep.deferred[first]
-        return rep.subs.pop(rid, None)
+        return rep.forget(rid)
+
+    def waiting_stats(self) -> list[dict]:
+        """Per replica {"num_waiting": n}, from its scheduler alone: cheap enough for every
+        request (`stats()` also summarises up to 100k step timings under the replica's lock)."""
+        out = []
+        for r in self.replicas:
+            with r.lock:
+                out.append({"num_waiting": r.engine.scheduler.stats()["num_waiting"]})
+        return out
 
     def stats(self) -> list[dict]:
         out = []
@@ -213,7 +183,7 @@ class AsyncEngine:
             t.join(timeout=5)
 
     # ------------------------------------------------------------------ stepping thread
-    def _loop(self, rep: _Replica) -> None:
+    def _loop(self, rep: ReplicaState) -> None:
         if self._warmup:
             t0 = time.perf_counter()
             with rep.lock:
@@ -248,7 +218,7 @@ class AsyncEngine:
                 self._publish(rep, finished)
                 self._release_siblings(rep)
 
-    def _release_siblings(self, rep: _Replica) -> None:
+    def _release_siblings(self, rep: ReplicaState) -> None:
         """Queue the deferred samples of every first sample that has computed its prompt."""
         engine = rep.engine
         for first in list(rep.deferred):
@@ -269,7 +239,7 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - one request's bookkeeping must not stop the loop
             log.exception("on_finish failed for request %s", out.request_id)
 
-    def _note_scheduled(self, rep: _Replica, finished: list[CompletionOutput]) -> None:
+    def _note_scheduled(self, rep: ReplicaState, finished: list[CompletionOutput]) -> None:
         """Report the queue time of the samples the step just run scheduled first."""
         if not rep.unscheduled:
             return
@@ -285,7 +255,7 @@ class AsyncEngine:
                     except Exception:  # noqa: BLE001 - metrics must not stop the loop
                         log.exception("on_scheduled failed for request %s", rid)
 
-    def _publish(self, rep: _Replica, finished: list[CompletionOutput]) -> None:
+    def _publish(self, rep: ReplicaState, finished: list[CompletionOutput]) -> None:
         engine = rep.engine
         for rid, sub in list(rep.subs.items()):
             try:
@@ -311,7 +281,7 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - e.g. its event loop is gone
                 log.exception("delivering request %s failed", out.request_id)
 
-    def _fail_one(self, rep: _Replica, rid: str, message: str) -> None:
+    def _fail_one(self, rep: ReplicaState, rid: str, message: str) -> None:
         """Abort one request (lock held) and send its subscriber a "failed" event."""
         sub = self._detach(rep, rid)
         self._engine_abort(rep, rid)
@@ -319,7 +289,7 @@ class AsyncEngine:
             with contextlib.suppress(Exception):  # its event loop may be gone
                 sub.push(("failed", message))
 
-    def _fail_all(self, rep: _Replica, message: str) -> None:
+    def _fail_all(self, rep: ReplicaState, message: str) -> None:
         for rid, sub in list(rep.subs.items()):
             self._engine_abort(rep, rid)
             self._owner.pop(rid, None)

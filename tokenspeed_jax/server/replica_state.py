@@ -1,0 +1,57 @@
+"""Per-replica bookkeeping of `AsyncEngine`: the subscribers its requests' events go to, the
+deferred sibling samples, and what its stepping thread reports."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from tokenspeed_jax.engine.engine import CheckedPrompt, Engine
+
+
+class Subscriber:
+    """One sample's feed into the queue its request shares with its siblings (items are tagged
+    with the sample's index). `sent`: tokens pushed so far; `submitted`: when it was queued
+    (perf_counter), for its queue time."""
+
+    __slots__ = ("loop", "queue", "sent", "index", "submitted")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int) -> None:
+        self.loop = loop
+        self.queue = queue
+        self.index = index
+        self.sent = 0
+        self.submitted = time.perf_counter()
+
+    def push(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
+
+
+class ReplicaState:
+    """One engine, its lock, its stepping thread's wake-up event and state, the subscribers of
+    its requests (`unscheduled`: those no step has scheduled yet) and its deferred sibling
+    samples."""
+
+    def __init__(self, index: int, engine: Engine) -> None:
+        self.index = index
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.subs: dict[str, Subscriber] = {}
+        self.unscheduled: dict[str, Subscriber] = {}
+        # first sample's request id -> [(request id, validated sample)] queued once it has prefilled
+        self.deferred: dict[str, list[tuple[str, CheckedPrompt]]] = {}
+        self.ready = False
+        self.warmup_s = 0.0
+        self.compiled = 0
+
+    def forget(self, rid: str) -> Subscriber | None:
+        """Drop request `rid` (lock held): its place among the deferred samples and its
+        subscriber, which is returned; the engine is not touched."""
+        self.unscheduled.pop(rid, None)
+        for first, rest in list(self.deferred.items()):
+            rest[:] = [x for x in rest if x[0] != rid]
+            if not rest:
+                del self.deferred[first]
+        return self.subs.pop(rid, None)
