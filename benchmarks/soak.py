@@ -262,9 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     print("| window | requests | client hang-ups | p50 latency ms | p99 latency ms | server RSS MB "
           "| server CPU (cores) | load avg |")
     print("|---|---|---|---|---|---|---|---|")
+    # every window in turn (the first is "first"); the last w seconds too when not on that grid
+    starts = [k * w for k in range(int(args.duration_s // w))]
     rows = [(f"{lo:g}-{lo + w:g} s", _window(soak.records, rss, t0 + lo, t0 + lo + w))
-            for lo in range(0, int(args.duration_s - w) + 1, int(w))] if w >= 1 else []
-    for name, row in [(f"first {w:g} s", first), *rows, (f"last {w:g} s", last)]:
+            for lo in starts]
+    if not starts or starts[-1] + w != args.duration_s:
+        rows.append((f"last {w:g} s", last))
+    for name, row in rows:
         print(f"| {name} | {row['requests']} | {row['aborted']} | {row['p50_ms']:.0f} | "
               f"{row['p99_ms']:.0f} | {row['rss_mb']:.1f} | {row['server_cpu']:.2f} | "
               f"{row['load']:.1f} |")
