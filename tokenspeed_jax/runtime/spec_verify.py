@@ -48,9 +48,17 @@ def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
     # (those columns are never used)
     first = ops["cu_q_lens"][1:n + 1] - 1 - d
     idx = jnp.clip(first[:, None] + jnp.minimum(j[None, :], d[:, None]), 0, t - 1)
-    logits = lm_head(hidden[idx.reshape(-1)])
-    if gather_logits is not None:
-        logits = gather_logits(logits)
+    if t <= n * (k + 1):
+        # a small token bucket (decode with drafts): the LM head over every token of the step
+        # costs less than over the [n, k + 1] grid of positions
+        every = lm_head(hidden)
+        if gather_logits is not None:
+            every = gather_logits(every)
+        logits = every[idx.reshape(-1)]
+    else:
+        logits = lm_head(hidden[idx.reshape(-1)])
+        if gather_logits is not None:
+            logits = gather_logits(logits)
     v = logits.shape[-1]
     logits = logits.astype(jnp.float32).reshape(n, k + 1, v)
     drafts = ops["token_ids"][jnp.clip(idx + 1, 0, t - 1)]  # the draft after position j
