@@ -119,7 +119,8 @@ def test_sampling_record_and_keyword_options_do_not_mix():
 def test_columns_are_padded_stepops_fields_whose_padding_is_the_default():
     meta = {f.name: f.metadata for f in dataclasses.fields(StepOps)}
     defaults = {f.name: f.default for f in dataclasses.fields(SamplingOptions)}
-    filled = {"prompt_lens"}  # the one padded per-row field that is no sampling option
+    # the padded per-row fields that are no sampling option: prompt lengths, speculative drafts
+    filled = {"prompt_lens", "draft_lens"}
     for c in COLUMNS:
         filled.update(c.columns)
         for col in c.columns:

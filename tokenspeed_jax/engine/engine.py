@@ -450,7 +450,10 @@ class Engine:
     def _output(self, rid: str, track: _Track, token_ids: list[int],
                 reason: str) -> CompletionOutput:
         # generated tokens sampled before a retraction keep their logprobs; trim to what exists
-        text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
+        try:
+            text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
+        except Exception:  # one request's text must not fail the step that finished the others
+            text = None
         return CompletionOutput(
             request_id=rid, prompt_token_ids=list(track.prompt), token_ids=list(token_ids),
             finish_reason=reason, text=text,

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from scheduler.step_ops import StepOps, device_schema
+from tokenspeed_jax.runtime.filtering import filtered_logits
+from tokenspeed_jax.runtime.spec_verify import verify_drafts
 
 __all__ = [
     "MAX_TOP_LOGPROBS", "PenaltyState", "apply_penalties", "apply_token_mask", "filtered_logits",
@@ -35,27 +37,6 @@ __all__ = [
 MAX_TOP_LOGPROBS = 20  # K of the on-device top-k logprobs (OpenAI's top_logprobs limit)
 # per-row StepOps fields (schema axis "row"): what the LM head / sampler slice to the used rows
 _ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
-
-
-def filtered_logits(logits, temperature, top_k, top_p):
-    """Temperature-scaled logits with everything outside top-k and then top-p set to -inf.
-
-    One descending sort per row: top-k cuts the sorted list at k (<= 0 or >= V = all), top-p
-    keeps the shortest prefix whose mass reaches top_p (the first token always survives), and the
-    smallest surviving value becomes the row's threshold (ties at the threshold survive).
-    """
-    v = logits.shape[-1]
-    t = jnp.where(temperature > 0, temperature, 1.0)
-    scaled = logits / t[:, None]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where((top_k <= 0) | (top_k >= v), v, top_k)
-    rank = jnp.arange(v)[None, :]
-    sorted_k = jnp.where(rank < k[:, None], sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_k, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (rank < k[:, None]) & ((mass_before < top_p[:, None]) | (rank == 0))
-    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1)
-    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
 
 
 def sample(
@@ -267,8 +248,6 @@ def sample_rows(
     )  # fmt: skip
     accepted = jnp.zeros((n,), jnp.int32)
     if num_speculative:
-        from tokenspeed_jax.runtime.spec_verify import verify_drafts
-
         spec = rows["draft_lens"] > 0
         verified, got = jax.lax.cond(
             jnp.any(spec),

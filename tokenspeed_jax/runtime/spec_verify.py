@@ -26,7 +26,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from tokenspeed_jax.runtime.sampling import filtered_logits
+from tokenspeed_jax.runtime.filtering import filtered_logits
 
 __all__ = ["verify_drafts"]
 
