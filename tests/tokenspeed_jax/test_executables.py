@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -82,6 +83,17 @@ def test_warm_llm_loads_every_shape_and_generates_the_same(tmp_path):
     out = warm.generate([[3, 4, 5, 6, 7, 8]], sp)[0]
     assert out.token_ids == ref.token_ids and out.logprobs == ref.logprobs
     assert {s["source"] for s in st["shapes"]} == {"loaded"} and len(st["shapes"]) == n
+    # Executables JAX's persistent cache served are not stored: serialized, they lose their
+    # compiled functions on jaxlib 0.10 CPU and the loaded copy failed at its first step
+    # ("Function wrapped_iota not found"). With the store emptied, a start compiles through
+    # JAX's cache, stores nothing, and the next start (compiling again) generates the same.
+    shutil.rmtree(tmp_path / "executables")
+    again = LLM("tiny-random", num_pages=32, compile_cache_dir=str(tmp_path), **SMALL)
+    assert again.warmup() == n and again.startup_stats()["shapes_loaded"] == 0
+    assert not list((tmp_path / "executables").glob("*.exe"))
+    third = LLM("tiny-random", num_pages=32, compile_cache_dir=str(tmp_path), **SMALL)
+    out = third.generate([[3, 4, 5, 6, 7, 8]], sp)[0]
+    assert out.token_ids == ref.token_ids
 
 
 def test_unreadable_entry_is_deleted_and_compiled_afresh(tmp_path):

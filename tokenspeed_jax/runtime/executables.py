@@ -86,6 +86,36 @@ def environment(devices: list[Any] | None = None) -> dict[str, Any]:
     }
 
 
+_watch = threading.local()  # per compiling thread: whether JAX's persistent cache served it
+_listening = False
+_listen_lock = threading.Lock()
+
+
+def _on_event(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits" and getattr(_watch, "on", False):
+        _watch.hit = True
+
+
+@contextlib.contextmanager
+def persistent_cache_hits():
+    """`with persistent_cache_hits() as hit:` ... compile ...; `hit()` then tells whether JAX's
+    persistent compilation cache served a compile run in this thread inside the block.
+
+    An executable that came out of that cache must not be serialized into the store: jaxlib
+    0.10's CPU client serializes it without its compiled functions, and the loaded copy fails at
+    its first run ("Function wrapped_iota not found")."""
+    global _listening
+    with _listen_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
+    _watch.on, _watch.hit = True, False
+    try:
+        yield lambda: bool(_watch.hit)
+    finally:
+        _watch.on = False
+
+
 def signature(tree: Any) -> str:
     """Tree structure + (shape, dtype, sharding) of every leaf of an argument pytree."""
     leaves, treedef = jax.tree.flatten(tree)

@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from tokenspeed_jax.runtime.executables import ExecutableStore
+from tokenspeed_jax.runtime.executables import ExecutableStore, persistent_cache_hits
 from tokenspeed_jax.runtime.shapes import StepShape
 
 logger = logging.getLogger(__name__)
@@ -120,9 +120,12 @@ class StepPrograms:
             with self._trace_lock:
                 lowered = self._lower(shape)
             t2 = time.perf_counter()
-            compiled = lowered.compile()
+            with persistent_cache_hits() as from_jax_cache:
+                compiled = lowered.compile()
             t3 = time.perf_counter()
-            if key is not None and self.store is not None:
+            # an executable JAX's persistent cache served does not serialize whole (jaxlib 0.10
+            # CPU): the store keeps only fresh compiles
+            if key is not None and self.store is not None and not from_jax_cache():
                 self.store.save(key, compiled)
             rec = ShapeReady(shape, "compiled", t2 - t1, t3 - t2, t1 - t0, background)
         with self._lock:
