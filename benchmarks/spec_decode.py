@@ -9,7 +9,7 @@ loop, as speculation runs). Workloads, greedy, up to `--max-tokens` new tokens, 
   - chat: the `run` job's everyday questions (little to copy).
 Each workload runs at batch 1 (requests one at a time) and at `--batch` (all at once); runs
 alternate between the engines, best of `--reps`. Prints out tok/s (wall, prefill included),
-decode tok/s (batch 1: generated tokens after the first over the time after the first token),
+decode tok/s per request (generated tokens after the first over the time after the first token),
 the speed-up, the acceptance rate, mean tokens per speculative row, and whether every output is
 token-for-token identical to the engine without speculation.
 """
@@ -110,7 +110,7 @@ def main() -> None:
     print(f"model {args.model}, dtype {args.dtype}, greedy, up to {args.max_tokens} new tokens, "
           f"ngram k={args.k} lookup {args.lookup_min}..{args.lookup_max} padding_only="
           f"{not args.no_padding_only}, best of {args.reps}")
-    print("| workload | batch | spec | out tokens | out tok/s | decode tok/s (batch 1) | "
+    print("| workload | batch | spec | out tokens | out tok/s | decode tok/s per request | "
           "speed-up | acceptance | tokens / spec row | identical |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for wname, prompts in (("copy", copy), ("chat", chat)):
