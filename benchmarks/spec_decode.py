@@ -7,8 +7,11 @@ with `speculative_config={"method": "ngram", "num_speculative_tokens": k, ...}` 
 loop, as speculation runs). Workloads, greedy, up to `--max-tokens` new tokens, EOS respected:
   - copy: chat prompts asking to repeat or lightly edit a given text (code, a list, prose);
   - chat: the `run` job's everyday questions (little to copy).
-Each workload runs at batch 1 (requests one at a time) and at `--batch` (all at once); runs
-alternate between the engines, best of `--reps`. Prints out tok/s (wall, prefill included),
+Each workload runs at batch 1 (its 8 requests one at a time) and at `--batch` running requests
+(`--batch-waves` x batch requests queued at once, each task asked several times with a request
+number so prompts differ: finished requests free their slot for waiting ones, so the batch's
+wall time is not just its slowest request's); runs alternate between the engines, best of
+`--reps`. Prints out tok/s (wall, prefill included),
 decode tok/s per request (generated tokens after the first over the time after the first token),
 the speed-up, the acceptance rate, mean tokens per speculative row, and whether every output is
 token-for-token identical to the engine without speculation.
@@ -64,6 +67,9 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--batch-waves", type=int, default=3,
+                   help="requests in the batched run = batch-waves x batch")
+    p.add_argument("--batches", default="1,batch", help="which runs: 1, batch or both")
     p.add_argument("--no-padding-only", action="store_true",
                    help="up to k drafts per row whatever the token bucket (padding_only=False)")
     args = p.parse_args()
@@ -81,22 +87,33 @@ def main() -> None:
                "ngram": LLM(args.model, **llm_kwargs(args, speculative_config=spec_cfg,
                                                      lazy_compile="sync"))}
     tok = engines["off"].tokenizer
-    copy = [render_chat(tok, [{"role": "user", "content": c}]) for c in COPY_TASKS]
-    chat = [render_chat(tok, [{"role": "system", "content": SYSTEM_PROMPT},
-                              {"role": "user", "content": q}]) for q in QUESTIONS[:len(copy)]]
+    def copy_prompts(n):
+        return [render_chat(tok, [{"role": "user", "content": COPY_TASKS[i % len(COPY_TASKS)]
+                                   + ("" if i < len(COPY_TASKS) else f"\n\n(Request {i}.)")}])
+                for i in range(n)]
+
+    def chat_prompts(n):
+        return [render_chat(tok, [{"role": "system", "content": SYSTEM_PROMPT},
+                                  {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+                for i in range(n)]
+
+    many = args.batch_waves * args.batch
+    copy, chat = copy_prompts(len(COPY_TASKS)), chat_prompts(len(COPY_TASKS))
+    workloads = {"copy": (copy, copy_prompts(many)), "chat": (chat, chat_prompts(many))}
     params = SamplingParams(max_tokens=args.max_tokens)
     for llm in engines.values():  # warm every shape both workloads reach, at both batch sizes
-        for prompts in (copy, chat):
-            llm.generate(prompts[:1], params)
-            llm.generate(prompts[:args.batch], params)
+        for few, lots in workloads.values():
+            llm.generate(few[:1], params)
+            llm.generate(lots, params)
 
     def run(name, prompts, batch):
         llm = engines[name]
         s0 = llm.engines[0].stats()
         t = time.perf_counter()
         outs = []
-        for i in range(0, len(prompts), batch):
-            outs += llm.generate(prompts[i:i + batch], params)
+        step = 1 if batch == 1 else len(prompts)  # batched: all queued, max_batch_requests run
+        for i in range(0, len(prompts), step):
+            outs += llm.generate(prompts[i:i + step], params)
         wall = time.perf_counter() - t
         s1 = llm.engines[0].stats()
         n = sum(len(o.token_ids) for o in outs)
@@ -113,8 +130,10 @@ def main() -> None:
     print("| workload | batch | spec | out tokens | out tok/s | decode tok/s per request | "
           "speed-up | acceptance | tokens / spec row | identical |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for wname, prompts in (("copy", copy), ("chat", chat)):
-        for batch in (1, args.batch):
+    sizes = [1 if b == "1" else args.batch for b in args.batches.split(",")]
+    for wname, (few, lots) in workloads.items():
+        for batch in sizes:
+            prompts = few if batch == 1 else lots
             best: dict[str, dict] = {}
             for _ in range(args.reps):
                 for name in engines:
