@@ -4,7 +4,7 @@ Each step, a decode row whose request may speculate proposes up to k draft token
 suffix of its tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) that occurred
 earlier in prompt + output, and the (up to k) tokens that followed its most recent earlier
 occurrence. The row then runs 1 + d query tokens (its last token and the d drafts); the device
-verifies the drafts (`runtime.sampling.verify_drafts`) and returns how many it accepted; the
+verifies the drafts (`tokenspeed_jax.runtime.spec_verify.verify_drafts`) and returns how many it accepted; the
 scheduler keeps the accepted prefix plus the device's own next token and rolls the rest back
 (`CacheCoordinator.truncate`).
 """

@@ -51,9 +51,19 @@ def test_version_and_help_show_real_defaults(capsys):
 
 
 
-@pytest.mark.parametrize("argv,want", [(["run", "--scan-layers"], True), (["run"], False),
-                                       (["serve", "--scan-layers"], True)])
-def test_scan_layers_flag_reaches_llm(monkeypatch, argv, want):
+SPEC_JSON = '{"num_speculative_tokens": 3}'
+
+
+@pytest.mark.parametrize("argv,key,want", [
+    (["run", "--scan-layers"], "scan_layers", True), (["run"], "scan_layers", False),
+    (["serve", "--scan-layers"], "scan_layers", True),
+    (["run"], "speculative_config", None),
+    (["run", "--speculative-config", SPEC_JSON], "speculative_config",
+     {"num_speculative_tokens": 3}),
+    (["serve", "--speculative-config", SPEC_JSON], "speculative_config",
+     {"num_speculative_tokens": 3}),
+])
+def test_engine_flag_reaches_llm(monkeypatch, argv, key, want):
     seen = {}
 
     class Loaded(Exception):
@@ -66,7 +76,7 @@ def test_scan_layers_flag_reaches_llm(monkeypatch, argv, want):
     monkeypatch.setattr("tokenspeed_jax.llm.LLM", fake_llm)
     with pytest.raises(Loaded):
         cli.main(argv)
-    assert seen["scan_layers"] is want
+    assert seen[key] == want and type(seen[key]) is type(want)
 
 
 @pytest.mark.parametrize("argv,env,want", [

@@ -274,25 +274,6 @@ def test_cli_bad_speculative_config(capsys, argv):
     assert e.value.code == 2 and len(err) == 1 and "--speculative-config" in err[0], err
 
 
-@pytest.mark.parametrize("cmd", ["run", "serve"])
-def test_cli_speculative_config_reaches_llm(monkeypatch, cmd):
-    from tokenspeed_jax import cli
-
-    seen = {}
-
-    class Loaded(Exception):
-        pass
-
-    def fake_llm(*_a, **kw):
-        seen.update(kw)
-        raise Loaded
-
-    monkeypatch.setattr("tokenspeed_jax.llm.LLM", fake_llm)
-    with pytest.raises(Loaded):
-        cli.main([cmd, "--speculative-config", '{"num_speculative_tokens": 3}'])
-    assert seen["speculative_config"] == {"num_speculative_tokens": 3}
-
-
 def test_draft_budget_fills_bucket_padding():
     from scheduler.speculative import draft_budget
 

@@ -409,23 +409,20 @@ class Engine:
         for i in range(n):
             if not (mask[i] and applied[i]):
                 continue
-            count += 1
+            got = spec_tokens.get(i) if spec_tokens else None
+            count += 1 if got is None else len(got)
             track = tracks.get(rids[i])
             if track is None:
                 continue
-            if spec_tokens and i in spec_tokens:
-                got = spec_tokens[i]
+            metrics = track.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            if got is not None:  # a speculative row: never constrained, no logprobs
                 track.token_ids.extend(got)
-                count += len(got) - 1
-                if track.metrics.first_token_time is None:
-                    track.metrics.first_token_time = now
                 continue
             track.token_ids.append(sampled[i])
             if book is not None and book.advance(rids[i], sampled[i]):
                 ended.append(rids[i])
-            metrics = track.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
             params = track.params
             k = params.top_logprobs
             if params.logprobs or k:
