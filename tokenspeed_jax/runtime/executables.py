@@ -103,7 +103,8 @@ def persistent_cache_hits():
 
     An executable that came out of that cache must not be serialized into the store: jaxlib
     0.10's CPU client serializes it without its compiled functions, and the loaded copy fails at
-    its first run ("Function wrapped_iota not found")."""
+    its first run ("Function wrapped_iota not found"); the store compiles such a program afresh
+    (`STORE_COMPILE_OPTIONS`) for itself."""
     global _listening
     with _listen_lock:
         if not _listening:
@@ -114,6 +115,11 @@ def persistent_cache_hits():
         yield lambda: bool(_watch.hit)
     finally:
         _watch.on = False
+
+
+# An XLA option at its default value: the program compiles the same, but under another key of
+# JAX's persistent cache, so a program that cache already serves compiles afresh for the store
+STORE_COMPILE_OPTIONS: dict[str, str | bool] = {"xla_embed_ir_in_executable": False}
 
 
 def signature(tree: Any) -> str:

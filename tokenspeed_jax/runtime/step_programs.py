@@ -28,7 +28,11 @@ from typing import Any
 
 import jax
 
-from tokenspeed_jax.runtime.executables import ExecutableStore, persistent_cache_hits
+from tokenspeed_jax.runtime.executables import (
+    STORE_COMPILE_OPTIONS,
+    ExecutableStore,
+    persistent_cache_hits,
+)
 from tokenspeed_jax.runtime.shapes import StepShape
 
 logger = logging.getLogger(__name__)
@@ -122,11 +126,17 @@ class StepPrograms:
             t2 = time.perf_counter()
             with persistent_cache_hits() as from_jax_cache:
                 compiled = lowered.compile()
+            if key is not None and self.store is not None:
+                if from_jax_cache():
+                    # what JAX's persistent cache served does not serialize whole (jaxlib 0.10
+                    # CPU): the store gets a fresh compile (only when its own entry was missing)
+                    with persistent_cache_hits() as again:
+                        fresh = lowered.compile(compiler_options=STORE_COMPILE_OPTIONS)
+                    if not again():
+                        self.store.save(key, fresh)
+                else:
+                    self.store.save(key, compiled)
             t3 = time.perf_counter()
-            # an executable JAX's persistent cache served does not serialize whole (jaxlib 0.10
-            # CPU): the store keeps only fresh compiles
-            if key is not None and self.store is not None and not from_jax_cache():
-                self.store.save(key, compiled)
             rec = ShapeReady(shape, "compiled", t2 - t1, t3 - t2, t1 - t0, background)
         with self._lock:
             self.ready[shape] = compiled
