@@ -117,6 +117,16 @@ def persistent_cache_hits():
         _watch.on = False
 
 
+def no_persistent_cache_writes() -> contextlib.AbstractContextManager:
+    """A block whose compiles (in this thread) write nothing into JAX's persistent cache: the
+    store's own compile of a program that cache already holds is the store's, not a second
+    entry there. A thread-local JAX config value; a JAX without it writes as usual."""
+    from jax._src import config as jax_config
+
+    state = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
+    return state(float("inf")) if callable(state) else contextlib.nullcontext()
+
+
 # An XLA option at its default value: the program compiles the same, but under another key of
 # JAX's persistent cache, so a program that cache already serves compiles afresh for the store
 STORE_COMPILE_OPTIONS: dict[str, str | bool] = {"xla_embed_ir_in_executable": False}

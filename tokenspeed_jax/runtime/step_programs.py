@@ -31,6 +31,7 @@ import jax
 from tokenspeed_jax.runtime.executables import (
     STORE_COMPILE_OPTIONS,
     ExecutableStore,
+    no_persistent_cache_writes,
     persistent_cache_hits,
 )
 from tokenspeed_jax.runtime.shapes import StepShape
@@ -130,7 +131,7 @@ class StepPrograms:
                 if from_jax_cache():
                     # what JAX's persistent cache served does not serialize whole (jaxlib 0.10
                     # CPU): the store gets a fresh compile (only when its own entry was missing)
-                    with persistent_cache_hits() as again:
+                    with persistent_cache_hits() as again, no_persistent_cache_writes():
                         fresh = lowered.compile(compiler_options=STORE_COMPILE_OPTIONS)
                     if not again():
                         self.store.save(key, fresh)
