@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from pallas_kernels import gpu_compile
+from pallas_kernels import gpu_compile, kv_quant
 from pallas_kernels.paged_attention import (
     DECODE_TUNING_CANDIDATES,
     PagedAttentionConfig,
@@ -102,18 +102,25 @@ def _attention(name: str, *, q_lens: int, seqs: int, ctx: int, page_size: int, h
                window: int | None = None,
                soft_cap: float | None = None, sinks: bool = False,
                config: PagedAttentionConfig | None = None, decode: bool = False,
-               real_programs: int | None = None) -> Variant:
+               real_programs: int | None = None, kv_cache_dtype: str = "auto") -> Variant:
     """`q_lens` packed query tokens over `seqs` requests of up to `ctx` tokens; a pool holding
-    every request's full context (so 32k x 64 requests is a > 4 GiB pool: 64-bit offsets)."""
+    every request's full context (so 32k x 64 requests is a > 4 GiB pool: 64-bit offsets).
+    kv_cache_dtype int8 / fp8_e4m3: quantized pools plus their f16 scale pools."""
     max_pages = ctx // page_size
     pool = seqs * max_pages + 1
-    shapes = (_S((q_lens, hq, d), dtype), _S((pool, page_size, hkv, d), dtype),
-              _S((pool, page_size, hkv, d), dtype), _S((seqs, max_pages), jnp.int32),
-              _S((seqs,), jnp.int32), _S((seqs + 1,), jnp.int32), _S((1,), jnp.int32))
+    values = kv_quant.quantized_dtype(kv_cache_dtype) or dtype
+    scales = (() if values == dtype else
+              (_S((pool, page_size, hkv), kv_quant.SCALE_DTYPE),) * 2)
+    shapes = (_S((q_lens, hq, d), dtype), _S((pool, page_size, hkv, d), values),
+              _S((pool, page_size, hkv, d), values), _S((seqs, max_pages), jnp.int32),
+              _S((seqs,), jnp.int32), _S((seqs + 1,), jnp.int32), _S((1,), jnp.int32), *scales)
 
     def fn(*args: jax.Array) -> jax.Array:
-        return paged_attention(*args, sinks=jnp.zeros((hq,), jnp.float32) if sinks else None,
-                               sliding_window=window, soft_cap=soft_cap, config=config)
+        quant = len(args) > 7
+        return paged_attention(*args[:7], sinks=jnp.zeros((hq,), jnp.float32) if sinks else None,
+                               sliding_window=window, soft_cap=soft_cap, config=config,
+                               k_scales=args[7] if quant else None,
+                               v_scales=args[8] if quant else None)
 
     return Variant(name, fn, shapes, decode=decode, real_programs=real_programs)
 
@@ -148,6 +155,12 @@ def variants(full: bool = True) -> list[Variant]:
         _attention("prefill 4x512 ctx=4k", q_lens=2048, seqs=4, ctx=4096, page_size=16),
         _attention("mixed 4x512 prefill + 60 decodes", q_lens=4 * 512 + 60, seqs=64, ctx=8192,
                    page_size=16),
+        _attention("decode B=64 ctx=32k page=16 int8 KV", q_lens=b, seqs=b, ctx=32768,
+                   page_size=16, decode=True, real_programs=b * 8, kv_cache_dtype="int8"),
+        _attention("decode B=64 ctx=32k page=16 fp8 KV", q_lens=b, seqs=b, ctx=32768,
+                   page_size=16, decode=True, real_programs=b * 8, kv_cache_dtype="fp8_e4m3"),
+        _attention("prefill 4x512 ctx=4k int8 KV", q_lens=2048, seqs=4, ctx=4096, page_size=16,
+                   kv_cache_dtype="int8"),
         _conv("short_conv C=3072 decode B=64", tokens=64, seqs=64, channels=3072, page_size=16),
         _conv("short_conv C=3072 prefill 2048", tokens=2048, seqs=4, channels=3072,
               page_size=16),

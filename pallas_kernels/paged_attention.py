@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend, pool_bits
+from pallas_kernels import backend, kv_quant, pool_bits
 from pallas_kernels.backend import Ref
 from pallas_kernels.paged_attention_tuning import (
     DECODE_TUNING_CANDIDATES,
@@ -64,9 +64,11 @@ def _check_config(cfg: PagedAttentionConfig, page_size: int, group: int) -> None
 def _check_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                   kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
                   sm_scale: float | None, sliding_window: int | None, soft_cap: float | None,
-                  sinks: jax.Array | None, bits_pools: bool = False) -> float:
+                  sinks: jax.Array | None, k_scales: jax.Array | None = None,
+                  v_scales: jax.Array | None = None, bits_pools: bool = False) -> float:
     """Static (shape/dtype/option) validation shared by kernel and reference; returns sm_scale.
-    bits_pools (the reference): bf16 pools may also come as their uint16 bits (`pool_bits`)."""
+    bits_pools (the reference): bf16 pools may also come as their uint16 bits, fp8 pools and
+    f16 scales as uint8 / uint16 bits (`pool_bits`)."""
     floats = (jnp.float32, jnp.bfloat16)
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be [T, Hq, D]")
@@ -79,12 +81,18 @@ def _check_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
         raise ValueError(f"{q.shape=} and {k_pages.shape=} disagree on head_dim")
     if hkv < 1 or hq % hkv:
         raise ValueError(f"{q.shape=}: Hq must be a multiple of Hkv ({k_pages.shape=})")
-    same = ((lambda a: pool_bits.holds(a, q.dtype)) if bits_pools
-            else (lambda a: jnp.dtype(a) == q.dtype))
-    if q.dtype not in floats or not same(k_pages.dtype) or not same(v_pages.dtype):
-        raise ValueError(f"{q.dtype=}, {k_pages.dtype=}, {v_pages.dtype=} must all be "
-                         "float32 or all bfloat16" + (" (pools: or uint16 bits)" if bits_pools
-                                                      else ""))
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError(f"{k_scales is None=} but {v_scales is None=}: a quantized cache "
+                         "passes both scale pools")
+    if k_scales is not None and v_scales is not None:
+        _check_quantized(q, k_pages, v_pages, k_scales, v_scales, bits_pools)
+    else:
+        same = ((lambda a: pool_bits.holds(a, q.dtype)) if bits_pools
+                else (lambda a: jnp.dtype(a) == q.dtype))
+        if q.dtype not in floats or not same(k_pages.dtype) or not same(v_pages.dtype):
+            raise ValueError(f"{q.dtype=}, {k_pages.dtype=}, {v_pages.dtype=} must all be "
+                             "float32 or all bfloat16" + (" (pools: or uint16 bits)"
+                                                          if bits_pools else ""))
     check_ragged_metadata(page_table, kv_lens, cu_q_lens, num_seqs)
     if sinks is not None and (sinks.shape != (hq,) or not jnp.issubdtype(sinks.dtype,
                                                                           jnp.floating)):
@@ -97,6 +105,27 @@ def _check_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
     if sm_scale is not None and not sm_scale > 0:
         raise ValueError(f"{sm_scale=} must be None or > 0")
     return float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+
+
+def _check_quantized(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array,
+                     v_scales: jax.Array, bits_pools: bool) -> None:
+    """int8 / fp8 pools with f16 scales [P, page_size, Hkv] (`kv_quant`)."""
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{q.dtype=} must be float32 or bfloat16")
+    vals = kv_quant.value_dtype(k_pages.dtype)
+    if (vals is None or k_pages.dtype != v_pages.dtype
+            or (not bits_pools and k_pages.dtype == pool_bits.BITS8)):
+        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must both be int8 or "
+                         "float8_e4m3fn with scales" + (" (or its uint8 bits)" if bits_pools
+                                                        else ""))
+    for name, sc in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if sc.shape != k_pages.shape[:3]:
+            raise ValueError(f"{name}.shape={sc.shape} must be {k_pages.shape[:3]} "
+                             f"([P, page_size, Hkv] of {k_pages.shape=})")
+        ok = (pool_bits.holds(sc.dtype, kv_quant.SCALE_DTYPE) if bits_pools
+              else jnp.dtype(sc.dtype) == kv_quant.SCALE_DTYPE)
+        if not ok:
+            raise ValueError(f"{name}.dtype={sc.dtype} must be float16")
 
 
 def _block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
@@ -132,8 +161,13 @@ def _kernel(meta_ref: Ref, pt_ref: Ref, q_ref: Ref, k_ref: Ref, v_ref: Ref, sink
             *refs: Ref, group: int, block_q: int,
             pages_per_block: int, page_size: int, head_dim: int, num_tokens: int,
             pool_tokens: int, scale: float, window: int | None, soft_cap: float | None,
-            has_sinks: bool, kv_splits: int) -> None:
-    # refs: aliased initial buffers, then outputs: (out,) or (acc, max, denominator) partials.
+            has_sinks: bool, kv_splits: int, quantized: bool) -> None:
+    # refs: (quantized) the K and V scale pools, then aliased initial buffers, then outputs:
+    # (out,) or (acc, max, denominator) partials.
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    # `other` of the K/V loads in the pools' kind: Triton casts an int to int8, a float to fp8
+    zero = 0 if jnp.issubdtype(k_ref.dtype, jnp.integer) else 0.0
+    refs = refs[2:] if quantized else refs
     out_refs = refs[len(refs) // 2 :]
     b, h = pl.program_id(0), pl.program_id(1)
     seq, q0, q1, pos_off = meta_ref[0, b], meta_ref[1, b], meta_ref[2, b], meta_ref[3, b]
@@ -186,8 +220,13 @@ def _kernel(meta_ref: Ref, pt_ref: Ref, q_ref: Ref, k_ref: Ref, v_ref: Ref, sink
             page = jnp.broadcast_to(pages[:, None], (pages_per_block, page_size)).reshape(block_k)
         flat = jnp.where(k_ok, page * page_size + in_page, pool_tokens)
         kv_idx = (flat[:, None], h, d[None, :])
-        k = backend.load(k_ref, kv_idx, mask=k_ok[:, None], other=0.0)
-        logits = backend.dot(q, k, trans_b=True) * qk_scale
+        k = backend.load(k_ref, kv_idx, mask=k_ok[:, None], other=zero)
+        if quantized:  # int8 / fp8 values are exact in q's dtype; the row scales go on after
+            k = k.astype(q.dtype)
+            k_scale = backend.load(ks_ref, (flat, h), mask=k_ok, other=0).astype(jnp.float32)
+            logits = backend.dot(q, k, trans_b=True) * (k_scale[None, :] * qk_scale)
+        else:
+            logits = backend.dot(q, k, trans_b=True) * qk_scale
         if soft_cap is not None:
             logits = jnp.tanh(logits) * soft_cap
         logits = logits * _LOG2E
@@ -198,8 +237,12 @@ def _kernel(meta_ref: Ref, pt_ref: Ref, q_ref: Ref, k_ref: Ref, v_ref: Ref, sink
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.where(mask, jnp.exp2(logits - m_new[:, None]), 0.0)
-        v = backend.load(v_ref, kv_idx, mask=k_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + backend.dot(p.astype(v.dtype), v)
+        v = backend.load(v_ref, kv_idx, mask=k_ok[:, None], other=zero)
+        pv = p
+        if quantized:  # p @ (v * s) = (p * s) @ v: the V row scales weight p's columns
+            v = v.astype(q.dtype)
+            pv = p * backend.load(vs_ref, (flat, h), mask=k_ok, other=0).astype(jnp.float32)[None, :]
+        acc = acc * alpha[:, None] + backend.dot(pv.astype(v.dtype), v)
         return acc, m_new, denom * alpha + jnp.sum(p, axis=1), next_pages
 
     n_rows = block_q * gp
@@ -248,7 +291,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
                     num_seqs: jax.Array, *, sm_scale: float | None = None,
                     sliding_window: int | None = None, soft_cap: float | None = None,
-                    sinks: jax.Array | None = None, interpret: bool = False,
+                    sinks: jax.Array | None = None, k_scales: jax.Array | None = None,
+                    v_scales: jax.Array | None = None, interpret: bool = False,
                     config: PagedAttentionConfig | None = None) -> jax.Array:
     """Ragged paged attention (Pallas GPU kernel; `interpret=True` runs it on CPU).
 
@@ -263,6 +307,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       sliding_window: W >= 1: the query at position n sees keys [n-W+1, n]; None = full causal.
       soft_cap: if set, logits become `cap * tanh(logits / cap)` (after scaling).
       sinks: f[Hq] per-head sink logits (join the softmax denominator, contribute no value).
+      k_scales, v_scales: f16[P, page_size, Hkv] for a quantized cache (`kv_quant`): the pools
+        are then int8 / float8_e4m3fn and a cached value is `page value * scale`.
       interpret: run the kernel with the Pallas interpreter (CPU tests).
       config: tuning; None = `default_config(...)` for these static shapes.
 
@@ -271,7 +317,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """
     scale = _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                          sinks=sinks)
+                          sinks=sinks, k_scales=k_scales, v_scales=v_scales)
+    quantized = k_scales is not None and v_scales is not None
     t, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_pages.shape
     group = hq // hkv
@@ -287,7 +334,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         _kernel, group=group, block_q=cfg.block_q, pages_per_block=cfg.pages_per_block,
         page_size=page_size, head_dim=d, num_tokens=t, pool_tokens=num_pages * page_size,
         scale=scale, window=sliding_window, soft_cap=soft_cap, has_sinks=sinks is not None,
-        kv_splits=cfg.kv_splits)
+        kv_splits=cfg.kv_splits, quantized=quantized)
     sinks_arr = (sinks.astype(jnp.float32) if sinks is not None
                  else jnp.zeros((hq,), jnp.float32))
     # Outputs start from aliased buffers: rows no program writes (padding) stay at these values.
@@ -303,17 +350,29 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inits], grid=grid,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
         name=f"ragged_paged_attention_bq{cfg.block_q}_ppb{cfg.pages_per_block}"
-             f"_split{cfg.kv_splits}",
-        input_output_aliases={6 + i: i for i in range(len(inits))})
+             f"_split{cfg.kv_splits}" + (f"_{k_pages.dtype}" if quantized else ""),
+        input_output_aliases={6 + 2 * quantized + i: i for i in range(len(inits))})
     # Flattened pools: token-granular row index page * page_size + offset (free reshape).
     flat_shape = (num_pages * page_size, hkv, d)
+    scales = ([k_scales.reshape(flat_shape[:2]), v_scales.reshape(flat_shape[:2])]
+              if k_scales is not None and v_scales is not None else [])
     outs = call(meta, page_table.astype(jnp.int32), q, k_pages.reshape(flat_shape),
-                v_pages.reshape(flat_shape), sinks_arr, *inits)
+                v_pages.reshape(flat_shape), sinks_arr, *scales, *inits)
     if cfg.kv_splits == 1:
         out: jax.Array = outs[0]
         return out
     acc, m, denom = outs
     return _merge_splits(acc, m, denom, sinks, q.dtype)
+
+
+def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype: jnp.dtype
+            ) -> jax.Array:
+    """f32 K or V rows of `pages` (float pool, or quantized values times their scales)."""
+    vals = kv_quant.value_dtype(pool.dtype)
+    if scales is None or vals is None:
+        return pool_bits.take(pool, pages, dtype).astype(jnp.float32)
+    return kv_quant.dequantize(pool_bits.take(pool, pages, vals),
+                               pool_bits.take(scales, pages, kv_quant.SCALE_DTYPE))
 
 
 def reference_block_q(num_tokens: int, num_seqs_max: int) -> int:
@@ -327,7 +386,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                               page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
                               num_seqs: jax.Array, *, sm_scale: float | None = None,
                               sliding_window: int | None = None, soft_cap: float | None = None,
-                              sinks: jax.Array | None = None, interpret: bool = False,
+                              sinks: jax.Array | None = None,
+                              k_scales: jax.Array | None = None,
+                              v_scales: jax.Array | None = None, interpret: bool = False,
                               block_q: int | None = None,
                               max_gather_elems: int = 1 << 22) -> jax.Array:
     """Pure-jnp twin of `paged_attention` (same arguments and result; `interpret` is ignored).
@@ -348,7 +409,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     del interpret
     scale = _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                          sinks=sinks, bits_pools=True)
+                          sinks=sinks, k_scales=k_scales, v_scales=v_scales, bits_pools=True)
     t, hq, d = q.shape
     _, page_size, hkv, _ = k_pages.shape
     s, max_pages = page_table.shape
@@ -384,9 +445,10 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                 & (kpos < max_pages * page_size)[None, :])
         if sliding_window is not None:
             keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
-        # uint16 pools hold bf16 / f16 bits (pool_bits): only the gathered pages are bitcast
-        k = pool_bits.take(k_pages, pages, q.dtype).reshape(span, hkv, d).astype(jnp.float32)
-        v = pool_bits.take(v_pages, pages, q.dtype).reshape(span, hkv, d).astype(jnp.float32)
+        # uint16 pools hold bf16 / f16 bits (pool_bits): only the gathered pages are bitcast;
+        # a quantized cache is dequantized the same way, gathered pages only
+        k = _gather(k_pages, k_scales, pages, q.dtype).reshape(span, hkv, d)
+        v = _gather(v_pages, v_scales, pages, q.dtype).reshape(span, hkv, d)
         v = jnp.where(jnp.any(keep, axis=0)[:, None, None], v, 0.0)  # NaN * 0 = NaN
         qg = q[jnp.minimum(tok, t - 1)].astype(jnp.float32).reshape(bq, hkv, group, d)
         logits = jnp.einsum("qhgd,lhd->qhgl", qg, k, precision=lax.Precision.HIGHEST) * scale

@@ -109,6 +109,10 @@ class LLM:
     leader's `shutdown()`, also run at exit). Replicas span every process (tensor_parallel_size
     a multiple of the process count); see docs/distributed.md.
 
+    kv_cache_dtype: "auto" (K/V pages in `dtype`), "int8" or "fp8_e4m3": quantized K/V values
+    with an f16 scale per token and KV head (`pallas_kernels.kv_quant`), about 2x the pages of a
+    bf16 cache (4x of f32) in the same memory; `num_pages=None` sizes the pool accordingly.
+
     compile_cache_dir: where compiled step shapes persist across starts (`runtime.compile_cache`):
     None = the per-user default (`$TOKENSPEED_JAX_CACHE_DIR`, else ~/.cache/tokenspeed-jax),
     a directory, or False (off). `compile_cache_dir` afterwards holds the entry dir in use (None
@@ -119,7 +123,8 @@ class LLM:
                  num_pages: int | None = None, max_batch_requests: int = 64,
                  max_scheduled_tokens: int = 2048, max_context_len: int | None = None,
                  enable_prefix_cache: bool = True, dtype: str = "float32",
-                 attention_backend: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
+                 attention_backend: str = "auto", seed: int = 0, kv_cache_dtype: str = "auto",
+                 tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, distributed=None,
                  compile_cache_dir: str | bool | None = None, **more_options) -> None:
         from tokenspeed_jax.runtime import compile_cache, sharding
@@ -147,6 +152,10 @@ class LLM:
         if attention_backend not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
                              f"{attention_backend!r}")
+        from pallas_kernels.kv_quant import quantized_dtype
+
+        quantized_dtype(kv_cache_dtype)  # ValueError naming the accepted values
+        self.kv_cache_dtype = kv_cache_dtype
         scan_layers = bool(more_options.get("scan_layers", False))
         if scan_layers and multi:
             raise ValueError("scan_layers is not supported on the multi-process runtime (its "
@@ -183,7 +192,8 @@ class LLM:
                 d for d in meshes[0].devices.flat if d.process_index == jax.process_index())
             reserved = fixed_state_bytes(runtime_config, layout.widths, layout.max_live_requests)
             num_pages = pages_from_memory(runtime_config, layout.layer_groups, layout.page_sizes,
-                                          device=device, shards=tp, reserved_bytes=reserved)
+                                          device=device, shards=tp, reserved_bytes=reserved,
+                                          kv_cache_dtype=kv_cache_dtype)
             if multi:  # every process must build the same shapes: the smallest fit wins
                 from jax.experimental import multihost_utils
 
@@ -210,7 +220,7 @@ class LLM:
                                                                 DEFAULT_MIN_KV_BUCKET),
                                  mesh=mesh, executable_store=store,
                                  lazy_compile=more_options.get("lazy_compile", "background"),
-                                 scan_layers=scan_layers)
+                                 scan_layers=scan_layers, kv_cache_dtype=kv_cache_dtype)
             driven: Runner = self._distribute(runner, r) if multi else runner
             self.engines.append(Engine(layout.scheduler_config, driven,
                                        vocab_size=self.model_config.vocab_size,

@@ -100,6 +100,11 @@ def _worker() -> dict:
     leaves = jax.tree_util.tree_leaves_with_path((runner.params, runner.state.caches))
     out["scan_shards"] = {jax.tree_util.keystr(p): [x.shape, list(x.addressable_shards[0].data.shape)]
                           for p, x in leaves}
+    # a quantized KV cache (int8 + f16 scales): the scale pools shard on kv heads with their pool
+    run("tp1_int8", 1, 1, kv_cache_dtype="int8")
+    runner = run("tp2_int8", 2, 1, kv_cache_dtype="int8").engine.runner
+    out["int8_shards"] = {f"cache0.{k}": [v.shape, [list(s.data.shape) for s in v.addressable_shards],
+                                          str(v.dtype)] for k, v in runner.state.caches[0].items()}
     run("tp2_pallas", 2, 1, backend="pallas", prompts=prompts[:3])
     run("tp1_pallas", 1, 1, backend="pallas", prompts=prompts[:3])
     out["moe_maxdiff"] = _moe_forward_diff()
@@ -154,7 +159,8 @@ def result() -> dict:
 
 
 @pytest.mark.parametrize("name,base", [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"),
-                                       ("tp2_pallas", "tp1_pallas"), ("tp2_scan", "tp1")])
+                                       ("tp2_pallas", "tp1_pallas"), ("tp2_scan", "tp1"),
+                                       ("tp2_int8", "tp1_int8")])
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
     a, b = result["runs"][base], result["runs"][name]
     assert b["tokens"] == a["tokens"]
@@ -197,6 +203,9 @@ def test_params_and_pools_are_sharded(result):
     check("cache0.k", [160, 4, 2, 16], [160, 4, 1, 16])  # kv-head axis
     check("cache1.conv", [160, 8, 64], [160, 8, 32])  # channel axis
     assert result["mirror_replicated"]
+    q = result["int8_shards"]  # int8 values and f16 scales (uint16 bits on the reference backend)
+    assert q["cache0.k"] == [[160, 4, 2, 16], [[160, 4, 1, 16]] * 2, "int8"]
+    assert q["cache0.k_scale"] == q["cache0.v_scale"] == [[160, 4, 2], [[160, 4, 1]] * 2, "uint16"]
 
 
 def test_scanned_params_and_pools_are_sharded(result):

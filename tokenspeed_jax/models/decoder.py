@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import pool_bits
+from pallas_kernels import kv_quant, pool_bits
 from tokenspeed_jax.models.batch import PagedBatch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.conv import ShortConv
@@ -92,16 +92,25 @@ class Attention(nnx.Module):
     def paged(
         self, x: jax.Array, cache: dict, batch: PagedBatch, group: int, attn_fn: AttnFn
     ) -> tuple[jax.Array, dict]:
-        """x f[T, H]; cache {"k", "v": f[P, B_g, Hkv, D]} -> (f[T, H], new cache)."""
+        """x f[T, H]; cache {"k", "v": f[P, B_g, Hkv, D]} (a quantized cache adds "k_scale",
+        "v_scale": f16[P, B_g, Hkv], `kv_quant`) -> (f[T, H], new cache)."""
         q, k, v = self._qkv(x, batch.positions)
         idx = batch.write_idx[group]
+        quantized = "k_scale" in cache
         new = {}
         for name, val in (("k", k), ("v", v)):
             pool = cache[name]
             p, bs = pool.shape[:2]
-            flat = pool.reshape(p * bs, *pool.shape[2:])
-            # a uint16 pool takes bf16 / f16 rows as bits (pool_bits: XLA:CPU has no bf16 scatter)
-            new[name] = pool_bits.scatter_set(flat, idx, val).reshape(pool.shape)
+            rows = {name: val}
+            if quantized:  # the rows' values and their per-token-head scales, one scatter each
+                rows[name], rows[name + "_scale"] = kv_quant.quantize(
+                    val, kv_quant.value_dtype(pool.dtype))
+            for key, val_rows in rows.items():
+                flat = cache[key].reshape(p * bs, *cache[key].shape[2:])
+                # a uint16 / uint8 pool takes 16- / 8-bit float rows as bits (pool_bits: XLA:CPU
+                # has no bf16 scatter)
+                new[key] = pool_bits.scatter_set(flat, idx, val_rows).reshape(cache[key].shape)
+        scales = {"k_scales": new["k_scale"], "v_scales": new["v_scale"]} if quantized else {}
         out = attn_fn(
             q,
             new["k"],
@@ -111,6 +120,7 @@ class Attention(nnx.Module):
             batch.cu_q_lens,
             batch.num_seqs,
             **self._kwargs(),
+            **scales,
         )
         return self.o_proj(out.reshape(x.shape[0], -1)), new
 

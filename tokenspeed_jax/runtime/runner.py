@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from pallas_kernels import kv_quant
 from scheduler.cache_layout import CacheLayout
 from scheduler.page_table_oracle import clamped_rows
 from scheduler.step_ops import StepOps
@@ -53,7 +54,6 @@ from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import (
     get_paged_attention,
     get_short_conv,
-    pool_dtype,
     resolve_backend,
 )
 from tokenspeed_jax.runtime.executables import ExecutableStore
@@ -145,6 +145,8 @@ class ModelRunner:
         None = the default device, unsharded (the single-device path, unchanged).
       scan_layers: stack each run of identical layers (params and pools) and apply it with
         `lax.scan` (`models.layer_scan`): one layer body traced and compiled per run.
+      kv_cache_dtype: "auto" (K/V pools in the model dtype), "int8" or "fp8_e4m3" (quantized
+        values + f16 per-token-head scales, `pallas_kernels.kv_quant`).
 
     Attributes: `layout` (as given), `shapes` (the `ShapePolicy`), `num_compiles` (step traces),
     `params` (nnx.State) and `state` / `penalties` (device state, advanced by every step).
@@ -163,8 +165,11 @@ class ModelRunner:
         executable_store: ExecutableStore | None = None,
         lazy_compile: str = "background",
         scan_layers: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.config = model_config
+        kv_quant.quantized_dtype(kv_cache_dtype)  # ValueError naming it when unknown
+        self.kv_cache_dtype = kv_cache_dtype
         self.layout = layout
         self.max_batch_requests = layout.scheduler_config.max_batch_requests
         self.max_scheduled_tokens = layout.scheduler_config.max_scheduled_tokens
@@ -195,7 +200,8 @@ class ModelRunner:
             init_state, model_config, layout.layer_groups, layout.page_sizes, layout.widths,
             num_pages=layout.num_pages, max_live_requests=layout.max_live_requests,
             runs=None if self._scan is None else self._scan.runs,
-            pool_dtype=pool_dtype(self.backend, model_config.dtype),  # bf16 as bits (reference)
+            bits_pools=self.backend == "reference",  # bf16 / fp8 as bits (pool_bits)
+            kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
         make_penalties = functools.partial(init_penalty_state, layout.max_live_requests,

@@ -275,14 +275,14 @@ class TensorParallel:
         return jax.tree_util.tree_map_with_path(one, params)
 
     def state_shardings(self, state):
-        """DeviceState shardings: mirrors replicated, K/V pools on kv heads, conv pools on
-        channels."""
+        """DeviceState shardings: mirrors replicated, K/V pools and their scales (a quantized
+        cache) on kv heads, conv pools on channels."""
         def one(path, x):
             name = _path_str(path).rsplit("/", 1)[-1]
             lead = (None,) * (np.ndim(x) - (4 if name in ("k", "v") else 3))  # scan_layers: 1
             if name in ("k", "v") and len(lead) in (0, 1):
                 return NamedSharding(self.mesh, P(*lead, None, None, AXIS, None))
-            if name == "conv" and len(lead) in (0, 1):
+            if name in ("conv", "k_scale", "v_scale") and len(lead) in (0, 1):  # last: channels / kv heads
                 return NamedSharding(self.mesh, P(*lead, None, None, AXIS))
             return self.replicated
 

@@ -2,7 +2,9 @@
 
 `DeviceState` is a pytree updated functionally and donated to the jitted step:
   mirrors[g]  i32[max_live_requests, W_g]           the scheduler rows of group g (0 = hole)
-  caches[l]   attention layer: {"k", "v": f[num_pages, B_g, Hkv, D]}
+  caches[l]   attention layer: {"k", "v": f[num_pages, B_g, Hkv, D]}; a quantized cache
+              (`kv_cache_dtype` int8 / fp8_e4m3, `pallas_kernels.kv_quant`) holds int8 / fp8
+              values there plus {"k_scale", "v_scale": f16[num_pages, B_g, Hkv]}
               conv layer:      {"conv": f[num_pages, B_g, hidden]} (per-token conv input)
               (scan_layers: caches[r] per run r of n layers, each pool f[n, num_pages, ...])
   last_tokens i32[max_live_requests]                the last token sampled for each slot: a
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import kv_quant, pool_bits
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.layer_scan import LayerRun, run_cache_shapes
 
@@ -41,8 +44,10 @@ def layer_cache_shapes(
     layer_groups: tuple[int, ...],
     page_sizes: tuple[int, ...],
     num_pages: int,
+    kv_cache_dtype: str = "auto",
 ) -> list[dict[str, tuple[int, ...]]]:
     """Shape of each layer's pool arrays (see module docstring)."""
+    quantized = kv_quant.quantized_dtype(kv_cache_dtype) is not None
     out: list[dict[str, tuple[int, ...]]] = []
     for layer, layer_type in enumerate(config.layer_types):
         b = page_sizes[layer_groups[layer]]
@@ -51,14 +56,32 @@ def layer_cache_shapes(
         else:
             shape = (num_pages, b, config.num_key_value_heads, config.head_dim)
             out.append({"k": shape, "v": shape})
+            if quantized:
+                out[-1].update(k_scale=shape[:3], v_scale=shape[:3])
     return out
 
 
-def bytes_per_page(config: ModelConfig, layer_groups: tuple[int, ...], page_sizes: tuple[int, ...]) -> int:
-    """Device bytes one page id costs summed over every layer's pool."""
-    itemsize = jnp.dtype(config.dtype).itemsize
-    shapes = layer_cache_shapes(config, layer_groups, page_sizes, 1)
-    return sum(int(np.prod(s)) * itemsize for c in shapes for s in c.values())
+def pool_dtypes(config: ModelConfig, kv_cache_dtype: str = "auto",
+                bits_pools: bool = False) -> dict[str, jnp.dtype]:
+    """The storage dtype of each pool name: the model's dtype for float pools, int8 / fp8
+    values and f16 scales for a quantized K/V cache. bits_pools (the reference backend): 16- and
+    8-bit floats stored as their unsigned bits (`pallas_kernels.pool_bits`)."""
+    store = pool_bits.storage_dtype if bits_pools else jnp.dtype
+    base = store(config.dtype)
+    out = {"conv": base, "k": base, "v": base}
+    q = kv_quant.quantized_dtype(kv_cache_dtype)
+    if q is not None:
+        scale = store(kv_quant.SCALE_DTYPE)
+        out.update(k=store(q), v=store(q), k_scale=scale, v_scale=scale)
+    return out
+
+
+def bytes_per_page(config: ModelConfig, layer_groups: tuple[int, ...],
+                   page_sizes: tuple[int, ...], kv_cache_dtype: str = "auto") -> int:
+    """Device bytes one page id costs summed over every layer's pool (scales included)."""
+    dtypes = pool_dtypes(config, kv_cache_dtype)
+    shapes = layer_cache_shapes(config, layer_groups, page_sizes, 1, kv_cache_dtype)
+    return sum(int(np.prod(s)) * dtypes[name].itemsize for c in shapes for name, s in c.items())
 
 
 def fixed_state_bytes(config: ModelConfig, widths: tuple[int, ...], max_live_requests: int) -> int:
@@ -92,6 +115,7 @@ def pages_from_memory(
     max_pages: int = 1 << 20,
     shards: int = 1,
     reserved_bytes: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Number of page ids (null page included) that fit the device memory.
 
@@ -104,7 +128,7 @@ def pages_from_memory(
     (pools are sharded on kv heads / channels). CPU devices share one host RAM, so no scaling.
     """
     device = device or jax.devices()[0]
-    per_page = bytes_per_page(config, layer_groups, page_sizes)
+    per_page = bytes_per_page(config, layer_groups, page_sizes, kv_cache_dtype)
     free = _free_device_bytes(device)
     if free is not None:
         per_page = -(-per_page // max(1, shards))
@@ -125,22 +149,23 @@ def init_state(
     num_pages: int,
     max_live_requests: int,
     runs: tuple[LayerRun, ...] | None = None,
-    pool_dtype: str | None = None,
+    bits_pools: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> DeviceState:
     """All-zero mirrors (every column a hole) and all-zero pools (page 0 stays zero forever).
 
     runs: with scan_layers, one cache per run of layers, each pool stacked f[n, P, ...]
-    (`models.layer_scan`); None = one cache per layer. pool_dtype: the pools' storage dtype
-    (None = the model's; the reference backend stores bf16 / f16 as uint16 bits,
-    `pallas_kernels.pool_bits`)."""
+    (`models.layer_scan`); None = one cache per layer. bits_pools: the reference backend stores
+    16- / 8-bit float pools as uint16 / uint8 bits (`pallas_kernels.pool_bits`).
+    kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8_e4m3" (`pallas_kernels.kv_quant`;
+    scale pools beside the K/V pools)."""
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (null page + one), got {num_pages}")
-    dtype = jnp.dtype(config.dtype)
     mirrors = tuple(jnp.zeros((max_live_requests, w), jnp.int32) for w in widths)
-    shapes = layer_cache_shapes(config, layer_groups, page_sizes, num_pages)
+    shapes = layer_cache_shapes(config, layer_groups, page_sizes, num_pages, kv_cache_dtype)
     if runs is not None:
         shapes = run_cache_shapes(shapes, runs)
-    pool = dtype if pool_dtype is None else jnp.dtype(pool_dtype)
-    caches = tuple({k: jnp.zeros(s, pool) for k, s in c.items()} for c in shapes)
+    dtypes = pool_dtypes(config, kv_cache_dtype, bits_pools)
+    caches = tuple({k: jnp.zeros(s, dtypes[k]) for k, s in c.items()} for c in shapes)
     last_tokens = jnp.zeros((max_live_requests,), jnp.int32)
     return DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens)
