@@ -13,20 +13,23 @@ from typing import Any
 def add_engine_args(p: argparse.ArgumentParser, *, max_batch_requests: int = 32,
                     max_scheduled_tokens: int = 512, max_context_len: int | None = None) -> None:
     """--model, --max-context-len, --max-batch-requests, --max-scheduled-tokens, --num-pages,
-    --dtype (defaults per benchmark)."""
+    --dtype, --kv-cache-dtype, --quantization (defaults per benchmark)."""
     p.add_argument("--model", default="tiny-random")
     p.add_argument("--max-context-len", type=int, default=max_context_len)
     p.add_argument("--max-batch-requests", type=int, default=max_batch_requests)
     p.add_argument("--max-scheduled-tokens", type=int, default=max_scheduled_tokens)
     p.add_argument("--num-pages", type=int, default=1024)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"))
+    p.add_argument("--quantization", default=None, choices=("int8", "w8a8"))
 
 
 def llm_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     """`LLM(args.model, **llm_kwargs(args, ...))` keywords of `add_engine_args`' flags (no
     max_context_len when --max-context-len is unset: the model's default) plus `more`."""
     kw = dict(max_batch_requests=args.max_batch_requests, num_pages=args.num_pages,
-              max_scheduled_tokens=args.max_scheduled_tokens, dtype=args.dtype, **more)
+              max_scheduled_tokens=args.max_scheduled_tokens, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, **more)
     if args.max_context_len is not None:
         kw["max_context_len"] = args.max_context_len
     return kw

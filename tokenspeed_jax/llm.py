@@ -113,6 +113,11 @@ class LLM:
     with an f16 scale per token and KV head (`pallas_kernels.kv_quant`), about 2x the pages of a
     bf16 cache (4x of f32) in the same memory; `num_pages=None` sizes the pool accordingly.
 
+    quantization: None (weights in `dtype`), "int8" (weight-only: every Linear kernel, and a
+    tied embedding table, as int8 with a float32 scale per output channel, dequantized inside
+    the dot) or "w8a8" (the same int8 weights; activations scaled to int8 per token and an
+    int8 x int8 -> int32 dot, the fast path on CPU). `tokenspeed_jax.models.quant`.
+
     compile_cache_dir: where compiled step shapes persist across starts (`runtime.compile_cache`):
     None = the per-user default (`$TOKENSPEED_JAX_CACHE_DIR`, else ~/.cache/tokenspeed-jax),
     a directory, or False (off). `compile_cache_dir` afterwards holds the entry dir in use (None
@@ -124,7 +129,7 @@ class LLM:
                  max_scheduled_tokens: int = 2048, max_context_len: int | None = None,
                  enable_prefix_cache: bool = True, dtype: str = "float32",
                  attention_backend: str = "auto", seed: int = 0, kv_cache_dtype: str = "auto",
-                 tensor_parallel_size: int = 1,
+                 quantization: str | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, distributed=None,
                  compile_cache_dir: str | bool | None = None, **more_options) -> None:
         from tokenspeed_jax.runtime import compile_cache, sharding
@@ -153,9 +158,14 @@ class LLM:
             raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
                              f"{attention_backend!r}")
         from pallas_kernels.kv_quant import quantized_dtype
+        from tokenspeed_jax.models.quant import check_quantization
 
         quantized_dtype(kv_cache_dtype)  # ValueError naming the accepted values
-        self.kv_cache_dtype = kv_cache_dtype
+        check_quantization(quantization)
+        if quantization is not None and multi:
+            raise ValueError("quantization is not supported on the multi-process runtime (its "
+                             "parameters are placed shard by shard, unquantized)")
+        self.kv_cache_dtype, self.quantization = kv_cache_dtype, quantization
         scan_layers = bool(more_options.get("scan_layers", False))
         if scan_layers and multi:
             raise ValueError("scan_layers is not supported on the multi-process runtime (its "
@@ -220,7 +230,8 @@ class LLM:
                                                                 DEFAULT_MIN_KV_BUCKET),
                                  mesh=mesh, executable_store=store,
                                  lazy_compile=more_options.get("lazy_compile", "background"),
-                                 scan_layers=scan_layers, kv_cache_dtype=kv_cache_dtype)
+                                 scan_layers=scan_layers, kv_cache_dtype=kv_cache_dtype,
+                                 quantization=quantization)
             driven: Runner = self._distribute(runner, r) if multi else runner
             self.engines.append(Engine(layout.scheduler_config, driven,
                                        vocab_size=self.model_config.vocab_size,

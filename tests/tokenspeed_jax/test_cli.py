@@ -62,6 +62,9 @@ SPEC_JSON = '{"num_speculative_tokens": 3}'
      {"num_speculative_tokens": 3}),
     (["serve", "--speculative-config", SPEC_JSON], "speculative_config",
      {"num_speculative_tokens": 3}),
+    (["run"], "kv_cache_dtype", "auto"),
+    (["serve", "--kv-cache-dtype", "fp8_e4m3"], "kv_cache_dtype", "fp8_e4m3"),
+    (["run", "--quantization", "w8a8"], "quantization", "w8a8"),
 ])
 def test_engine_flag_reaches_llm(monkeypatch, argv, key, want):
     seen = {}

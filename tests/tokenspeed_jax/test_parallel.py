@@ -105,6 +105,10 @@ def _worker() -> dict:
     runner = run("tp2_int8", 2, 1, kv_cache_dtype="int8").engine.runner
     out["int8_shards"] = {f"cache0.{k}": [v.shape, [list(s.data.shape) for s in v.addressable_shards],
                                           str(v.dtype)] for k, v in runner.state.caches[0].items()}
+    # int8 weights with int8 activations: column-parallel scales split with their columns, the
+    # row-parallel layers' per-token activation absmax reduced across shards
+    run("tp1_w8a8", 1, 1, quantization="w8a8", prompts=prompts[:3])
+    run("tp2_w8a8", 2, 1, quantization="w8a8", prompts=prompts[:3])
     run("tp2_pallas", 2, 1, backend="pallas", prompts=prompts[:3])
     run("tp1_pallas", 1, 1, backend="pallas", prompts=prompts[:3])
     out["moe_maxdiff"] = _moe_forward_diff()
@@ -160,7 +164,7 @@ def result() -> dict:
 
 @pytest.mark.parametrize("name,base", [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"),
                                        ("tp2_pallas", "tp1_pallas"), ("tp2_scan", "tp1"),
-                                       ("tp2_int8", "tp1_int8")])
+                                       ("tp2_int8", "tp1_int8"), ("tp2_w8a8", "tp1_w8a8")])
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
     a, b = result["runs"][base], result["runs"][name]
     assert b["tokens"] == a["tokens"]

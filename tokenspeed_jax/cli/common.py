@@ -60,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> Non
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"),
                    help="K/V cache values: the model dtype (auto), or int8 / fp8_e4m3 with a "
                         "scale per token and KV head (about 2x the pages of bf16)")
+    p.add_argument("--quantization", default=None, choices=("int8", "w8a8"),
+                   help="int8 weights with per-channel scales: int8 = weight-only, w8a8 = also "
+                        "int8 activations per token (the fast CPU path); default: off")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="weights and workload seed")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
     p.add_argument("--compile-cache-dir", default=None,
@@ -122,7 +125,8 @@ def make_llm(args):
                max_scheduled_tokens=args.max_scheduled_tokens,
                max_context_len=args.max_context_len, enable_prefix_cache=not args.no_prefix_cache,
                dtype=args.dtype, attention_backend=args.attention_backend, seed=args.seed,
-               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+               tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=args.data_parallel_size,
                distributed=distributed_config(args), async_scheduling=args.async_scheduling,
                compile_cache_dir=False if args.no_compile_cache else args.compile_cache_dir,

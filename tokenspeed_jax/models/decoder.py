@@ -34,6 +34,7 @@ from tokenspeed_jax.models.layers import (
     rope_inv_freq,
 )
 from tokenspeed_jax.models.moe import MoE
+from tokenspeed_jax.models.quant import qmatmul
 
 AttnFn = Callable[..., jax.Array]  # SPEC.md paged_attention signature
 
@@ -193,15 +194,25 @@ class CausalLM(nnx.Module):
         )
         self.embed_scale = cfg.embed_scale
         self.final_softcap = cfg.final_logit_softcapping
+        self.dtype = cfg.dtype
+        # quantized weights (`models.quant`): a tied table as int8 rows with a scale per row
+        self.embed_scale_q: nnx.Param | None = None
+        self.quant_mode: str | None = None
 
     def embed(self, token_ids: jax.Array) -> jax.Array:
         """i32[T] -> f[T, H]; Gemma scales by sqrt(H) rounded to the model dtype, as HF does."""
         x = self.embed_tokens[...][token_ids]
+        if self.embed_scale_q is not None:  # int8 rows: dequantize only the gathered ones
+            x = (x.astype(jnp.float32) * self.embed_scale_q[...][token_ids][:, None]
+                 ).astype(self.dtype)
         return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden f[..., H] -> float32 logits f32[..., V] (soft-capped for Gemma 2)."""
-        if self.lm_head is None:
+        if self.lm_head is None and self.embed_scale_q is not None and self.quant_mode:
+            out = qmatmul(hidden, self.embed_tokens[...], self.embed_scale_q[...],
+                          self.quant_mode, q_transposed=True)
+        elif self.lm_head is None:
             out = matmul(hidden, self.embed_tokens[...], w_transposed=True)
         else:
             out = self.lm_head(hidden)

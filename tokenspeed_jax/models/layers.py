@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.models.quant import qmatmul, quantize_columns
 from tokenspeed_jax.models.rope import rope_parameters
 
 
@@ -18,14 +19,27 @@ def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> n
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias). kernel f[in, out]; bias f[out] or absent."""
+    """y = x @ kernel (+ bias). kernel f[in, out]; bias f[out] or absent. Quantized
+    (`quantize`, `models.quant`): kernel int8[in, out] and kernel_scale f32[out]."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, cfg: ModelConfig, rngs: nnx.Rngs):
         self.kernel = normal_param(rngs, (d_in, d_out), cfg.init_scale / d_in**0.5, cfg.dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), cfg.dtype)) if bias else None
+        self.kernel_scale: nnx.Param | None = None
+        self.quant_mode: str | None = None
+
+    def quantize(self, mode: str) -> None:
+        """Replace the float kernel by int8 + per-output-channel scales (`models.quant`)."""
+        q, scale = quantize_columns(self.kernel.get_value())
+        self.kernel = nnx.Param(q)
+        self.kernel_scale = nnx.data(nnx.Param(scale))  # was None: a static attribute
+        self.quant_mode = mode
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.kernel[...])
+        if self.kernel_scale is not None and self.quant_mode is not None:
+            y = qmatmul(x, self.kernel[...], self.kernel_scale[...], self.quant_mode)
+        else:
+            y = matmul(x, self.kernel[...])
         return y + self.bias[...] if self.bias is not None else y
 
 

@@ -49,6 +49,7 @@ from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.models.layer_scan import ScannedGraph
+from tokenspeed_jax.models.quant import check_quantization, quantize_model
 from tokenspeed_jax.page_table import update_rows
 from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import (
@@ -147,6 +148,8 @@ class ModelRunner:
         `lax.scan` (`models.layer_scan`): one layer body traced and compiled per run.
       kv_cache_dtype: "auto" (K/V pools in the model dtype), "int8" or "fp8_e4m3" (quantized
         values + f16 per-token-head scales, `pallas_kernels.kv_quant`).
+      quantization: None, "int8" (weight-only) or "w8a8" (int8 weights and dynamic int8
+        activations): Linear kernels and a tied embedding as int8 (`models.quant`), in place.
 
     Attributes: `layout` (as given), `shapes` (the `ShapePolicy`), `num_compiles` (step traces),
     `params` (nnx.State) and `state` / `penalties` (device state, advanced by every step).
@@ -166,6 +169,7 @@ class ModelRunner:
         lazy_compile: str = "background",
         scan_layers: bool = False,
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         self.config = model_config
         kv_quant.quantized_dtype(kv_cache_dtype)  # ValueError naming it when unknown
@@ -188,6 +192,10 @@ class ModelRunner:
         tp = self._tp = None if mesh is None else TensorParallel(mesh, model_config)
         if tp is not None:
             prepare_model(model, tp.tp)  # conv in_proj re-layout (before the split)
+        check_quantization(quantization)
+        self.quantization = quantization
+        if quantization is not None:  # after any re-layout: scales follow the final columns
+            quantize_model(model, quantization)
         # scan_layers: the layers' params and pools stacked per run of identical layers, applied
         # by lax.scan (models/layer_scan.py): one layer body to trace and compile, not L
         self._scan: ScannedGraph | None = None
@@ -348,6 +356,9 @@ class ModelRunner:
             "backend": self.backend,
             "speculative": repr(self.num_speculative),
             "scan_layers": repr(None if self._scan is None else self._scan.runs),
+            # static in the graph, not in the arguments: int8 and w8a8 weights look alike
+            "quantization": repr(self.quantization),
+            "kv_cache_dtype": self.kv_cache_dtype,
             "arguments": executables.signature((*self._abstract, self._mask_abstract)),
             "inputs": repr(self._input_sharding),
             "tp": repr(None if self._tp is None else self._tp.mesh),

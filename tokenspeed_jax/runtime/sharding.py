@@ -76,12 +76,16 @@ _RULES: tuple[tuple[str, P], ...] = (
     (r"conv/conv_weight$", P(None, AXIS)),
     (r"conv/conv_bias$", P(AXIS)),
     (r"conv/out_proj/kernel$", P(AXIS, None)),
+    # int8 weights (models/quant.py): a column-parallel kernel's scales split with its columns;
+    # a row-parallel kernel's (o_proj, down_proj, out_proj) stay whole on every shard
+    (r"(self_attn/[qkv]_proj|mlp/(gate|up)_proj|conv/in_proj)/kernel_scale$", P(AXIS)),
 )
 # scan_layers params (models/layer_scan.py): the shell's paths, and a run's stacked layers
 _SCANNED = re.compile(r"^(shell/|runs/\d+/)")
 _VOCAB_RULES: tuple[tuple[str, P], ...] = (
     (r"^embed_tokens$", P(AXIS, None)),
     (r"^lm_head/kernel$", P(None, AXIS)),
+    (r"^(lm_head/kernel_scale|embed_scale_q)$", P(AXIS)),
 )
 
 
