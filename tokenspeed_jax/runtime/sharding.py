@@ -307,17 +307,21 @@ class TensorParallel:
         heads, pool, rep = P(None, AXIS, None), P(None, None, AXIS, None), P()
         mesh = self.mesh
 
+        scales = P(None, None, AXIS)  # a quantized cache's f16[P, B, Hkv] scale pools
+
         @functools.wraps(fn)
         def wrapped(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs, *,
-                    sinks=None, **kw):
+                    sinks=None, k_scales=None, v_scales=None, **kw):
             args = [q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs]
             specs = [heads, pool, pool, rep, rep, rep, rep]
-            if sinks is not None:
-                args.append(sinks)
-                specs.append(P(AXIS))
+            optional = [name for name, x in (("sinks", sinks), ("k_scales", k_scales),
+                                             ("v_scales", v_scales)) if x is not None]
+            for name in optional:
+                args.append({"sinks": sinks, "k_scales": k_scales, "v_scales": v_scales}[name])
+                specs.append(P(AXIS) if name == "sinks" else scales)
 
             def local(*a):
-                return fn(*a[:7], sinks=a[7] if len(a) > 7 else None, **kw)
+                return fn(*a[:7], **dict(zip(optional, a[7:], strict=True)), **kw)
 
             # check_vma off: pallas_call has no varying-manual-axes rule
             return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=heads,
