@@ -130,3 +130,21 @@ def test_same_memory_holds_about_twice_the_pages():
 def test_bad_kv_cache_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype.*int4"):
         LLM("tiny-random", kv_cache_dtype="int4", **SMALL)
+
+
+def test_fp8_pages_on_a_gpu_without_fp8_are_refused(monkeypatch):
+    from tokenspeed_jax.runtime import runner
+
+    class Device:
+        compute_capability = "8.0"  # A100: no fp8 conversions in hardware
+
+    class Mesh:
+        devices = np.array([Device()])
+
+    monkeypatch.setattr(runner.jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match=r"fp8_e4m3.*compute capability >= 8\.9.*8\.0"):
+        runner._check_fp8_support("fp8_e4m3", "pallas", Mesh())
+    runner._check_fp8_support("int8", "pallas", Mesh())  # int8 pages run anywhere
+    runner._check_fp8_support("fp8_e4m3", "reference", Mesh())  # XLA converts in software
+    Device.compute_capability = "9.0"  # H100 / H200
+    runner._check_fp8_support("fp8_e4m3", "pallas", Mesh())

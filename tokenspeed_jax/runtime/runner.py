@@ -131,6 +131,20 @@ def _input_tokens(ops: dict, last_tokens: jax.Array) -> jax.Array:
     return jnp.where(ops["token_from_prev"], prev_tokens, ops["token_ids"])
 
 
+def _check_fp8_support(kv_cache_dtype: str, backend: str, mesh: Mesh | None) -> None:
+    """fp8 pages on the Pallas GPU kernel need fp8 conversions in hardware (sm_89+: Ada,
+    Hopper); on older GPUs Triton cannot compile the kernel, so say so up front."""
+    if kv_cache_dtype != "fp8_e4m3" or backend != "pallas" or jax.default_backend() != "gpu":
+        return
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    for d in devices:
+        cc = getattr(d, "compute_capability", None)
+        if cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9):
+            raise ValueError(f"kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability >= "
+                             f"8.9 for the Pallas kernel; {d} has {cc} (use kv_cache_dtype="
+                             "'int8')")
+
+
 class ModelRunner:
     """Owns the device state and the jitted step of one model.
 
@@ -180,6 +194,7 @@ class ModelRunner:
         spec = layout.scheduler_config.speculative
         self.num_speculative = 0 if spec is None else spec.num_speculative_tokens  # static
         self.backend = resolve_backend(backend)
+        _check_fp8_support(kv_cache_dtype, self.backend, mesh)
         self.shapes = ShapePolicy.build(layout.widths, layout.page_sizes, self.max_scheduled_tokens,
                                         backend=self.backend, min_token_bucket=min_token_bucket,
                                         min_kv_bucket=min_kv_bucket)
