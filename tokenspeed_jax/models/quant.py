@@ -59,12 +59,13 @@ def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, mode: str, *,
 def quantize_model(model: Any, mode: str) -> int:
     """Quantize `model`'s Linear kernels in place (and a tied embedding table, by rows: a row
     is both an embedding and an output channel of the tied lm_head). Returns how many."""
-    from tokenspeed_jax.models.layers import Linear
-
     check_quantization(mode)
     n = 0
     for path, module in nnx.iter_graph(model):
-        if isinstance(module, Linear) and "router" not in path and module.kernel_scale is None:
+        # A quantizable layer (models.layers.Linear) is known by its interface, not imported:
+        # layers imports this module for qmatmul.
+        quantizable = callable(getattr(module, "quantize", None)) and hasattr(module, "kernel_scale")
+        if quantizable and "router" not in path and module.kernel_scale is None:
             module.quantize(mode)
             n += 1
     if getattr(model, "lm_head", False) is None and getattr(model, "embed_scale_q", None) is None:
