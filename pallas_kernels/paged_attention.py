@@ -30,17 +30,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend, kv_quant, pool_bits
+from pallas_kernels import backend
 from pallas_kernels.backend import Ref
+from pallas_kernels.paged_attention_inputs import block_metadata, check_inputs
+from pallas_kernels.paged_attention_jnp import paged_attention_reference
 from pallas_kernels.paged_attention_tuning import (
     DECODE_TUNING_CANDIDATES,
     PagedAttentionConfig,
     default_config,
 )
-from pallas_kernels.ragged import check_ragged_metadata, sanitize
 
 __all__ = ["DECODE_TUNING_CANDIDATES", "PagedAttentionConfig", "default_config",
-           "paged_attention", "paged_attention_reference", "reference_block_q"]
+           "paged_attention", "paged_attention_reference"]
 
 _LOG2E = math.log2(math.e)
 _MASK = -1e30  # finite: (mask - mask) must stay 0, never inf - inf = NaN
@@ -59,102 +60,6 @@ def _check_config(cfg: PagedAttentionConfig, page_size: int, group: int) -> None
         raise ValueError(f"{cfg.pages_per_block=} * {page_size=} must be >= 16 tokens")
     if cfg.block_q * backend.next_power_of_2(group) < 16:
         raise ValueError(f"{cfg.block_q=} * next_pow2({group=}) must be >= 16 rows")
-
-
-def _check_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-                  kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
-                  sm_scale: float | None, sliding_window: int | None, soft_cap: float | None,
-                  sinks: jax.Array | None, k_scales: jax.Array | None = None,
-                  v_scales: jax.Array | None = None, bits_pools: bool = False) -> float:
-    """Static (shape/dtype/option) validation shared by kernel and reference; returns sm_scale.
-    bits_pools (the reference): bf16 pools may also come as their uint16 bits, fp8 pools and
-    f16 scales as uint8 / uint16 bits (`pool_bits`)."""
-    floats = (jnp.float32, jnp.bfloat16)
-    if q.ndim != 3:
-        raise ValueError(f"{q.shape=} must be [T, Hq, D]")
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"{k_pages.shape=} and {v_pages.shape=} must both be "
-                         "[P, page_size, Hkv, D]")
-    t, hq, d = q.shape
-    _, _, hkv, dk = k_pages.shape
-    if dk != d:
-        raise ValueError(f"{q.shape=} and {k_pages.shape=} disagree on head_dim")
-    if hkv < 1 or hq % hkv:
-        raise ValueError(f"{q.shape=}: Hq must be a multiple of Hkv ({k_pages.shape=})")
-    if (k_scales is None) != (v_scales is None):
-        raise ValueError(f"{k_scales is None=} but {v_scales is None=}: a quantized cache "
-                         "passes both scale pools")
-    if k_scales is not None and v_scales is not None:
-        _check_quantized(q, k_pages, v_pages, k_scales, v_scales, bits_pools)
-    else:
-        same = ((lambda a: pool_bits.holds(a, q.dtype)) if bits_pools
-                else (lambda a: jnp.dtype(a) == q.dtype))
-        if q.dtype not in floats or not same(k_pages.dtype) or not same(v_pages.dtype):
-            raise ValueError(f"{q.dtype=}, {k_pages.dtype=}, {v_pages.dtype=} must all be "
-                             "float32 or all bfloat16" + (" (pools: or uint16 bits)"
-                                                          if bits_pools else ""))
-    check_ragged_metadata(page_table, kv_lens, cu_q_lens, num_seqs)
-    if sinks is not None and (sinks.shape != (hq,) or not jnp.issubdtype(sinks.dtype,
-                                                                          jnp.floating)):
-        raise ValueError(f"{sinks.shape=} must be float ({hq},) for {q.shape=}")
-    if sliding_window is not None and (not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        raise ValueError(f"{sliding_window=} must be None or an int >= 1")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"{soft_cap=} must be None or > 0")
-    if sm_scale is not None and not sm_scale > 0:
-        raise ValueError(f"{sm_scale=} must be None or > 0")
-    return float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-
-
-def _check_quantized(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array,
-                     v_scales: jax.Array, bits_pools: bool) -> None:
-    """int8 / fp8 pools with f16 scales [P, page_size, Hkv] (`kv_quant`)."""
-    if q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"{q.dtype=} must be float32 or bfloat16")
-    vals = kv_quant.value_dtype(k_pages.dtype)
-    if (vals is None or k_pages.dtype != v_pages.dtype
-            or (not bits_pools and k_pages.dtype == pool_bits.BITS8)):
-        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must both be int8 or "
-                         "float8_e4m3fn with scales" + (" (or its uint8 bits)" if bits_pools
-                                                        else ""))
-    for name, sc in (("k_scales", k_scales), ("v_scales", v_scales)):
-        if sc.shape != k_pages.shape[:3]:
-            raise ValueError(f"{name}.shape={sc.shape} must be {k_pages.shape[:3]} "
-                             f"([P, page_size, Hkv] of {k_pages.shape=})")
-        ok = (pool_bits.holds(sc.dtype, kv_quant.SCALE_DTYPE) if bits_pools
-              else jnp.dtype(sc.dtype) == kv_quant.SCALE_DTYPE)
-        if not ok:
-            raise ValueError(f"{name}.dtype={sc.dtype} must be float16")
-
-
-def _block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
-                    cu_q_lens: jax.Array, num_seqs: jax.Array, page_size: int,
-                    block_q: int) -> tuple[jax.Array, int]:
-    """i32[4, NB]: per grid block (request, first token, end token, position offset).
-
-    NB = cdiv(T, block_q) + S bounds sum_s cdiv(q_len_s, block_q). Surplus blocks (past the last
-    real one) get the empty token range [T, T) of request 0 with offset 0: the kernel derives an
-    empty key range from it and does no work (no page-table or K/V access at all).
-    """
-    t, s = q.shape[0], page_table.shape[0]
-    cu, kv, q_len = sanitize(cu_q_lens, kv_lens, num_seqs, t, page_table.shape[1] * page_size)
-    nb_per_seq = (q_len + block_q - 1) // block_q
-    ends = jnp.cumsum(nb_per_seq)
-    num_blocks = pl.cdiv(t, block_q) + s
-    b = jnp.arange(num_blocks, dtype=jnp.int32)
-    # compare_all: S is small (<= a few hundred), and a [NB, S] compare + sum is one fused op on
-    # GPU where the default binary search is a sequential loop of gathers.
-    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right", method="compare_all"),
-                      s - 1).astype(jnp.int32)
-    real = b < ends[-1]
-    within = b - (ends[seq] - nb_per_seq[seq])
-    q0 = cu[seq] + within * block_q
-    q1 = jnp.minimum(q0 + block_q, cu[seq + 1])
-    pos_off = kv[seq] - cu[seq + 1]  # absolute position = packed token index + pos_off
-    meta = [jnp.where(real, seq, 0), jnp.where(real, q0, t), jnp.where(real, q1, t),
-            jnp.where(real, pos_off, 0)]
-    return jnp.stack(meta).astype(jnp.int32), num_blocks
 
 
 def _kernel(meta_ref: Ref, pt_ref: Ref, q_ref: Ref, k_ref: Ref, v_ref: Ref, sinks_ref: Ref,
@@ -315,7 +220,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Returns:
       f[T, Hq, D] in q's dtype; padding tokens are zeros.
     """
-    scale = _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
+    scale = check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                           sinks=sinks, k_scales=k_scales, v_scales=v_scales)
     quantized = k_scales is not None and v_scales is not None
@@ -328,7 +233,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     _check_config(cfg, page_size, group)
     if t == 0:
         return jnp.zeros_like(q)
-    meta, num_blocks = _block_metadata(q, page_table, kv_lens, cu_q_lens, num_seqs, page_size,
+    meta, num_blocks = block_metadata(q, page_table, kv_lens, cu_q_lens, num_seqs, page_size,
                                        cfg.block_q)
     kernel = functools.partial(
         _kernel, group=group, block_q=cfg.block_q, pages_per_block=cfg.pages_per_block,
@@ -363,116 +268,3 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         return out
     acc, m, denom = outs
     return _merge_splits(acc, m, denom, sinks, q.dtype)
-
-
-def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype: jnp.dtype
-            ) -> jax.Array:
-    """f32 K or V rows of `pages` (float pool, or quantized values times their scales)."""
-    vals = kv_quant.value_dtype(pool.dtype)
-    if scales is None or vals is None:
-        return pool_bits.take(pool, pages, dtype).astype(jnp.float32)
-    return kv_quant.dequantize(pool_bits.take(pool, pages, vals),
-                               pool_bits.take(scales, pages, kv_quant.SCALE_DTYPE))
-
-
-def reference_block_q(num_tokens: int, num_seqs_max: int) -> int:
-    """Query tokens per block of `paged_attention_reference`: 1 for decode-shaped steps (every
-    token is its own request: a block per token gathers nothing twice), 16 otherwise (a prefill
-    chunk gathers its request's K/V once per 16 tokens instead of once per token)."""
-    return 1 if num_tokens <= 2 * num_seqs_max else 16
-
-
-def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                              page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
-                              num_seqs: jax.Array, *, sm_scale: float | None = None,
-                              sliding_window: int | None = None, soft_cap: float | None = None,
-                              sinks: jax.Array | None = None,
-                              k_scales: jax.Array | None = None,
-                              v_scales: jax.Array | None = None, interpret: bool = False,
-                              block_q: int | None = None,
-                              max_gather_elems: int = 1 << 22) -> jax.Array:
-    """Pure-jnp twin of `paged_attention` (same arguments and result; `interpret` is ignored).
-
-    Also the runtime's CPU backend, so its cost follows the real context:
-    - work is split into blocks of up to `block_q` query tokens of ONE request (None =
-      `reference_block_q`); a block gathers its request's K/V once, float32 math;
-    - full attention gathers the `page_table` columns only: callers pass a table cut to the
-      step's kv bucket (`page_table[:, :cols]`, cols covering the longest row) and the gather
-      shrinks with it;
-    - a sliding window gathers only the `ceil((W + block_q - 2) / page_size) + 1` pages that can
-      hold the block's window (pages wholly before it, holes included, are never read).
-    Everything outside `[max(0, pos - W + 1), pos]` is masked with `jnp.where` (logits AND
-    values, since NaN * 0 = NaN); fully masked rows (padding) come out as zeros, never NaN.
-    Blocks run `lax.map` batches of at most ~`max_gather_elems` gathered K elements.
-    Returns f[T, Hq, D] in q's dtype; padding tokens are zeros.
-    """
-    del interpret
-    scale = _check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
-                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                          sinks=sinks, k_scales=k_scales, v_scales=v_scales, bits_pools=True)
-    t, hq, d = q.shape
-    _, page_size, hkv, _ = k_pages.shape
-    s, max_pages = page_table.shape
-    group = hq // hkv
-    if t == 0:
-        return jnp.zeros_like(q)
-    bq = block_q or reference_block_q(t, s)
-    if sliding_window is None:
-        n_cols = max_pages
-    else:
-        n_cols = min(max_pages, (sliding_window + bq - 2 + page_size - 1) // page_size + 1)
-    span = n_cols * page_size
-    meta, num_blocks = _block_metadata(q, page_table, kv_lens, cu_q_lens, num_seqs, page_size, bq)
-    num_blocks = min(num_blocks, t)  # a non-empty block holds >= 1 token: at most T of them
-    meta = meta[:, :num_blocks]
-    sink_logits = (None if sinks is None
-                   else sinks.astype(jnp.float32).reshape(1, hkv, group, 1))
-    rows = jnp.arange(bq, dtype=jnp.int32)
-    kk = jnp.arange(span, dtype=jnp.int32)
-
-    def one(m: jax.Array) -> jax.Array:
-        seq, q0, q1, pos_off = m[0], m[1], m[2], m[3]
-        tok = q0 + rows
-        ok = tok < q1  # [bq] real query rows of this block
-        qpos = tok + pos_off
-        first: jax.Array | int = 0
-        if sliding_window is not None:
-            first = jnp.maximum(q0 + pos_off - sliding_window + 1, 0) // page_size
-        cols = first + jnp.arange(n_cols, dtype=jnp.int32)
-        pages = page_table[seq, jnp.minimum(cols, max_pages - 1)].astype(jnp.int32)
-        kpos = first * page_size + kk  # [L] absolute key positions
-        keep = (ok[:, None] & (kpos[None, :] <= qpos[:, None])
-                & (kpos < max_pages * page_size)[None, :])
-        if sliding_window is not None:
-            keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
-        # uint16 pools hold bf16 / f16 bits (pool_bits): only the gathered pages are bitcast;
-        # a quantized cache is dequantized the same way, gathered pages only
-        k = _gather(k_pages, k_scales, pages, q.dtype).reshape(span, hkv, d)
-        v = _gather(v_pages, v_scales, pages, q.dtype).reshape(span, hkv, d)
-        v = jnp.where(jnp.any(keep, axis=0)[:, None, None], v, 0.0)  # NaN * 0 = NaN
-        qg = q[jnp.minimum(tok, t - 1)].astype(jnp.float32).reshape(bq, hkv, group, d)
-        logits = jnp.einsum("qhgd,lhd->qhgl", qg, k, precision=lax.Precision.HIGHEST) * scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(keep[:, None, None, :], logits, -jnp.inf)
-        if sink_logits is not None:
-            logits = jnp.concatenate(
-                [logits, jnp.broadcast_to(sink_logits, (bq, hkv, group, 1))], axis=-1)
-        mx = jnp.max(logits, axis=-1, keepdims=True)
-        p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
-        denom = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("qhgl,lhd->qhgd", p[..., :span], v, precision=lax.Precision.HIGHEST)
-        o = o / jnp.where(denom > 0, denom, 1.0)
-        return jnp.where(ok[:, None, None], o.reshape(bq, hq, d), 0.0).astype(q.dtype)
-
-    batch = max(1, min(num_blocks, max_gather_elems // max(1, span * hkv * d)))
-    if batch == num_blocks:  # one batch: a plain vmap, no loop
-        outs = jax.vmap(one)(meta.T)
-    else:  # whole batches only (lax.map would compile a remainder batch as a second copy)
-        pad = -num_blocks % batch  # empty blocks: q0 == q1 == 0, every row masked
-        meta = jnp.pad(meta, ((0, 0), (0, pad)))
-        outs = lax.map(one, meta.T, batch_size=batch)  # [NB, bq, Hq, D]
-    tok = meta[1][:, None] + rows[None, :]
-    dest = jnp.where(tok < meta[2][:, None], tok, t)  # empty rows -> out of range, dropped
-    out = jnp.zeros_like(q)
-    return out.at[dest.reshape(-1)].set(outs.reshape(-1, hq, d), mode="drop")

@@ -36,7 +36,9 @@ def _kv_bucketed(fn):
 
 IMPLS = {
     "reference": paged_attention_reference,
-    # the runtime's CPU backend: kv-bucketed tables, per-token (decode) or 8-token blocks
+    # the runtime's CPU backend: kv-bucketed tables; by default short requests token by token
+    # (a page loop) and longer ones in blocks; or one block size for every request
+    "reference_kv": _kv_bucketed(paged_attention_reference),
     "reference_kv_bq1": _kv_bucketed(functools.partial(paged_attention_reference, block_q=1)),
     "reference_kv_bq8": _kv_bucketed(functools.partial(paged_attention_reference, block_q=8)),
     "pallas": functools.partial(paged_attention, interpret=True),
@@ -73,6 +75,9 @@ CASES = {
     "window_larger_than_ctx": Case((1, 7, 1), (70, 7, 20), page_size=16, window=200),
     "soft_cap": Case((1, 5, 2), (30, 5, 19), soft_cap=5.0, q_scale=4.0),
     "sinks": Case((1, 4, 1), (25, 4, 2), sinks=True, group=4),
+    # 19 short requests (two token-pass chunks of 16) beside a 37-token chunk (two blocks)
+    "many_decodes_long_chunk": Case((1,) * 17 + (2, 37), tuple(range(5, 90, 5)) + (12, 60),
+                                    page_size=8),
     "sm_scale": Case((2, 1), (9, 17), sm_scale=0.3, page_size=8),
     "all_f32_ps16_g4": Case((1, 12, 1), (80, 12, 41), page_size=16, group=4, window=24,
                             soft_cap=8.0, sinks=True, q_scale=3.0),
