@@ -108,6 +108,8 @@ def prompts(model: str, n: int, reps: int) -> tuple[list[list[list[int]]], list[
 
 
 def main() -> None:
+    from _machine import cpu_line  # benchmarks/ is sys.path[0] when run as a script
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face checkpoint dir both engines load")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
@@ -116,6 +118,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--engines", default="ours,vllm", help="which engines to run (ours,vllm)")
     args = p.parse_args()
     model = os.path.abspath(args.model)
     reps, warm = prompts(model, args.prompts, args.reps)
@@ -131,13 +134,21 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         kw = dict(model=model, dtype=dtype, prompts=reps, warm=warm, max_tokens=args.max_tokens,
                   max_batch=args.max_batch, max_kv=longest)
-        ours = _child(sys.executable, dict(kw, engine="ours"), ours_env)
-        peer = _child(args.vllm_python, dict(kw, engine="vllm"), vllm_env) if have_vllm else None
+        engines = args.engines.split(",")
+        ours = (_child(sys.executable, dict(kw, engine="ours"), ours_env)
+                if "ours" in engines else None)
+        peer = (_child(args.vllm_python, dict(kw, engine="vllm"), vllm_env)
+                if have_vllm and "vllm" in engines else None)
+        for name, res in (("ours", ours), ("vllm", peer)):
+            if res:  # every rep, so a slow outlier is visible next to the best
+                print(f"{dtype} {name}: rep seconds " + ", ".join(f"{r['s']:.2f}" for r in res),
+                      flush=True)
         rows.append((dtype, ours, peer))
     new = args.prompts * args.max_tokens
     n_prompt = sum(len(x) for x in reps[0])
     print(f"\n## offline vs vLLM CPU: {model}, {args.prompts} prompts ({n_prompt} prompt tokens, "
           f"system prompt shared), {args.max_tokens} new tokens each, best of {args.reps}\n")
+    print(f"CPU: {cpu_line()}\n")
     print("| dtype | ours out tok/s | vLLM CPU out tok/s | ours / vLLM | greedy sequences equal |")
     print("|---|---|---|---|---|")
     for dtype, ours, peer in rows:
