@@ -11,6 +11,8 @@ makes its step shapes ready first, from the executable cache when warm, as `serv
 `--reps` timed `generate` calls, each with its own questions' order-shifted set (so only the
 system prompt is a cache hit, as in the first rep), engines alternating per dtype; best rep
 reported. Greedy agreement: sequences equal to vLLM's, per dtype.
+`--workload random`: prefill-heavy instead, `--shared-len` (128) shared + `--own-len` (256)
+random ids per prompt, as `vllm bench serve --dataset-name random` sends.
 When `--vllm-python` is missing or cannot import vllm, ours runs alone and the ratio is "-".
 """
 
@@ -107,6 +109,21 @@ def prompts(model: str, n: int, reps: int) -> tuple[list[list[list[int]]], list[
     return per_rep, one("Hello!")
 
 
+def random_prompts(model: str, n: int, reps: int, shared: int, own: int
+                   ) -> tuple[list[list[list[int]]], list[int]]:
+    """Prefill-heavy prompts (`vllm bench serve --dataset-name random`'s shape): per rep, n lists
+    of `shared` ids common to all + `own` random ids each (seeded; ids below the vocabulary,
+    special tokens avoided by starting at 100); plus a warm-up prompt of the same shape."""
+    import numpy as np
+
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(100, vocab, shared).tolist()
+    draw = lambda: prefix + rng.integers(100, vocab, own).tolist()  # noqa: E731
+    return [[draw() for _ in range(n)] for _ in range(reps)], draw()
+
+
 def main() -> None:
     from _machine import cpu_line  # benchmarks/ is sys.path[0] when run as a script
 
@@ -119,9 +136,17 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--engines", default="ours,vllm", help="which engines to run (ours,vllm)")
+    p.add_argument("--workload", default="chat", choices=("chat", "random"),
+                   help="chat: the shared system prompt + a question (decode-heavy); random: "
+                        "--shared-len shared + --own-len random ids each (prefill-heavy)")
+    p.add_argument("--shared-len", type=int, default=128)
+    p.add_argument("--own-len", type=int, default=256)
     args = p.parse_args()
     model = os.path.abspath(args.model)
-    reps, warm = prompts(model, args.prompts, args.reps)
+    if args.workload == "chat":
+        reps, warm = prompts(model, args.prompts, args.reps)
+    else:
+        reps, warm = random_prompts(model, args.prompts, args.reps, args.shared_len, args.own_len)
     longest = max(len(x) for r in reps for x in r) + args.max_tokens
     have_vllm = _vllm_ok(args.vllm_python)
     if not have_vllm:
@@ -147,7 +172,7 @@ def main() -> None:
     new = args.prompts * args.max_tokens
     n_prompt = sum(len(x) for x in reps[0])
     print(f"\n## offline vs vLLM CPU: {model}, {args.prompts} prompts ({n_prompt} prompt tokens, "
-          f"system prompt shared), {args.max_tokens} new tokens each, best of {args.reps}\n")
+          f"{args.workload}), {args.max_tokens} new tokens each, best of {args.reps}\n")
     print(f"CPU: {cpu_line()}\n")
     print("| dtype | ours out tok/s | vLLM CPU out tok/s | ours / vLLM | greedy sequences equal |")
     print("|---|---|---|---|---|")
