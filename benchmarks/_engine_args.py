@@ -1,6 +1,7 @@
 """What the single-engine benchmarks share: the engine flags, the `LLM` keywords they make, and
-the timing of one step shape on all-padding inputs (the reference backend's work is fixed per
-shape, so an all-padding step costs what any step of that shape costs)."""
+the timing of one step shape on all-padding inputs (the dense work is fixed per shape; the CPU
+attention loops over real tokens only, so an all-padding step times everything BUT the
+attention: docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def llm_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
 
 def padding_step_ms(runner: Any, padding: Any, shape: Any, reps: int, *, warm: int = 1) -> float:
     """Median milliseconds of `reps` all-padding steps of `shape` after `warm` untimed ones
-    (made ready first if it is not: compiled, or read from the executable store)."""
+    (made ready first if it is not: compiled, or read from the executable store). No attention
+    work on the reference backend: its loops run the step's real tokens only."""
     import jax
 
     from tokenspeed_jax.runtime.step_inputs import pack

@@ -8,8 +8,8 @@ Both engines are built in this process from the same checkpoint (`LLM(..., scan_
 True)`, no compilation cache, so every compile is cold). Per chosen step shape (token bucket x
 kv tokens; default: the smallest and the largest of each): trace + lowering and XLA seconds (one
 shape at a time), the serialized executable's size (what the executable cache stores and a warm
-start reads), and the median time of an all-padding step of that shape (the reference backend's
-work does not depend on the rows' contents). Then greedy generation of the same prompts both
+start reads), and the median time of an all-padding step of that shape (dense work only: the CPU
+attention runs real tokens only, docs/performance.md). Then greedy generation of the same prompts both
 ways: equal tokens, and the largest logprob difference.
 """
 

@@ -7,8 +7,8 @@
 For every (token bucket, kv level) of the engine's ladder: the trace + lowering and XLA compile
 time (no executable cache, so each is a real cold compile; one shape at a time unless
 `--workers`), and the step
-time of an all-padding step of that shape (median of `--reps`; the reference backend's work does
-not depend on the rows' contents: every shape is fixed). Then, per shape, the step time of the
+time of an all-padding step of that shape (median of `--reps`; dense work only: the CPU
+attention runs real tokens only, docs/performance.md). Then, per shape, the step time of the
 smallest *coarser* shape that covers it, i.e. what a step pays if this shape is left out of the
 ladder (`step_programs`: a missing shape runs as its smallest ready cover). The last column,
 compile seconds / per-step saving in ms, is how many steps at this shape it takes to earn its

@@ -3,7 +3,8 @@
     python benchmarks/step_profile.py --model /path/to/smollm2-hf --dtype bfloat16 [--tokens 16]
 
 Builds the engine (no compilation cache), compiles the smallest kv level of the `--tokens`
-bucket, runs a few all-padding steps of it (the reference backend's work is fixed per shape),
+bucket, runs a few all-padding steps of it (the dense work is fixed per shape; the CPU
+attention runs real tokens only, so it is absent from this profile: docs/performance.md),
 then `--reps` more under `jax.profiler.trace(create_perfetto_trace=True)` and sums the trace's
 complete events per thunk: by name with its numeric suffix dropped (`wrapped_convert.210` ->
 `wrapped_convert`), in ms per step, with how many ran per step. The step's wall time (median,
