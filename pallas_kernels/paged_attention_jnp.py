@@ -84,7 +84,9 @@ def _tokens_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
     kk = jnp.arange(pps * page_size, dtype=jnp.int32)
 
     def chunk(i: jax.Array, outs: jax.Array) -> jax.Array:
-        sl = lambda x: lax.dynamic_slice_in_dim(x, i * c, c, axis=0)  # noqa: E731
+        def sl(x: jax.Array) -> jax.Array:
+            return lax.dynamic_slice_in_dim(x, i * c, c, axis=0)
+
         seq, pos_c, first_c, q_c = sl(meta[0]), sl(pos), sl(first), sl(qg)
         table = page_table[seq].astype(jnp.int32)  # [C, max_pages]
 
