@@ -14,7 +14,7 @@ from typing import Any
 def add_engine_args(p: argparse.ArgumentParser, *, max_batch_requests: int = 32,
                     max_scheduled_tokens: int = 512, max_context_len: int | None = None) -> None:
     """--model, --max-context-len, --max-batch-requests, --max-scheduled-tokens, --num-pages,
-    --dtype, --kv-cache-dtype, --quantization (defaults per benchmark)."""
+    --dtype, --kv-cache-dtype, --quantization, --min-token-bucket (defaults per benchmark)."""
     p.add_argument("--model", default="tiny-random")
     p.add_argument("--max-context-len", type=int, default=max_context_len)
     p.add_argument("--max-batch-requests", type=int, default=max_batch_requests)
@@ -23,6 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_batch_requests: int = 32,
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"))
     p.add_argument("--quantization", default=None, choices=("int8", "w8a8"))
+    p.add_argument("--min-token-bucket", type=int, default=16)
 
 
 def llm_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
@@ -30,7 +31,8 @@ def llm_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     max_context_len when --max-context-len is unset: the model's default) plus `more`."""
     kw = dict(max_batch_requests=args.max_batch_requests, num_pages=args.num_pages,
               max_scheduled_tokens=args.max_scheduled_tokens, dtype=args.dtype,
-              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, **more)
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+              min_token_bucket=args.min_token_bucket, **more)
     if args.max_context_len is not None:
         kw["max_context_len"] = args.max_context_len
     return kw

@@ -83,6 +83,8 @@ class LLM:
     More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
     min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`),
+    min_token_bucket (16: shortest token bucket; a lone decode runs the LM on this many rows, so
+    1 makes batch-1 decode read the weights once per token, at one more compile per halving),
     async_scheduling (True, the default: plan step N+1 on the host while the device runs step N;
     False: the synchronous reference loop. Same outputs: see tokenspeed_jax/engine/engine.py and
     benchmarks/README.md, "Overlapped scheduling"), scan_layers (False: trace and compile one
@@ -149,11 +151,14 @@ class LLM:
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
         known = {*SCHEDULER_OPTIONS, "conv_page_size", "honor_full_refresh", "min_kv_bucket",
-                 "async_scheduling", "lazy_compile", "compile_workers", "scan_layers",
-                 "speculative_config"}
+                 "min_token_bucket", "async_scheduling", "lazy_compile", "compile_workers",
+                 "scan_layers", "speculative_config"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
+        min_token_bucket = more_options.get("min_token_bucket", 16)
+        if not isinstance(min_token_bucket, int) or min_token_bucket < 1:
+            raise ValueError(f"min_token_bucket must be an int >= 1, got {min_token_bucket!r}")
         if attention_backend not in ("auto", "pallas", "reference"):
             raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
                              f"{attention_backend!r}")
@@ -228,6 +233,7 @@ class LLM:
             runner = ModelRunner(runtime_config, net, layout, backend=attention_backend,
                                  min_kv_bucket=more_options.get("min_kv_bucket",
                                                                 DEFAULT_MIN_KV_BUCKET),
+                                 min_token_bucket=min_token_bucket,
                                  mesh=mesh, executable_store=store,
                                  lazy_compile=more_options.get("lazy_compile", "background"),
                                  scan_layers=scan_layers, kv_cache_dtype=kv_cache_dtype,

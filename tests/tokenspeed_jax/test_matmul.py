@@ -11,22 +11,24 @@ import pytest
 from tokenspeed_jax.models.layers import matmul
 
 
+@pytest.mark.parametrize("lead", [(5,), (1,), (), (1, 1)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_matmul_equals_float32_dot_rounded(dtype, transposed):
+def test_matmul_equals_float32_dot_rounded(dtype, transposed, lead):
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((5, 64)), dtype)
+    x = jnp.asarray(rng.standard_normal((*lead, 64)), dtype)
     w = jnp.asarray(rng.standard_normal((64, 48)), dtype)
     got = matmul(x, w.T if transposed else w, w_transposed=transposed)
     want = (x.astype(jnp.float32) @ w.astype(jnp.float32)).astype(dtype)
-    assert got.dtype == dtype
+    assert got.dtype == dtype and got.shape == (*lead, 48)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's bf16 dot")
-def test_bf16_weights_are_not_converted_per_call():
-    x = jnp.ones((16, 576), jnp.bfloat16)
+@pytest.mark.parametrize("rows", [16, 1])  # one row: XLA:CPU's vector-matrix path upcasts w
+def test_bf16_weights_are_not_converted_per_call(rows):
+    x = jnp.ones((rows, 576), jnp.bfloat16)
     w = jnp.ones((576, 1536), jnp.bfloat16)
 
     def f32_weights(fn) -> int:

@@ -72,6 +72,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> Non
                    help="compile every step shape afresh (no persistent compilation cache)")
     p.add_argument("--compile-workers", type=int_at_least(1), default=2,
                    help="step shapes compiled (or loaded) at once during warm-up")
+    p.add_argument("--min-token-bucket", type=int_at_least(1), default=16,
+                   help="shortest token bucket: a lone decode runs the model on this many rows "
+                        "(1: fastest batch-1 decode, one more step shape per halving)")
     p.add_argument("--scan-layers", action="store_true",
                    help="trace and compile one decoder layer per run of identical layers "
                         "(lax.scan) instead of every layer: faster compiles, same tokens")
@@ -131,7 +134,7 @@ def make_llm(args):
                distributed=distributed_config(args), async_scheduling=args.async_scheduling,
                compile_cache_dir=False if args.no_compile_cache else args.compile_cache_dir,
                compile_workers=args.compile_workers, scan_layers=args.scan_layers,
-               speculative_config=args.speculative_config)
+               min_token_bucket=args.min_token_bucket, speculative_config=args.speculative_config)
 
 
 def startup_line(llm) -> str:
