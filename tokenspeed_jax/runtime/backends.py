@@ -37,10 +37,16 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+# One jit for every layer: the step's trace reuses the first layer's attention jaxpr and lowering
+# (SmolLM2 trace + lower of a step: 3.4-3.6 -> 0.8-1.1 s; the same step speed measured).
+_REFERENCE_JIT = jax.jit(paged_attention_reference, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "max_gather_elems"))
+
+
 def get_paged_attention(backend: str) -> Callable:
     """The paged-attention function of `backend` (SPEC.md kernel signature)."""
     if resolve_backend(backend) == "reference":
-        return paged_attention_reference
+        return _REFERENCE_JIT
     if jax.default_backend() != "gpu":
         return functools.partial(paged_attention, interpret=True)
     return paged_attention
