@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tokenspeed_jax import LLM, SamplingParams  # noqa: E402
-from tokenspeed_jax.workloads.chat_prompts import QUESTIONS  # noqa: E402
+from tokenspeed_jax.workloads.chat_prompts import ChatPrompts  # noqa: E402
 
 SYSTEM = ("You are a concise assistant for a public library help desk. Answer in one or two "
           "short sentences.")
@@ -43,27 +43,17 @@ def copy_bandwidth(nbytes: int = 512 << 20) -> float:
     return 2 * nbytes / best
 
 
-def _prompts(llm: LLM, n: int) -> list[list[int]]:
-    tok = llm.tokenizer
-    out = []
-    for q in QUESTIONS[:n]:
-        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-        text = tok.apply_chat_template(msgs) if hasattr(tok, "apply_chat_template") else q
-        out.append(list(tok.encode(text, add_special_tokens=False)))
-    return out
-
-
 def run(model: str, dtype: str, bucket: int, args: argparse.Namespace) -> tuple[float, int]:
     """(decode tok/s over the timed pass, parameter bytes)."""
     llm = LLM(model, dtype=dtype, min_token_bucket=bucket, max_batch_requests=8,
               max_scheduled_tokens=256, max_context_len=2048, attention_backend="reference",
               compile_cache_dir=False)
     params = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
-    prompts = _prompts(llm, args.prompts)
+    chats = ChatPrompts(llm.tokenizer, system=SYSTEM)
+    prompts = [chats.first(i) for i in range(args.prompts)]
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for p in prompts:  # compiles every shape the timed pass uses (background compiles end here)
         llm.generate([p], sp)
-    llm.generate([prompts[0]], sp)
     # decode time = a full request minus a one-token request of the same prompt (both find the
     # prompt in the prefix cache): what is left is max_tokens - 1 decode steps
     decode_s = 0.0

@@ -156,7 +156,9 @@ class LLM:
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
-        min_token_bucket = more_options.get("min_token_bucket", 16)
+        from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET, DEFAULT_MIN_TOKEN_BUCKET
+
+        min_token_bucket = more_options.get("min_token_bucket", DEFAULT_MIN_TOKEN_BUCKET)
         if not isinstance(min_token_bucket, int) or min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be an int >= 1, got {min_token_bucket!r}")
         if attention_backend not in ("auto", "pallas", "reference"):
@@ -176,7 +178,6 @@ class LLM:
             raise ValueError("scan_layers is not supported on the multi-process runtime (its "
                              "parameters are placed shard by shard, before any stacking)")
         from tokenspeed_jax.runtime.runner import ModelRunner
-        from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET
 
         # Multi-process: parameters stay lazy (`param_sources`); each process reads / generates
         # only its own shards when the runner places them (`sharding.place`). GGUF files are

@@ -59,7 +59,12 @@ from tokenspeed_jax.runtime.backends import (
 )
 from tokenspeed_jax.runtime.executables import ExecutableStore
 from tokenspeed_jax.runtime.sampling import PenaltyState, init_penalty_state, sample_rows
-from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET, ShapePolicy, StepShape
+from tokenspeed_jax.runtime.shapes import (
+    DEFAULT_MIN_KV_BUCKET,
+    DEFAULT_MIN_TOKEN_BUCKET,
+    ShapePolicy,
+    StepShape,
+)
 from tokenspeed_jax.runtime.sharding import TensorParallel, place, prepare_model
 from tokenspeed_jax.runtime.state import DeviceState, init_state
 from tokenspeed_jax.runtime.step_inputs import StepLayout, layout_for, pack, unpack
@@ -176,7 +181,7 @@ class ModelRunner:
         layout: CacheLayout,
         *,
         backend: str = "auto",
-        min_token_bucket: int = 16,
+        min_token_bucket: int = DEFAULT_MIN_TOKEN_BUCKET,
         min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET,
         mesh: Mesh | None = None,
         executable_store: ExecutableStore | None = None,

@@ -21,6 +21,7 @@ from typing import NamedTuple
 from scheduler.step_ops import StepOps
 
 DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fewer compiles)
+DEFAULT_MIN_TOKEN_BUCKET = 16  # tokens: the shortest token bucket (a lone decode runs this many)
 
 KvLevel = tuple[int, tuple[int, ...]]  # (tokens covered, kv columns per group)
 
@@ -32,7 +33,8 @@ class StepShape(NamedTuple):
     level: int
 
 
-def token_buckets(max_scheduled_tokens: int, min_bucket: int = 16) -> tuple[int, ...]:
+def token_buckets(max_scheduled_tokens: int, min_bucket: int = DEFAULT_MIN_TOKEN_BUCKET
+                  ) -> tuple[int, ...]:
     """Powers of two from `min_bucket` below `max_scheduled_tokens`, then the max itself."""
     out, b = [], max(1, min_bucket)
     while b < max_scheduled_tokens:
@@ -76,7 +78,8 @@ class ShapePolicy:
 
     @classmethod
     def build(cls, widths: tuple[int, ...], page_sizes: tuple[int, ...],
-              max_scheduled_tokens: int, *, backend: str, min_token_bucket: int = 16,
+              max_scheduled_tokens: int, *, backend: str,
+              min_token_bucket: int = DEFAULT_MIN_TOKEN_BUCKET,
               min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET) -> ShapePolicy:
         """The policy of a runner over mirrors of `widths` pages of `page_sizes` tokens per
         group; `backend` is the resolved attention backend ("reference" | "pallas")."""
