@@ -13,7 +13,7 @@ requests it means.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 from scheduler.block_table import BlockTable
@@ -90,9 +90,11 @@ class Admission:
         req.reserved = 0
 
     # ------------------------------------------------------------------ waiting requests
-    def fit(self, req: Request, budget: int, headroom: int) -> Admitted | None:
+    def fit(self, req: Request, budget: int, headroom: int,
+            sizer: Callable[[int], int] | None = None) -> Admitted | None:
         """Whether the waiting `req` can start now with at most `budget` tokens, keeping
-        `headroom` pages free for the running decoders; if so, claim its prefix pages."""
+        `headroom` pages free for the running decoders; if so, claim its prefix pages.
+        sizer: maps the first chunk's length to the one to schedule (`bucket_fit.fit_chunk`)."""
         cfg, coord = self.config, self.coord
         hit, hit_rows = 0, None
         sampling = req.sampling
@@ -103,6 +105,8 @@ class Admission:
             for t, hit_row in zip(tables, cast("list[list[int]]", hit_rows)):
                 t.pages = list(hit_row)  # shape only: demand math needs the table length
         n = min(len(req.tokens) - hit, budget, self.chunk_cap)
+        if sizer is not None:
+            n = sizer(n)
         # Reserve decode room only for tokens the request can still generate: the fit check in
         # add_request sizes a request by prompt + max_new_tokens, so reserving more than that
         # could make a request that fits alone unadmittable forever (a liveness bug).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -20,6 +21,7 @@ import numpy as np
 from scheduler.admission import Admission, Admitted, check_prompt, requeue
 from scheduler.block_pool import BlockPool
 from scheduler.block_table import BlockTable
+from scheduler.bucket_fit import fit_chunk
 from scheduler.config import SchedulerConfig
 from scheduler.coordinator import CacheCoordinator
 from scheduler.group_spec import PagedCacheGroupSpec
@@ -237,7 +239,10 @@ class Scheduler:
                 plan.add_decode(req, req, start, PLACEHOLDER_TOKEN if pending else tokens[-1])
                 i += 1
                 continue
-            row = self._schedule_running(req, plan.budget, extent, drafts)
+            budget = plan.budget
+            if not drafts and req.remaining > 1:  # a prefill chunk
+                budget = self._chunk_budget(plan, running, i)
+            row = self._schedule_running(req, budget, extent, drafts)
             room = pool.num_free >= adm.reserved_total
             if row is None:  # req itself was retracted (it was the LIFO victim)
                 continue
@@ -251,6 +256,27 @@ class Scheduler:
                 plan.add_general(row)
             i += 1
 
+    def _chunk_budget(self, plan: StepPlan, running: list[Request], i: int) -> int:
+        """The most tokens running[i]'s prefill chunk may take: the step's budget less one per
+        decode row still to come after it (so a long chunk never starves them), then cut to
+        the token buckets (`bucket_fit.fit_chunk`)."""
+        ending = plan.ending
+        after = sum(1 for r in running[i + 1:] if r.remaining == 1 and r not in ending)
+        after = min(after, self.config.max_batch_requests - len(plan.rows) - 1)
+        budget = max(1, plan.budget - after)
+        want = min(running[i].remaining, budget, self._admission.chunk_cap)
+        used = self.config.max_scheduled_tokens - plan.budget
+        return fit_chunk(used, want, after, self.token_buckets)
+
+    def _admission_sizer(self, plan: StepPlan) -> Callable[[int], int]:
+        """An admission's first chunk cut to the token buckets, after everything planned."""
+        used, buckets = self.config.max_scheduled_tokens - plan.budget, self.token_buckets
+
+        def size(n: int) -> int:
+            return fit_chunk(used, n, 0, buckets)
+
+        return size
+
     def _plan_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in queue order while rows, budget and slots last."""
         waiting, max_rows = self._waiting, self.config.max_batch_requests
@@ -262,7 +288,7 @@ class Scheduler:
                 break  # retracted with a token in flight: it resumes once the token has landed
             if headroom < 0:
                 headroom = self._admission.pending_decode_growth(self._running)
-            fit = self._admission.fit(head, plan.budget, headroom)
+            fit = self._admission.fit(head, plan.budget, headroom, self._admission_sizer(plan))
             if fit is None:
                 break  # FCFS: the head waits for memory, nobody overtakes it
             row = self._admit(head, fit)
