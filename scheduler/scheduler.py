@@ -161,6 +161,12 @@ class Scheduler:
         """Running + waiting requests (a replica's load, for routing)."""
         return len(self._running) + len(self._waiting)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not running (one read of a list's length: safe from another
+        thread while this one plans a step)."""
+        return len(self._waiting)
+
     def prefix_match_tokens(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> int:
         """Prompt tokens a new request would take from the prefix cache right now (read-only;
         data-parallel routing sends a request to the replica with the longest match)."""

@@ -149,3 +149,12 @@ def test_decode_reserve_never_blocks_a_request_that_fits_alone(max_new):
             break
     assert out and out[0].finish_reason == "length" and len(out[0].token_ids) == max_new
     assert s.stats()["free_pages"] == 10
+
+
+def test_num_waiting_counts_the_queue_only():
+    s = _sched(max_batch_requests=1)
+    s.add_request("a", [1, 2], 2)
+    s.add_request("b", [3, 4], 2)
+    assert s.num_waiting == 2 == s.stats()["num_waiting"]
+    s.schedule()  # one row: a runs, b waits
+    assert s.num_waiting == 1 == s.stats()["num_waiting"]

@@ -2,10 +2,11 @@
 handlers await results.
 
 An engine is not thread-safe, so every call into one (add, abort, step) holds that replica's
-lock. A replica's thread first compiles every step shape (`Engine.warmup`), then sleeps while
-nothing is queued. After each step it pushes, to every subscribed request, the tokens generated
-since the last push with their logprobs (streaming) and the final output once it finishes. A
-failing step fails (and aborts) the requests in flight; the server keeps accepting new ones.
+lock; request handlers take it ahead of the next step (`ReplicaState.urgent`). A replica's
+thread first compiles every step shape (`Engine.warmup`), then sleeps while nothing is queued.
+After each step it pushes, to every subscribed request, the tokens generated since the last
+push with their logprobs (streaming) and the final output once it finishes. A failing step
+fails (and aborts) the requests in flight; the server keeps accepting new ones.
 
 Routing (`tokenspeed_jax.engine.replicas.Replicas`, `route=`): by default ("prefix") a request
 goes to the replica whose prefix cache holds the longest prefix of its prompt; ties go to the
@@ -80,10 +81,9 @@ class AsyncEngine:
     def _route(self, prompt: list[int]) -> ReplicaState:
         if len(self.replicas) == 1:
             return self.replicas[0]
-        locks = [r.lock for r in self.replicas]
         with contextlib.ExitStack() as stack:  # a consistent view of every replica
-            for lock in locks:
-                stack.enter_context(lock)
+            for r in self.replicas:
+                stack.enter_context(r.urgent())
             i = self.router.route(prompt, held=self._held)
         return self.replicas[i]
 
@@ -103,7 +103,7 @@ class AsyncEngine:
         checked = [self.engine.validate(prompt, p) for p in plist]
         rep = self._route(checked[0].ids)
         queue: asyncio.Queue = asyncio.Queue()
-        with rep.lock:
+        with rep.urgent():
             # ids unique over all replicas: `_owner` maps them back to theirs
             rid = rep.engine.add_request(checked[0], plist[0], self.router.new_request_id())
             rids = [rid] + [f"{rid}-n{j}" for j in range(1, len(plist))]
@@ -122,7 +122,7 @@ class AsyncEngine:
         rep = self._owner.get(request_id)
         if rep is None:
             return
-        with rep.lock:
+        with rep.urgent():
             self._detach(rep, request_id)
             out = self._engine_abort(rep, request_id)
         if out is not None and finish_reason is not None:
@@ -139,7 +139,7 @@ class AsyncEngine:
         for rid in rids:
             rep = self._owner.get(rid)
             if rep is not None:
-                with rep.lock:
+                with rep.urgent():
                     self._fail_one(rep, rid, message)
         return len(rids)
 
@@ -164,14 +164,14 @@ class AsyncEngine:
         request (`stats()` also summarises up to 100k step timings under the replica's lock)."""
         out = []
         for r in self.replicas:
-            with r.lock:
-                out.append({"num_waiting": r.engine.scheduler.stats()["num_waiting"]})
+            # a plain read, safe without the lock: no wait for the step in flight
+            out.append({"num_waiting": r.engine.scheduler.num_waiting})
         return out
 
     def stats(self) -> list[dict]:
         out = []
         for r in self.replicas:
-            with r.lock:
+            with r.urgent():
                 out.append(r.engine.stats())
         return out
 
@@ -201,12 +201,14 @@ class AsyncEngine:
                      up.get("load_exe_s", 0.0), up.get("load_s", 0.0))
         rep.ready = True
         while not self._stopped:
+            rep.let_handlers_in()
             with rep.lock:
                 busy = rep.engine.has_unfinished()
             if not busy:
                 rep.wake.wait(timeout=0.5)
                 rep.wake.clear()
                 continue
+            rep.let_handlers_in()
             with rep.lock:
                 try:
                     finished = rep.engine.step()
