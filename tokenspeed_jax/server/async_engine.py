@@ -201,7 +201,6 @@ class AsyncEngine:
                      up.get("load_exe_s", 0.0), up.get("load_s", 0.0))
         rep.ready = True
         while not self._stopped:
-            rep.let_handlers_in()
             with rep.lock:
                 busy = rep.engine.has_unfinished()
             if not busy:

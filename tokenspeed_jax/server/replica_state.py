@@ -67,11 +67,14 @@ class ReplicaState:
         with self._count_lock:
             self._waiting_handlers += 1
         try:
-            with self.lock:
-                yield
+            self.lock.acquire()
         finally:
             with self._count_lock:
                 self._waiting_handlers -= 1
+        try:
+            yield
+        finally:
+            self.lock.release()
 
     def let_handlers_in(self, grace_s: float = HANDLER_GRACE_S) -> None:
         """Stepping thread, lock not held: wait (up to `grace_s`) while handlers wait for the

@@ -12,13 +12,12 @@ from tokenspeed_jax.server.replica_state import ReplicaState
 STEP_S = 0.02
 
 
-def _handler_waits(rep: ReplicaState, fair: bool) -> list[float]:
+def _handler_waits(rep: ReplicaState) -> list[float]:
     stop = threading.Event()
 
     def stepping() -> None:  # AsyncEngine._loop's shape: let handlers in, then step locked
         while not stop.is_set():
-            if fair:
-                rep.let_handlers_in()
+            rep.let_handlers_in()
             with rep.lock:
                 time.sleep(STEP_S)
 
@@ -38,7 +37,7 @@ def _handler_waits(rep: ReplicaState, fair: bool) -> list[float]:
 
 
 def test_a_waiting_handler_goes_before_the_next_step():
-    waits = _handler_waits(ReplicaState(0, None), fair=True)  # type: ignore[arg-type]
+    waits = _handler_waits(ReplicaState(0, None))  # type: ignore[arg-type]
     # at most the step in flight, plus scheduling slack on a loaded CI machine
     assert max(waits) < 2 * STEP_S + 0.05, waits
 
