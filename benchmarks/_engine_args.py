@@ -22,7 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_batch_requests: int = 32,
     p.add_argument("--num-pages", type=int, default=1024)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"))
-    p.add_argument("--quantization", default=None, choices=("int8", "w8a8"))
+    p.add_argument("--quantization", default=None, choices=("int8", "w8a8", "q8_0", "gguf"))
     p.add_argument("--min-token-bucket", type=int, default=16)
 
 

@@ -1,11 +1,13 @@
 """Quantized KV cache and weights (issue 26): memory, speed and accuracy side by side, one run.
 
     python benchmarks/quantization.py [--model smollm2-135m] [--dtypes float32,bfloat16]
-                                      [--configs auto/none,int8/none,auto/int8,auto/w8a8]
+        [--configs auto/none,auto/int8,auto/w8a8,auto/q8_0,auto/gguf,int8/none,fp8_e4m3/none]
+        [--min-token-bucket 1]
 
 Each config `KV/WEIGHTS` (kv_cache_dtype / quantization) builds its own LLM on the same model,
 runs the workload once to compile, then times it again:
-- batch-1 decode: one chat prompt, 64 greedy tokens (EOS ignored): tok/s;
+- batch-1 decode: one chat prompt, 64 greedy tokens (EOS ignored): tok/s (a lone decode runs
+  `--min-token-bucket` rows, 1 by default: the weights read once per token);
 - batched: 16 chat prompts sharing a system prompt, 32 greedy tokens each: output tok/s;
 - memory: resident bytes of the parameters, KV bytes per page, pages per GiB, and how many
   requests of 2048 tokens a 1 GiB pool holds;
@@ -52,10 +54,12 @@ def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[
     return time.perf_counter() - t0, outs
 
 
-def run_config(model: str, dtype: str, kv: str, weights: str | None) -> dict:
+def run_config(model: str, dtype: str, kv: str, weights: str | None,
+               min_token_bucket: int) -> dict:
     llm = LLM(model, dtype=dtype, kv_cache_dtype=kv, quantization=weights, page_size=16,
               num_pages=1024, max_batch_requests=16, max_scheduled_tokens=256,
-              max_context_len=512, attention_backend="reference")
+              max_context_len=512, attention_backend="reference",
+              min_token_bucket=min_token_bucket)
     runner = llm.engine.runner
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.params))
     per_page = bytes_per_page(llm.engine.runner.config, llm.engine.runner.layout.layer_groups,
@@ -79,7 +83,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--configs", default="auto/none,auto/int8,auto/w8a8,int8/none,fp8_e4m3/none")
+    ap.add_argument("--configs", default="auto/none,auto/int8,auto/w8a8,auto/q8_0,auto/gguf,"
+                                          "int8/none,fp8_e4m3/none")
+    ap.add_argument("--min-token-bucket", type=int, default=1)
     args = ap.parse_args()
     print(f"model {args.model}, jax {jax.__version__}, {jax.devices()[0].platform}")
     print("| dtype | kv / weights | params MB | KV page KB | pages per GiB | 2k-token requests "
@@ -90,7 +96,8 @@ def main() -> None:
         base: dict | None = None
         for cfg in args.configs.split(","):
             kv, w = cfg.split("/")
-            r = run_config(args.model, dtype, kv, None if w == "none" else w)
+            r = run_config(args.model, dtype, kv, None if w == "none" else w,
+                           args.min_token_bucket)
             base = base or r
             diff = np.abs(np.asarray(r["prompt_logprobs"]) - np.asarray(base["prompt_logprobs"]))
             same = sum(a == b for a, b in zip(r["tokens"], base["tokens"], strict=True))

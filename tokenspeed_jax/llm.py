@@ -40,12 +40,18 @@ def default_context_len(model: str, config) -> int:
     return min(limit, default) if limit else default
 
 
-def _load(model: str, dtype: str, seed: int, lazy: bool = False):
+def _load(model: str, dtype: str, seed: int, lazy: bool = False, gguf_blocks: bool = False):
     """(model config, nnx model, tokenizer) for a built-in name, an alias (`MODEL_ALIASES`), a
     .gguf file or a local HF checkpoint dir. lazy: parameters stay `param_sources.ParamSource`s
-    (built-in and safetensors models), so each process later makes only its own shards."""
+    (built-in and safetensors models), so each process later makes only its own shards.
+    gguf_blocks: a .gguf file's Q8_0 / Q4_0 / Q4_1 Linears keep their blocks
+    (quantization="gguf"); ValueError for any other model."""
     from tokenspeed_jax.models import registry
 
+    path = registry.resolve_alias(model) if model in registry.MODEL_ALIASES else model
+    if gguf_blocks and not path.endswith(".gguf"):
+        raise ValueError(f"quantization='gguf' keeps a .gguf file's blocks; {model!r} is not a "
+                         ".gguf file (quantization='int8' quantizes any model at load)")
     if model in registry.BUILTIN_MODELS:
         from tokenspeed_jax.models.byte_tokenizer import ByteTokenizer
 
@@ -61,7 +67,7 @@ def _load(model: str, dtype: str, seed: int, lazy: bool = False):
     if model.endswith(".gguf"):
         from tokenspeed_jax.hf.gguf import load_gguf
 
-        return load_gguf(model, dtype=dtype)
+        return load_gguf(model, dtype=dtype, keep_quantized=gguf_blocks)
     if os.path.isdir(model):
         try:
             from tokenspeed_jax.hf import load_checkpoint
@@ -117,8 +123,12 @@ class LLM:
 
     quantization: None (weights in `dtype`), "int8" (weight-only: every Linear kernel, and a
     tied embedding table, as int8 with a float32 scale per output channel, dequantized inside
-    the dot) or "w8a8" (the same int8 weights; activations scaled to int8 per token and an
-    int8 x int8 -> int32 dot, the fast path on CPU). `tokenspeed_jax.models.quant`.
+    the dot), "w8a8" (the same int8 weights; activations scaled to int8 per token and an
+    int8 x int8 -> int32 dot, the fast path on CPU; `tokenspeed_jax.models.quant`), "q8_0"
+    (every Linear as llama.cpp's Q8_0 blocks, a float32 scale per 32 inputs, quantized at load;
+    a tied table per-row int8; `tokenspeed_jax.models.block_quant`) or "gguf"
+    (a .gguf file's Q8_0 / Q4_0 / Q4_1 Linears keep the file's blocks, the same product as the
+    dequantized weights; `tokenspeed_jax.models.block_quant`; one device per replica).
 
     compile_cache_dir: where compiled step shapes persist across starts (`runtime.compile_cache`):
     None = the per-user default (`$TOKENSPEED_JAX_CACHE_DIR`, else ~/.cache/tokenspeed-jax),
@@ -148,6 +158,10 @@ class LLM:
         if multi:  # before anything touches jax.devices()
             dist.initialize(self._dist_config)
         tp, dp = tensor_parallel_size, data_parallel_size
+        if quantization == "gguf" and tp > 1:
+            raise ValueError("quantization='gguf' runs on one device per replica for now "
+                             "(tensor_parallel_size=1): the file's blocks are placed before the "
+                             "tensor-parallel re-layouts; 'q8_0' quantizes after them")
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
         known = {*SCHEDULER_OPTIONS, "conv_page_size", "honor_full_refresh", "min_kv_bucket",
@@ -183,7 +197,8 @@ class LLM:
         # only its own shards when the runner places them (`sharding.place`). GGUF files are
         # still read whole, into host memory only.
         with sharding.host_staging() if multi else contextlib.nullcontext():
-            self.model_config, net, self.tokenizer = _load(model, dtype, seed, lazy=multi)
+            self.model_config, net, self.tokenizer = _load(model, dtype, seed, lazy=multi,
+                                                            gguf_blocks=quantization == "gguf")
             sharding.validate(self.model_config, tp)
             # tp > kv heads: k/v projections widened to one KV head per shard (runtime config)
             runtime_config = sharding.replicate_kv_heads(net, self.model_config, tp)

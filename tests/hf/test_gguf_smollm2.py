@@ -4,7 +4,8 @@ transformers loading the same file, float32 on CPU.
 - tokenizer ids, decoded text and the rendered chat template equal transformers' (unicode,
   digits, whitespace runs, special tokens written in the text);
 - teacher-forced prompt logprobs of chat prompts within 2e-3 of transformers' log-softmax;
-- the int8 KV cache's prompt logprobs against the same float oracle (issue 26);
+- the int8 KV cache's prompt logprobs against the same float oracle (issue 26), and the GGUF
+  blocks kept as stored (quantization="gguf") against it;
 - four chat prompts sharing a system prompt, in one batch, page size 16, 32-token chunked
   prefill, a pool small enough to force retraction: 48 greedy tokens each identical to
   `generate`, and their logprobs within 2e-3.
@@ -14,6 +15,7 @@ Skipped (with the reason) when the wheel, torch, transformers, gguf or accelerat
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -154,3 +156,28 @@ def test_int8_kv_cache_prompt_logprobs_near_transformers(smollm):
     print(f"\nsmollm2 int8 KV prompt logprobs: {d.size} tokens, max |dlogprob| {d.max():.3f}, "
           f"mean {d.mean():.4f}")
     assert d.max() < INT8_KV_TOL[0] and d.mean() < INT8_KV_TOL[1]
+
+
+def test_gguf_blocks_match_transformers_dequantized_file(smollm):
+    """issue 26: quantization="gguf" keeps the file's Q4_1 blocks (models/block_quant.py) and
+    computes the product of the weights transformers dequantizes from the same file: prompt
+    logprobs (32-token chunks: the float lowering) and the logprobs of 8 greedy tokens decoded
+    one row at a time (min_token_bucket=1: the split lowering) against transformers run on the
+    prompt plus those tokens."""
+    _, ref, _ = smollm
+    llm = LLM("smollm2-135m", page_size=16, num_pages=64, max_batch_requests=4,
+              max_scheduled_tokens=32, max_context_len=160, attention_backend="reference",
+              quantization="gguf", min_token_bucket=1)
+    leaves = jax.tree.leaves(llm.engine.runner.params)
+    assert sum(x.dtype == np.int8 for x in leaves) == 7 * 30  # every Linear; the table is float
+    prompt = _chat(llm.tokenizer, QUESTIONS[0])
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, prompt_logprobs=True, logprobs=True,
+                                                ignore_eos=True))[0]
+    full = prompt + out.token_ids
+    with torch.no_grad():
+        logits = ref(torch.tensor([full])).logits[0].float()
+    want = torch.log_softmax(logits, -1).numpy()[np.arange(len(full) - 1), full[1:]]
+    got = np.asarray(out.prompt_logprobs[1:] + out.logprobs, np.float64)
+    d = np.abs(got - want)
+    print(f"\nsmollm2 gguf blocks: {d.size} tokens, max |dlogprob| {d.max():.2e}")
+    assert d.max() < TOL  # measured 3.6e-05 over 42 tokens: the float load's own bound holds

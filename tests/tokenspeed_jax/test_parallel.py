@@ -109,6 +109,12 @@ def _worker() -> dict:
     # row-parallel layers' per-token activation absmax reduced across shards
     run("tp1_w8a8", 1, 1, quantization="w8a8", prompts=prompts[:3])
     run("tp2_w8a8", 2, 1, quantization="w8a8", prompts=prompts[:3])
+    # Q8_0 blocks: scales f32[in/32, out] split like their kernel (columns, or input blocks)
+    run("tp1_q8_0", 1, 1, quantization="q8_0", prompts=prompts[:3])
+    runner = run("tp2_q8_0", 2, 1, quantization="q8_0", prompts=prompts[:3]).engine.runner
+    out["q8_0_shards"] = {jax.tree_util.keystr(p): [x.shape, list(x.addressable_shards[0].data.shape)]
+                          for p, x in jax.tree_util.tree_leaves_with_path(runner.params)
+                          if "kernel_scale" in jax.tree_util.keystr(p)}
     run("tp2_pallas", 2, 1, backend="pallas", prompts=prompts[:3])
     run("tp1_pallas", 1, 1, backend="pallas", prompts=prompts[:3])
     out["moe_maxdiff"] = _moe_forward_diff()
@@ -164,12 +170,21 @@ def result() -> dict:
 
 @pytest.mark.parametrize("name,base", [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"),
                                        ("tp2_pallas", "tp1_pallas"), ("tp2_scan", "tp1"),
-                                       ("tp2_int8", "tp1_int8"), ("tp2_w8a8", "tp1_w8a8")])
+                                       ("tp2_int8", "tp1_int8"), ("tp2_w8a8", "tp1_w8a8"),
+                                       ("tp2_q8_0", "tp1_q8_0")])
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
     a, b = result["runs"][base], result["runs"][name]
     assert b["tokens"] == a["tokens"]
     assert max_logprob_diff(b["logprobs"], a["logprobs"]) < 1e-4
     assert max_logprob_diff(b["prompt_logprobs"], a["prompt_logprobs"]) < 1e-4
+
+
+def test_q8_0_block_scales_split_with_their_kernels(result):
+    shards = result["q8_0_shards"]
+    q = next(v for k, v in shards.items() if "q_proj" in k)
+    o = next(v for k, v in shards.items() if "o_proj" in k)
+    assert q[1] == [q[0][0], q[0][1] // 2]  # column-parallel: split on out
+    assert o[1] == [o[0][0] // 2, o[0][1]]  # row-parallel: split on input blocks
 
 
 def test_one_compile_per_bucket_per_replica(result):

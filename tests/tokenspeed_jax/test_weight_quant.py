@@ -13,7 +13,12 @@ from flax import nnx
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.models import build_model, tiny_random_config
 from tokenspeed_jax.models.layers import Linear
-from tokenspeed_jax.models.quant import qmatmul, quantize_columns, quantize_model
+from tokenspeed_jax.models.quant import (
+    SPLIT_MAX_ROWS,
+    qmatmul,
+    quantize_columns,
+    quantize_model,
+)
 
 SMALL = dict(page_size=4, num_pages=96, max_batch_requests=4, max_scheduled_tokens=32,
              max_context_len=96, compile_cache_dir=False, attention_backend="reference")
@@ -34,21 +39,39 @@ def test_quantize_columns_error_is_half_a_step():
     assert np.abs(np.asarray(q)).max() == 127  # every column uses its whole range
 
 
-def test_qmatmul_modes_match_numpy():
-    x = np.asarray(jax.random.normal(jax.random.key(1), (5, 96)))
+@pytest.mark.parametrize("lead", [(5,), (2, 3), (1,), (200,)])  # 200 rows: the float lowering
+def test_qmatmul_modes_match_numpy(lead):
+    x = np.asarray(jax.random.normal(jax.random.key(1), (*lead, 96))) * 3.0
     q, s = quantize_columns(jax.random.normal(jax.random.key(2), (96, 40)))
     qn, sn = np.asarray(q, np.float64), np.asarray(s, np.float64)
     want = x @ (qn * sn)  # weight-only: the dequantized weights, activations untouched
-    got = np.asarray(qmatmul(jnp.asarray(x), q, s, "int8"))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # the split lowering's bound: each activation kept to absmax / (2 * 254 * 127)
+    bound = np.abs(x).max(-1, keepdims=True) / 64516 * (np.abs(qn) * sn).sum(0) + 1e-5
+    for transposed in (False, True):  # the transposed form (a tied table [N, K]): same product
+        got = np.asarray(qmatmul(jnp.asarray(x), q.T if transposed else q, s, "int8",
+                                 q_transposed=transposed))
+        assert got.shape == (*lead, 40)
+        assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
     sx = np.abs(x).max(-1, keepdims=True) / 127  # w8a8: int8 activations per token, exact dot
     xq = np.round(x / sx)
     np.testing.assert_allclose(np.asarray(qmatmul(jnp.asarray(x), q, s, "w8a8")),
                                (xq @ qn) * sx * sn, rtol=1e-5, atol=1e-5)
-    # the transposed form (a tied table [N, K]) is the same product
-    np.testing.assert_allclose(np.asarray(qmatmul(jnp.asarray(x), q.T, s, "int8",
-                                                  q_transposed=True)), want, rtol=1e-5,
-                               atol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
+@pytest.mark.parametrize("rows", [1, 16, SPLIT_MAX_ROWS])
+def test_int8_weights_stay_int8_in_small_steps(rows):
+    """Up to SPLIT_MAX_ROWS rows the weight-only product reads the int8 matrix in an integer
+    dot: the compiled step holds no float copy of it (the float lowering converts it)."""
+    q, s = jnp.ones((576, 1536), jnp.int8), jnp.ones((1536,), jnp.float32)
+
+    def float_weights(n: int) -> int:
+        xn = jnp.ones((n, 576), jnp.float32)
+        hlo = jax.jit(lambda a, b, c: qmatmul(a, b, c, "int8")).lower(xn, q, s).compile()
+        return hlo.as_text().count("f32[576,1536]")
+
+    assert float_weights(rows) == 0
+    assert float_weights(SPLIT_MAX_ROWS + 1) > 0  # prefill-sized: the float lowering
 
 
 def test_quantize_model_covers_every_linear_and_a_tied_table():

@@ -60,9 +60,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> Non
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"),
                    help="K/V cache values: the model dtype (auto), or int8 / fp8_e4m3 with a "
                         "scale per token and KV head (about 2x the pages of bf16)")
-    p.add_argument("--quantization", default=None, choices=("int8", "w8a8"),
+    p.add_argument("--quantization", default=None, choices=("int8", "w8a8", "q8_0", "gguf"),
                    help="int8 weights with per-channel scales: int8 = weight-only, w8a8 = also "
-                        "int8 activations per token (the fast CPU path); default: off")
+                        "int8 activations per token (the fast CPU path); q8_0 = llama.cpp's Q8_0 "
+                        "blocks (a scale per 32 inputs); gguf = keep a .gguf file's Q8_0 / Q4_0 "
+                        "/ Q4_1 blocks; default: off")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="weights and workload seed")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
     p.add_argument("--compile-cache-dir", default=None,

@@ -10,7 +10,12 @@ calls. Steps:
    `dtype` by `weights.map_checkpoint` (so shape / unknown-tensor checks are shared);
 3. llama.cpp's converter permutes the rows of attn_q / attn_k so each head's rotary pairs are
    interleaved (GPT-J layout); `unpermute_rope_rows` restores the rotate-half layout our RoPE uses;
-4. the tokenizer and chat template from `tokenizer.*` metadata (`hf/gguf_tokenizer.py`).
+4. the tokenizer and chat template from `tokenizer.*` metadata (`hf/gguf_tokenizer.py`);
+5. keep_quantized (`LLM(..., quantization="gguf")`): every Linear stored as Q8_0 / Q4_0 / Q4_1
+   then holds the file's blocks (`read_blocks` -> `Linear.set_blocks`, `models/block_quant.py`)
+   in place of its float kernel. Other types (F16/F32, K-quants), the embedding table and an
+   lm_head stay float (the lm_head's grouped product would need [K/32, 2T, vocab] in int32).
+   The float model is still built first, so loading peaks at the float size once.
 Only Llama-family files (`general.architecture == "llama"`) are mapped; others are a ValueError.
 """
 
@@ -151,6 +156,61 @@ def iter_dequantized(reader, hf: dict[str, Any]) -> Iterator[tuple[str, np.ndarr
         yield hf_name(tensor.name), arr
 
 
+# bytes per block of 32 weights: f16 scale (+ f16 min for Q4_1), then the codes
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def read_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Raw GGUF rows uint8[rows, bytes] of a Q8_0 / Q4_0 / Q4_1 tensor -> (codes int8[rows,
+    cols], scales f32[rows, cols / 32], mins f32[rows, cols / 32] or None), so that
+    w = scales * codes (+ mins) per block of 32 columns (ggml's block layouts)."""
+    size = _BLOCK_BYTES.get(kind)
+    if size is None:
+        raise ValueError(f"GGUF type {kind} cannot be kept as blocks (supported: "
+                         f"{', '.join(_BLOCK_BYTES)})")
+    raw = np.ascontiguousarray(data, dtype=np.uint8)
+    if raw.ndim != 2 or raw.shape[1] % size:
+        raise ValueError(f"{raw.shape=}: rows of {kind} blocks must be a multiple of {size} bytes")
+    b = raw.reshape(raw.shape[0], -1, size)  # [rows, blocks, bytes]
+    scales = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    mins = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
+    if kind == "Q8_0":
+        codes = b[..., 2:].copy().view(np.int8)
+    else:  # 16 bytes: low nibbles are the block's first 16 weights, high nibbles the last 16
+        qs = b[..., size - 16:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8)
+        if kind == "Q4_0":
+            codes = codes - np.int8(8)
+    return codes.reshape(raw.shape[0], -1), scales, mins
+
+
+def _keep_blocks(model, reader, hf: dict[str, Any]) -> int:
+    """Replace the float kernel of every Linear stored as blocks by the blocks; how many."""
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.hf.weights import _generic_path
+
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    n = 0
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        path, _ = _generic_path(hf_name(tensor.name))
+        if kind not in _BLOCK_BYTES or path[-1] != "kernel" or path[0] == "lm_head":
+            continue  # dequantized (F16/F32, K-quants), or the embedding table / lm_head
+        codes, scales, mins = read_blocks(tensor.data, kind)
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            h = heads if ".attn_q." in tensor.name else kv_heads
+            codes, scales = unpermute_rope_rows(codes, h), unpermute_rope_rows(scales, h)
+            mins = unpermute_rope_rows(mins, h) if mins is not None else None
+        module = model
+        for p in path[:-1]:
+            module = module[p] if isinstance(p, int) else getattr(module, str(p))
+        module.set_blocks(jnp.asarray(codes.T), jnp.asarray(scales.T),
+                          jnp.asarray(mins.T) if mins is not None else None)
+        n += 1
+    return n
+
+
 def load_gguf_config(path: str, *, dtype: str = "float32") -> ModelConfig:
     """The `ModelConfig` of a GGUF file (metadata only; no tensor is dequantized)."""
     from tokenspeed_jax.hf.config import model_config_from_hf
@@ -160,10 +220,11 @@ def load_gguf_config(path: str, *, dtype: str = "float32") -> ModelConfig:
     return model_config_from_hf(hf, dtype="float32" if dtype == "auto" else dtype)
 
 
-def load_gguf(path: str, *, dtype: str = "float32"):
+def load_gguf(path: str, *, dtype: str = "float32", keep_quantized: bool = False):
     """(ModelConfig, CausalLM, tokenizer or None) of a GGUF file, weights cast to `dtype`.
 
     dtype "auto" means float32 (a quantized file has no single native float type).
+    keep_quantized: Linears stored as Q8_0 / Q4_0 / Q4_1 keep their blocks (step 5 above).
     """
     import jax.numpy as jnp
 
@@ -177,6 +238,9 @@ def load_gguf(path: str, *, dtype: str = "float32"):
     cfg = model_config_from_hf(hf, dtype="float32" if dtype == "auto" else dtype)
     tensors = ((name, jnp.asarray(arr)) for name, arr in iter_dequantized(reader, hf))
     model = load_model_from_tensors(cfg, "llama", tensors)
+    if keep_quantized and not _keep_blocks(model, reader, hf):
+        raise ValueError(f"{path!r} has no Q8_0 / Q4_0 / Q4_1 Linear weights to keep "
+                         "(quantization='gguf')")
     eos = cfg.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
     return cfg, model, tokenizer_from_gguf(meta, model_eos=eos_ids)

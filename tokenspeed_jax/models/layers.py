@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tokenspeed_jax.models.block_quant import block_matmul, check_blocks, quantize_blocks
 from tokenspeed_jax.models.config import ModelConfig
-from tokenspeed_jax.models.quant import qmatmul, quantize_columns
+from tokenspeed_jax.models.quant import BLOCK_MODES, qmatmul, quantize_columns
 from tokenspeed_jax.models.rope import rope_parameters
 
 
@@ -20,23 +21,45 @@ def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> n
 
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias). kernel f[in, out]; bias f[out] or absent. Quantized
-    (`quantize`, `models.quant`): kernel int8[in, out] and kernel_scale f32[out]."""
+    (`quantize`, `models.quant`): kernel int8[in, out] and kernel_scale f32[out]. GGUF blocks
+    (`set_blocks`, `models.block_quant`): kernel int8[in, out] codes, kernel_scale f32[in/32, out],
+    kernel_min f32[in/32, out] (Q4_1) or None."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, cfg: ModelConfig, rngs: nnx.Rngs):
         self.kernel = normal_param(rngs, (d_in, d_out), cfg.init_scale / d_in**0.5, cfg.dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), cfg.dtype)) if bias else None
         self.kernel_scale: nnx.Param | None = None
+        self.kernel_min: nnx.Param | None = None
         self.quant_mode: str | None = None
 
     def quantize(self, mode: str) -> None:
-        """Replace the float kernel by int8 + per-output-channel scales (`models.quant`)."""
+        """Replace the float kernel by int8 + per-output-channel scales (`models.quant`), or
+        by Q8_0 blocks (mode "q8_0", `models.block_quant`)."""
+        if mode == "q8_0":
+            self.set_blocks(*quantize_blocks(self.kernel.get_value()), None, mode=mode)
+            return
         q, scale = quantize_columns(self.kernel.get_value())
         self.kernel = nnx.Param(q)
         self.kernel_scale = nnx.data(nnx.Param(scale))  # was None: a static attribute
         self.quant_mode = mode
 
+    def set_blocks(self, codes: jax.Array, scales: jax.Array, mins: jax.Array | None, *,
+                   mode: str = "gguf") -> None:
+        """Hold GGUF Q8_0 / Q4_0 / Q4_1 blocks in place of the float kernel (shapes above)."""
+        check_blocks(codes, scales, mins)
+        if tuple(codes.shape) != tuple(self.kernel.get_value().shape):
+            raise ValueError(f"{codes.shape=} does not match the kernel's "
+                             f"{self.kernel.get_value().shape}")
+        self.kernel = nnx.Param(codes)
+        self.kernel_scale = nnx.data(nnx.Param(scales))  # were None: static attributes
+        self.kernel_min = nnx.data(nnx.Param(mins)) if mins is not None else None
+        self.quant_mode = mode
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.kernel_scale is not None and self.quant_mode is not None:
+        if self.quant_mode in BLOCK_MODES and self.kernel_scale is not None:
+            mins = self.kernel_min[...] if self.kernel_min is not None else None
+            y = block_matmul(x, self.kernel[...], self.kernel_scale[...], mins)
+        elif self.kernel_scale is not None and self.quant_mode is not None:
             y = qmatmul(x, self.kernel[...], self.kernel_scale[...], self.quant_mode)
         else:
             y = matmul(x, self.kernel[...])

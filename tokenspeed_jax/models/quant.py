@@ -1,10 +1,25 @@
 """Int8 weights: every `Linear` kernel (and a tied embedding table) kept as int8 with a float32
-scale per output channel, chosen at load (`LLM(quantization=...)`).
+scale per output channel, chosen at load (`LLM(quantization=...)`). "q8_0" instead keeps each
+Linear in llama.cpp's Q8_0 blocks (a scale per 32 inputs: `models/block_quant.py`), and "gguf"
+keeps a .gguf file's own Q8_0 / Q4_0 / Q4_1 blocks (`hf/gguf.py`).
 
 Two ways to multiply by them, both dequantizing inside the jitted step (no full-precision copy
 of a weight is ever held):
-- "int8" (weight-only, W8A16): y = (x @ q) * s with q converted to x's dtype inside the dot;
-  activations keep their precision, the only error is the weights' rounding.
+- "int8" (weight-only, W8A16): activations keep their precision, the only error is the weights'
+  rounding. Two lowerings of the same product, chosen per shape at trace time:
+  - split (XLA:CPU, up to SPLIT_MAX_ROWS rows: decode and small chunks): each token's
+    activations are written exactly enough as two int8 rows, x = s1 * q1 + s2 * q2 with
+    s2 = s1 / 254 (q2 holds the rounding residual of q1), and both go through one int8 x int8
+    -> int32 dot: y = (acc1 * s1 + acc2 * s2) * s. The residual left is at most absmax / 64516
+    per token, ~16 bits, below a bf16 activation's own rounding; XLA:CPU's integer dot reads the
+    int8 weights directly, where the float lowering converted every weight matrix to float
+    before its dot (the 0.35x of benchmarks/quantization.py before this). On 30 chained
+    576 x 1536 layers: 1 row 9 ms against 59 in float32, 16 rows 22 against 76, 64 rows 57
+    against 81; from 128 rows the doubled int8 dot loses (161 against 114). In the whole
+    SmolLM2 step, whose ~4,000 small ops cost as much as its dots, all-padding steps of 1 / 16 /
+    32 / 64 rows ran at 1.32x / 1.04x / 0.97x / 0.65x float32's speed: the split ends at 32.
+  - float (prefill-sized steps, and every backend but CPU, whose compilers fuse the convert
+    into the dot): y = (x @ q) * s with q converted to x's dtype inside the dot.
 - "w8a8" (int8 weights, dynamic int8 activations, as vLLM's CPU W8A8 / llama.cpp's Q8_0 dot): each
   token's activations are scaled by their absmax to int8, the dot runs int8 x int8 -> int32
   (exact), then y = acc * s_x * s. XLA:CPU runs that dot in its integer library path: 30 chained
@@ -21,7 +36,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-WEIGHT_QUANTIZATIONS = ("int8", "w8a8")
+WEIGHT_QUANTIZATIONS = ("int8", "w8a8", "q8_0", "gguf")
+BLOCK_MODES = ("q8_0", "gguf")  # kernels held as blocks of 32 inputs (models/block_quant.py)
+SPLIT_MAX_ROWS = 32  # split lowering of "int8" up to this many rows, on CPU (see above)
 _QMAX = 127.0
 _TINY = 1e-30
 
@@ -50,28 +67,61 @@ def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, mode: str, *,
         xq = jnp.round(x32 / sx).astype(jnp.int8)
         acc = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.int32)
         y = acc.astype(jnp.float32) * sx * scale
+    elif x.size // x.shape[-1] <= SPLIT_MAX_ROWS and jax.default_backend() == "cpu":
+        y = _split_int8_dot(x, q, dims) * scale
     else:
         y = jax.lax.dot_general(x, q.astype(x.dtype), dims,
                                 preferred_element_type=jnp.float32) * scale
     return y.astype(x.dtype)
 
 
+def split_rows(x32: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x f32[R, K] -> (int8[2R, K], s1 f32[R, 1], s2 f32[R, 1]): x = s1 * top + s2 * bottom
+    to within s2 / 2 = absmax / 64516 per token (the "split" lowering above)."""
+    s1 = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / _QMAX, _TINY)
+    q1 = jnp.round(x32 / s1)
+    s2 = s1 / (2.0 * _QMAX)  # the residual is at most s1 / 2: it fills q2's range
+    q2 = jnp.round((x32 - q1 * s1) / s2)
+    return jnp.concatenate([q1, q2]).astype(jnp.int8), s1, s2
+
+
+def _split_int8_dot(x: jax.Array, q: jax.Array, dims) -> jax.Array:
+    """x f[..., K] . q int8 as two int8 rows per token (s1 * q1 + s2 * q2), f32[..., N]."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x32 = x.astype(jnp.float32).reshape(-1, k)
+    xq, s1, s2 = split_rows(x32)
+    acc = jax.lax.dot_general(xq, q, (((1,), dims[0][1]), ((), ())),
+                              preferred_element_type=jnp.int32).astype(jnp.float32)
+    rows = x32.shape[0]
+    y = acc[:rows] * s1 + acc[rows:] * s2
+    return y.reshape(*lead, -1)
+
+
 def quantize_model(model: Any, mode: str) -> int:
     """Quantize `model`'s Linear kernels in place (and a tied embedding table, by rows: a row
     is both an embedding and an output channel of the tied lm_head). Returns how many."""
     check_quantization(mode)
+    if mode == "gguf":  # the loader placed the blocks (hf/gguf.py); nothing to quantize here
+        n = sum(getattr(m, "quant_mode", None) == "gguf" for _, m in nnx.iter_graph(model))
+        if not n:
+            raise ValueError("quantization='gguf' keeps the Q8_0 / Q4_0 / Q4_1 blocks of a .gguf "
+                             "checkpoint: load a .gguf file that has some")
+        return n
     n = 0
     for path, module in nnx.iter_graph(model):
         # A quantizable layer (models.layers.Linear) is known by its interface, not imported:
         # layers imports this module for qmatmul.
         quantizable = callable(getattr(module, "quantize", None)) and hasattr(module, "kernel_scale")
         if quantizable and "router" not in path and module.kernel_scale is None:
-            module.quantize(mode)
+            # an untied lm_head stays per channel under q8_0, like a tied table (below)
+            module.quantize("int8" if mode in BLOCK_MODES and "lm_head" in path else mode)
             n += 1
     if getattr(model, "lm_head", False) is None and getattr(model, "embed_scale_q", None) is None:
         q, s = quantize_columns(model.embed_tokens.get_value().T)  # rows of [V, H]
         model.embed_tokens = nnx.Param(q.T)
         model.embed_scale_q = nnx.data(nnx.Param(s))  # was None: a static attribute
-        model.quant_mode = mode
+        # q8_0: the tied table's rows stay per-row int8 (its lm_head product over blocks would
+        # materialize [K/32, T, vocab]), multiplied weight-only
+        model.quant_mode = "int8" if mode in BLOCK_MODES else mode
         n += 1
     return n

@@ -59,7 +59,8 @@ from tokenspeed_jax.runtime.param_sources import ParamSource, place_sources
 
 AXIS = "tp"
 
-# (regex over the "/"-joined parameter path, spec); first match wins, no match = replicated.
+# (regex over the "/"-joined parameter path, spec); the first match of the parameter's rank wins
+# (per-channel and block scales share a name), no match = replicated.
 _RULES: tuple[tuple[str, P], ...] = (
     (r"self_attn/[qkv]_proj/kernel$", P(None, AXIS)),
     (r"self_attn/[qkv]_proj/bias$", P(AXIS)),
@@ -79,6 +80,11 @@ _RULES: tuple[tuple[str, P], ...] = (
     # int8 weights (models/quant.py): a column-parallel kernel's scales split with its columns;
     # a row-parallel kernel's (o_proj, down_proj, out_proj) stay whole on every shard
     (r"(self_attn/[qkv]_proj|mlp/(gate|up)_proj|conv/in_proj)/kernel_scale$", P(AXIS)),
+    # block scales / mins f32[in/32, out] (models/block_quant.py) split like their kernel
+    (r"(self_attn/[qkv]_proj|mlp/(gate|up)_proj|conv/in_proj)/kernel_(scale|min)$",
+     P(None, AXIS)),
+    (r"(self_attn/o_proj|mlp/down_proj|conv/out_proj)/kernel_(scale|min)$", P(AXIS, None)),
+    (r"(self_attn/o_proj|mlp/down_proj|conv/out_proj)/kernel_scale$", P(None)),  # per channel
 )
 # scan_layers params (models/layer_scan.py): the shell's paths, and a run's stacked layers
 _SCANNED = re.compile(r"^(shell/|runs/\d+/)")
@@ -256,11 +262,12 @@ class TensorParallel:
     # ------------------------------------------------------------------ params / state
     def spec_for(self, path: str, ndim: int) -> P:
         rules = _RULES + (_VOCAB_RULES if self.shard_vocab else ())
-        for pattern, spec in rules:
-            if re.search(pattern, path):
-                if len(spec) != ndim:
-                    raise ValueError(f"parameter {path}: rank {ndim} does not match spec {spec}")
+        matched = [spec for pattern, spec in rules if re.search(pattern, path)]
+        for spec in matched:
+            if len(spec) == ndim:
                 return spec
+        if matched:
+            raise ValueError(f"parameter {path}: rank {ndim} does not match spec {matched[0]}")
         return P()
 
     def param_shardings(self, params):
