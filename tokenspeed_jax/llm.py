@@ -62,8 +62,7 @@ def _load(model: str, dtype: str, seed: int, lazy: bool = False, gguf_blocks: bo
             return cfg, generated_model(lambda: registry.build_model(cfg, seed)), ByteTokenizer()
         cfg, net = registry.load_builtin(model, seed=seed, dtype=dtype)
         return cfg, net, ByteTokenizer()
-    if model in registry.MODEL_ALIASES:
-        model = registry.resolve_alias(model)
+    model = path  # an alias resolved above
     if model.endswith(".gguf"):
         from tokenspeed_jax.hf.gguf import load_gguf
 
