@@ -14,16 +14,22 @@ from typing import Any
 def add_engine_args(p: argparse.ArgumentParser, *, max_batch_requests: int = 32,
                     max_scheduled_tokens: int = 512, max_context_len: int | None = None) -> None:
     """--model, --max-context-len, --max-batch-requests, --max-scheduled-tokens, --num-pages,
-    --dtype, --kv-cache-dtype, --quantization, --min-token-bucket (defaults per benchmark)."""
+    --dtype, --kv-cache-dtype, --quantization, --min-token-bucket, --attention-backend
+    (defaults per benchmark)."""
+    from pallas_kernels.kv_quant import KV_CACHE_DTYPES
+    from tokenspeed_jax.models.quant import WEIGHT_QUANTIZATIONS
+    from tokenspeed_jax.runtime.backends import BACKENDS
+
     p.add_argument("--model", default="tiny-random")
     p.add_argument("--max-context-len", type=int, default=max_context_len)
     p.add_argument("--max-batch-requests", type=int, default=max_batch_requests)
     p.add_argument("--max-scheduled-tokens", type=int, default=max_scheduled_tokens)
     p.add_argument("--num-pages", type=int, default=1024)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"))
-    p.add_argument("--quantization", default=None, choices=("int8", "w8a8", "q8_0", "gguf"))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--quantization", default=None, choices=WEIGHT_QUANTIZATIONS)
     p.add_argument("--min-token-bucket", type=int, default=16)
+    p.add_argument("--attention-backend", default="auto", choices=BACKENDS)
 
 
 def llm_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
@@ -32,7 +38,8 @@ def llm_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     kw = dict(max_batch_requests=args.max_batch_requests, num_pages=args.num_pages,
               max_scheduled_tokens=args.max_scheduled_tokens, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-              min_token_bucket=args.min_token_bucket, **more)
+              min_token_bucket=args.min_token_bucket,
+              attention_backend=args.attention_backend, **more)
     if args.max_context_len is not None:
         kw["max_context_len"] = args.max_context_len
     return kw

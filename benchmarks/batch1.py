@@ -46,7 +46,8 @@ def copy_bandwidth(nbytes: int = 512 << 20) -> float:
 def run(model: str, dtype: str, bucket: int, args: argparse.Namespace) -> tuple[float, int]:
     """(decode tok/s over the timed pass, parameter bytes)."""
     llm = LLM(model, dtype=dtype, min_token_bucket=bucket, max_batch_requests=8,
-              max_scheduled_tokens=256, max_context_len=2048, attention_backend="reference",
+              max_scheduled_tokens=256, max_context_len=2048,
+              attention_backend=args.attention_backend,
               compile_cache_dir=False)
     params = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
     chats = ChatPrompts(llm.tokenizer, system=SYSTEM)
@@ -75,6 +76,8 @@ def main() -> None:
     p.add_argument("--buckets", default="16,1", help="min_token_bucket values to compare")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--attention-backend", default="auto",
+                   help="auto (native on CPU), native, reference")
     args = p.parse_args()
     from _machine import cpu_line  # benchmarks/ is sys.path[0] when run as a script
 

@@ -39,7 +39,8 @@ def main():
     if kw["engine"] == "ours":
         from tokenspeed_jax import LLM, SamplingParams
         llm = LLM(kw["model"], dtype=kw["dtype"], max_context_len=2048,
-                  max_batch_requests=kw["max_batch"], max_scheduled_tokens=2048)
+                  max_batch_requests=kw["max_batch"], max_scheduled_tokens=2048,
+                  attention_backend=kw.get("backend", "auto"))
         llm.warmup(max_kv_len=kw["max_kv"])
         sp = SamplingParams(temperature=0.0, max_tokens=kw["max_tokens"], ignore_eos=True)
         run = lambda ps: [o.token_ids for o in llm.generate(ps, sp)]
@@ -125,7 +126,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--engines", default="ours,vllm", help="which engines to run (ours,vllm)")
+    p.add_argument("--engines", default="ours,vllm",
+                   help="which engines to run, in this order: ours (attention backend auto), "
+                        "ours:BACKEND (e.g. ours:reference beside ours:native), vllm")
     p.add_argument("--workload", default="chat", choices=("chat", "random"),
                    help="chat: the shared system prompt + a question (decode-heavy); random: "
                         "--shared-len shared + --own-len random ids each (prefill-heavy)")
@@ -146,30 +149,36 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         kw = dict(model=model, dtype=dtype, prompts=reps, warm=warm, max_tokens=args.max_tokens,
                   max_batch=args.max_batch, max_kv=longest)
-        engines = args.engines.split(",")
-        ours = (_child(sys.executable, dict(kw, engine="ours"), ours_env())
-                if "ours" in engines else None)
-        peer = (_child(args.vllm_python, dict(kw, engine="vllm"), vllm_env())
-                if have_vllm and "vllm" in engines else None)
-        for name, res in (("ours", ours), ("vllm", peer)):
-            if res:  # every rep, so a slow outlier is visible next to the best
-                print(f"{dtype} {name}: rep seconds " + ", ".join(f"{r['s']:.2f}" for r in res),
-                      flush=True)
-        rows.append((dtype, ours, peer))
+        results: dict[str, list[dict] | None] = {}
+        for name in args.engines.split(","):
+            if name == "vllm":
+                results[name] = (_child(args.vllm_python, dict(kw, engine="vllm"), vllm_env())
+                                 if have_vllm else None)
+            else:
+                backend = name.partition(":")[2] or "auto"
+                results[name] = _child(sys.executable, dict(kw, engine="ours", backend=backend),
+                                       ours_env())
+            if results[name]:  # every rep, so a slow outlier is visible next to the best
+                print(f"{dtype} {name}: rep seconds "
+                      + ", ".join(f"{r['s']:.2f}" for r in results[name] or []), flush=True)
+        peer = results.pop("vllm", None)
+        for name, ours in results.items():
+            rows.append((dtype, name, ours, peer))
     new = args.prompts * args.max_tokens
     n_prompt = sum(len(x) for x in reps[0])
     print(f"\n## offline vs vLLM CPU: {model}, {args.prompts} prompts ({n_prompt} prompt tokens, "
           f"{args.workload}), {args.max_tokens} new tokens each, best of {args.reps}\n")
     print(f"CPU: {cpu_line()}\n")
-    print("| dtype | ours out tok/s | vLLM CPU out tok/s | ours / vLLM | greedy sequences equal |")
-    print("|---|---|---|---|---|")
-    for dtype, ours, peer in rows:
+    print("| dtype | engine | ours out tok/s | vLLM CPU out tok/s | ours / vLLM | greedy sequences "
+          "equal |")
+    print("|---|---|---|---|---|---|")
+    for dtype, name, ours, peer in rows:
         o = new / min(r["s"] for r in ours) if ours else float("nan")
         v = new / min(r["s"] for r in peer) if peer else None
         same = "-"
         if ours and peer:
             same = f"{sum(a == b for a, b in zip(ours[0]['tokens'], peer[0]['tokens']))}/{args.prompts}"
-        print(f"| {dtype} | {o:.1f} | {'-' if v is None else f'{v:.1f}'} | "
+        print(f"| {dtype} | {name} | {o:.1f} | {'-' if v is None else f'{v:.1f}'} | "
               f"{'-' if v is None else f'{o / v:.2f}x'} | {same} |")
 
 

@@ -15,6 +15,7 @@ values: NaN * 0 = NaN) over `[max(0, pos - W + 1), pos]`; fully masked rows come
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,7 +26,7 @@ from pallas_kernels import kv_quant, pool_bits
 from pallas_kernels.paged_attention_inputs import block_metadata, check_inputs
 
 __all__ = ["PAGES_PER_STEP", "PER_TOKEN_MAX_Q", "REFERENCE_BLOCK_Q", "TOKENS_PER_CHUNK",
-           "paged_attention_reference"]
+           "TokensPass", "pad_meta", "paged_attention_reference"]
 
 # Requests with at most this many query tokens go token by token: a block of
 # `REFERENCE_BLOCK_Q` rows would compute mostly padding rows for them.
@@ -50,7 +51,7 @@ def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype: 
                                pool_bits.take(scales, pages, kv_quant.SCALE_DTYPE))
 
 
-def _pad_meta(meta: jax.Array, num_blocks: int, multiple: int, t: int) -> tuple[jax.Array, int]:
+def pad_meta(meta: jax.Array, num_blocks: int, multiple: int, t: int) -> tuple[jax.Array, int]:
     """The first `num_blocks` blocks, padded with empty ones ([T, T) of request 0) to a
     multiple of `multiple`."""
     num_blocks += -num_blocks % multiple
@@ -72,7 +73,7 @@ def _tokens_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
     max_pages = page_table.shape[1]
     group = hq // hkv
     c, pps = TOKENS_PER_CHUNK, PAGES_PER_STEP
-    meta, num_blocks = _pad_meta(meta, num_blocks, c, t)
+    meta, num_blocks = pad_meta(meta, num_blocks, c, t)
     ok = meta[1] < meta[2]
     pos = jnp.where(ok, meta[1] + meta[3], -1)  # absolute position of each token
     first = (jnp.zeros_like(pos) if sliding_window is None
@@ -144,7 +145,7 @@ def _blocks_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
         n_cols = min(max_pages, (sliding_window + bq - 2 + page_size - 1) // page_size + 1)
     span = n_cols * page_size
     batch = max(1, min(num_blocks, max_gather_elems // max(1, span * hkv * d)))
-    meta, num_blocks = _pad_meta(meta, num_blocks, batch, t)
+    meta, num_blocks = pad_meta(meta, num_blocks, batch, t)
     sink_logits = (None if sinks is None
                    else sinks.astype(jnp.float32).reshape(1, hkv, group, 1))
     rows = jnp.arange(bq, dtype=jnp.int32)
@@ -199,6 +200,11 @@ def _blocks_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
     return outs.reshape(-1, hq, d), dest.reshape(-1)
 
 
+# (q, k_pages, v_pages, page_table, meta, num_blocks, *, scale, sliding_window, soft_cap, sinks,
+#  k_scales, v_scales) -> (out f[NB', Hq, D], dest i32[NB']): the short requests' pass.
+TokensPass = Callable[..., tuple[jax.Array, jax.Array]]
+
+
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                               page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
                               num_seqs: jax.Array, *, sm_scale: float | None = None,
@@ -207,7 +213,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                               k_scales: jax.Array | None = None,
                               v_scales: jax.Array | None = None, interpret: bool = False,
                               block_q: int | None = None,
-                              max_gather_elems: int = 1 << 18) -> jax.Array:
+                              max_gather_elems: int = 1 << 18,
+                              tokens_pass: TokensPass | None = None) -> jax.Array:
     """Pure-jnp twin of `paged_attention` (same arguments and result; `interpret` is ignored).
 
     The two passes of the module docstring; `block_q` = the block pass alone with that block
@@ -218,6 +225,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     pages wholly before it, holes included, are never read. A block-pass iteration gathers at
     most ~`max_gather_elems` K elements (at least one block): 2^18 (1 MiB of f32) beat 2^20
     and 2^22 by 1.3-4x, the gathered K/V stays in cache.
+    `tokens_pass` replaces the short requests' pass (`paged_attention_cpu` passes its native
+    one); the block pass and the assembly stay these.
     Returns f[T, Hq, D] in q's dtype; padding tokens are zeros.
     """
     del interpret
@@ -236,8 +245,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     if block_q is None:
         small = (1, PER_TOKEN_MAX_Q)
         meta, _ = block_metadata(*meta_args, 1, small)
-        o, dst = _tokens_pass(q, k_pages, v_pages, page_table, meta, min(t, PER_TOKEN_MAX_Q * s),
-                              **common)
+        o, dst = (tokens_pass or _tokens_pass)(q, k_pages, v_pages, page_table, meta,
+                                               min(t, PER_TOKEN_MAX_Q * s), **common)
         outs.append(o)
         dests.append(dst)
     if block_q is not None or t > PER_TOKEN_MAX_Q:

@@ -174,8 +174,10 @@ class LLM:
         min_token_bucket = more_options.get("min_token_bucket", DEFAULT_MIN_TOKEN_BUCKET)
         if not isinstance(min_token_bucket, int) or min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be an int >= 1, got {min_token_bucket!r}")
-        if attention_backend not in ("auto", "pallas", "reference"):
-            raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'reference', got "
+        from tokenspeed_jax.runtime.backends import BACKENDS
+
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got "
                              f"{attention_backend!r}")
         from pallas_kernels.kv_quant import quantized_dtype
         from tokenspeed_jax.models.quant import check_quantization

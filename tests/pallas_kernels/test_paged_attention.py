@@ -18,6 +18,7 @@ from pallas_kernels import (
     paged_attention,
     paged_attention_reference,
 )
+from pallas_kernels.paged_attention_cpu import paged_attention_cpu
 
 
 def _kv_bucketed(fn):
@@ -42,6 +43,8 @@ IMPLS = {
     "reference_kv_bq1": _kv_bucketed(functools.partial(paged_attention_reference, block_q=1)),
     "reference_kv_bq8": _kv_bucketed(functools.partial(paged_attention_reference, block_q=8)),
     "pallas": functools.partial(paged_attention, interpret=True),
+    # the default CPU backend: decode tokens in the native kernel (the reference if no compiler)
+    "cpu_kv": _kv_bucketed(paged_attention_cpu),
 }
 if jax.default_backend() == "gpu":
     # GPU runs are extra: the same bodies check the compiled (Triton) kernel, not the interpreter

@@ -64,7 +64,7 @@ def lax_bits(a: jax.Array) -> jax.Array:
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_cache_matches_oracle(name: str, impl: str, kind: str) -> None:
     case = CASES[name]
-    bits = impl.startswith("reference")
+    bits = impl.startswith(("reference", "cpu"))  # the CPU backends store bits (pool_bits)
     args, kwargs, jargs, jkw, (kd, vd) = quantized_args(name, kind, bits=bits)
     assert np.isnan(np.asarray(jkw["k_scales"] if not bits else
                                jax.lax.bitcast_convert_type(jkw["k_scales"], jnp.float16),

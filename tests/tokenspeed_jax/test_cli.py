@@ -132,3 +132,15 @@ def test_bad_limit_flags(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_choices_match_the_runtime():
+    """The CLI keeps its own (jax-free) copies of the backend and quantization names."""
+    from pallas_kernels.kv_quant import KV_CACHE_DTYPES
+    from tokenspeed_jax.cli import checks
+    from tokenspeed_jax.models.quant import WEIGHT_QUANTIZATIONS
+    from tokenspeed_jax.runtime.backends import BACKENDS
+
+    assert checks.ATTENTION_BACKENDS == BACKENDS
+    assert checks.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+    assert checks.WEIGHT_QUANTIZATIONS == WEIGHT_QUANTIZATIONS

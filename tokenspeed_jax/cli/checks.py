@@ -15,6 +15,11 @@ from typing import TypeVar
 _N = TypeVar("_N", int, float)
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+# = runtime.backends.BACKENDS (this module stays jax-free; tests/tokenspeed_jax/test_cli.py checks)
+ATTENTION_BACKENDS = ("auto", "pallas", "reference", "native")
+# = pallas_kernels.kv_quant.KV_CACHE_DTYPES and models.quant.WEIGHT_QUANTIZATIONS (same test)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+WEIGHT_QUANTIZATIONS = ("int8", "w8a8", "q8_0", "gguf")
 
 
 def _at_least(kind: type[_N], lo: _N, expected: str) -> Callable[[str], _N]:

@@ -8,7 +8,14 @@ import dataclasses
 import sys
 from typing import Any
 
-from tokenspeed_jax.cli.checks import DTYPES, int_at_least, preflight
+from tokenspeed_jax.cli.checks import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    WEIGHT_QUANTIZATIONS,
+    int_at_least,
+    preflight,
+)
 from tokenspeed_jax.distributed.launch import (
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
@@ -54,13 +61,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> Non
     p.add_argument("--max-context-len", type=int_at_least(2), default=None,
                    help="longest prompt + output (default: the model's limit, at most 2048 for "
                         "tiny-random and 8192 otherwise)")
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "pallas", "reference"),
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="paged attention implementation")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights / activations dtype")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"),
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="K/V cache values: the model dtype (auto), or int8 / fp8_e4m3 with a "
                         "scale per token and KV head (about 2x the pages of bf16)")
-    p.add_argument("--quantization", default=None, choices=("int8", "w8a8", "q8_0", "gguf"),
+    p.add_argument("--quantization", default=None, choices=WEIGHT_QUANTIZATIONS,
                    help="int8 weights with per-channel scales: int8 = weight-only, w8a8 = also "
                         "int8 activations per token (the fast CPU path); q8_0 = llama.cpp's Q8_0 "
                         "blocks (a scale per 32 inputs); gguf = keep a .gguf file's Q8_0 / Q4_0 "

@@ -188,13 +188,13 @@ def _keep_blocks(model, reader, hf: dict[str, Any]) -> int:
     """Replace the float kernel of every Linear stored as blocks by the blocks; how many."""
     import jax.numpy as jnp
 
-    from tokenspeed_jax.hf.weights import _generic_path
+    from tokenspeed_jax.hf.weights import generic_path
 
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     n = 0
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        path, _ = _generic_path(hf_name(tensor.name))
+        path, _ = generic_path(hf_name(tensor.name))
         if kind not in _BLOCK_BYTES or path[-1] != "kernel" or path[0] == "lm_head":
             continue  # dequantized (F16/F32, K-quants), or the embedding table / lm_head
         codes, scales, mins = read_blocks(tensor.data, kind)

@@ -136,7 +136,7 @@ def iter_tensor_sources(files: dict[str, str]) -> Iterator[tuple[str, Any]]:
                 yield name, CheckpointSource(file, name, sl.get_shape(), _st_dtype(sl.get_dtype()))
 
 
-def _generic_path(name: str) -> tuple[Path, Callable[[jax.Array], jax.Array]]:
+def generic_path(name: str) -> tuple[Path, Callable[[jax.Array], jax.Array]]:
     """Llama-style HF name -> (our parameter path, layout transform)."""
     parts: list[str | int] = [int(p) if p.isdigit() else p for p in name.removeprefix("model.").split(".")]
     ident: Callable[[jax.Array], jax.Array] = lambda a: a
@@ -187,7 +187,7 @@ def map_checkpoint(
             name = re.sub(pat, rep, name)
         pairs = _expert_tensors(name, arr, pending) if ".mlp.experts." in name else [(name, arr)]
         for sub_name, sub in pairs:
-            path, transform = _generic_path(sub_name)
+            path, transform = generic_path(sub_name)
             if path not in targets:
                 unknown.append(hf_name)
                 continue

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tokenspeed_jax.models import cpu_dot
 from tokenspeed_jax.models.block_quant import block_matmul, check_blocks, quantize_blocks
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.quant import BLOCK_MODES, qmatmul, quantize_columns
@@ -74,18 +75,9 @@ def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Arr
     path takes bf16 inputs with an f32 output); a bf16 result makes it upcast both operands to
     float32 first, i.e. convert every weight matrix on every step (SmolLM2 bf16: 212 converts,
     most of a decode step). Same numbers either way: f32 accumulation, rounded to x's dtype.
+    A lone row goes as two on XLA:CPU (`cpu_dot`).
     """
-    dims = (((x.ndim - 1,), (1 if w_transposed else 0,)), ((), ()))
-    if x.size == x.shape[-1] and x.dtype != jnp.float32 and jax.default_backend() == "cpu":
-        # One row: XLA:CPU turns the dot into a vector-matrix product that upcasts the whole
-        # weight matrix to float32 first (SmolLM2 bf16 batch-1 decode: 205 weight converts,
-        # 4.1 tok/s). Two rows keep the native bf16 dot; the zero row costs nothing visible.
-        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-        y = jax.lax.dot_general(x2, w, (((1,), dims[0][1]), ((), ())),
-                                preferred_element_type=jnp.float32)[:1]
-        return y.reshape(*x.shape[:-1], -1).astype(x.dtype)
-    y = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return cpu_dot.dot(x, w, 1 if w_transposed else 0, jnp.float32).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tokenspeed_jax.models import cpu_dot
+
 WEIGHT_QUANTIZATIONS = ("int8", "w8a8", "q8_0", "gguf")
 BLOCK_MODES = ("q8_0", "gguf")  # kernels held as blocks of 32 inputs (models/block_quant.py)
 SPLIT_MAX_ROWS = 32  # split lowering of "int8" up to this many rows, on CPU (see above)
@@ -65,15 +67,7 @@ def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, mode: str, *,
         x32 = x.astype(jnp.float32)
         sx = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / _QMAX, _TINY)
         xq = jnp.round(x32 / sx).astype(jnp.int8)
-        if x.size == x.shape[-1] and jax.default_backend() == "cpu":
-            # one row: XLA:CPU's vector-matrix int8 dot is ~8x slower than a two-row matrix
-            # product (SmolLM2 1-row step 328 ms against 39 in float32); a zero row is free
-            xq = jnp.concatenate([xq.reshape(1, -1), jnp.zeros((1, x.shape[-1]), jnp.int8)])
-            acc = jax.lax.dot_general(xq, q, (((1,), dims[0][1]), ((), ())),
-                                      preferred_element_type=jnp.int32)[:1].reshape(
-                                          *x.shape[:-1], -1)
-        else:
-            acc = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.int32)
+        acc = cpu_dot.dot(xq, q, dims[0][1][0], jnp.int32)  # a lone row as two (cpu_dot)
         y = acc.astype(jnp.float32) * sx * scale
     elif x.size // x.shape[-1] <= SPLIT_MAX_ROWS and jax.default_backend() == "cpu":
         y = _split_int8_dot(x, q, dims) * scale

@@ -1,9 +1,11 @@
 """Kernel backends: the one switch between the paged implementations of attention and conv.
 
-Both implementations of each live in `pallas_kernels` and are checked by the shared kernel test
-bodies (tests/pallas_kernels): "reference" = `paged_attention_reference` / `short_conv_reference`
-(pure jnp; the runner hands them page tables cut to the step's kv bucket), "pallas" = the Pallas
-kernels (interpret mode off GPU), "auto" = pallas on GPU, reference elsewhere. The model receives
+The implementations live in `pallas_kernels` and are checked by the shared kernel test bodies
+(tests/pallas_kernels): "reference" = `paged_attention_reference` / `short_conv_reference`
+(pure jnp; the runner hands them page tables cut to the step's kv bucket), "native" = the same
+with decode tokens in a C++ XLA:CPU custom call (`paged_attention_cpu`; built on first use,
+CPU only), "pallas" = the Pallas kernels (interpret mode off GPU), "auto" = pallas on GPU,
+native on CPU (reference when no C++ compiler can build it). The model receives
 the chosen functions as arguments (`CausalLM.__call__(attn_fn=, conv_fn=)`), so `models/` never
 imports this module.
 """
@@ -17,24 +19,39 @@ import jax
 
 from pallas_kernels import (
     paged_attention,
+    paged_attention_cpu,
     paged_attention_reference,
     pool_bits,
     short_conv,
     short_conv_reference,
 )
 
-__all__ = ["BACKENDS", "get_paged_attention", "get_short_conv", "pool_dtype", "resolve_backend"]
+__all__ = ["BACKENDS", "get_paged_attention", "get_short_conv", "jnp_layout", "pool_dtype",
+           "resolve_backend"]
 
-BACKENDS = ("auto", "pallas", "reference")
+BACKENDS = ("auto", "pallas", "reference", "native")
 
 
 def resolve_backend(backend: str) -> str:
-    """ "auto" -> "pallas" on GPU, "reference" elsewhere; validates the name."""
+    """ "auto" -> "pallas" on GPU, "native" elsewhere; "native" -> "reference" (with the warning
+    `pallas_kernels.native` logs) where its C++ kernel cannot be built; validates the name."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
+    on_gpu = jax.default_backend() == "gpu"
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        backend = "pallas" if on_gpu else "native"
+    if backend == "native":
+        if on_gpu:
+            raise ValueError("attention_backend='native' is the XLA:CPU kernel; on a GPU use "
+                             "'auto' or 'pallas'")
+        return "native" if paged_attention_cpu.available() else "reference"
     return backend
+
+
+def jnp_layout(backend: str) -> bool:
+    """Whether resolved `backend` runs the jnp paths' layout: page tables cut to the step's kv
+    bucket, bf16 / fp8 pools as their bits (`pool_bits`)."""
+    return backend in ("reference", "native")
 
 
 # One jit for every layer: the step's trace reuses the first layer's attention jaxpr and lowering
@@ -43,9 +60,16 @@ _REFERENCE_JIT = jax.jit(paged_attention_reference, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "max_gather_elems"))
 
 
+_NATIVE_JIT = jax.jit(paged_attention_cpu.paged_attention_cpu, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "interpret", "max_gather_elems"))
+
+
 def get_paged_attention(backend: str) -> Callable:
     """The paged-attention function of `backend` (SPEC.md kernel signature)."""
-    if resolve_backend(backend) == "reference":
+    resolved = resolve_backend(backend)
+    if resolved == "native":
+        return _NATIVE_JIT
+    if resolved == "reference":
         return _REFERENCE_JIT
     if jax.default_backend() != "gpu":
         return functools.partial(paged_attention, interpret=True)
@@ -55,7 +79,7 @@ def get_paged_attention(backend: str) -> Callable:
 def get_short_conv(backend: str) -> Callable:
     """The paged short conv of attention backend `backend`: the jnp reference, or the Pallas
     kernel (interpret mode off GPU); `pallas_kernels.short_conv` signature."""
-    if resolve_backend(backend) == "reference":
+    if jnp_layout(resolve_backend(backend)):
         return short_conv_reference
     return short_conv if jax.default_backend() == "gpu" else functools.partial(short_conv, interpret=True)
 
@@ -65,6 +89,6 @@ def pool_dtype(backend: str, dtype: str) -> str:
     keeps bf16 / f16 pools as their uint16 bits (XLA:CPU has no bf16 scatter and would copy
     every pool to float32 and back on each write; `pallas_kernels.pool_bits`), the Pallas
     kernels read float pools."""
-    if resolve_backend(backend) == "reference":
+    if jnp_layout(resolve_backend(backend)):
         return str(pool_bits.storage_dtype(dtype))
     return dtype

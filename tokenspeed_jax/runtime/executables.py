@@ -45,7 +45,7 @@ _memo: dict[str, str] = {}
 
 
 def source_digest() -> str:
-    """SHA-256 over the .py files of our packages (path + bytes), computed once per process."""
+    """SHA-256 over the .py and .cc files of our packages (path + bytes), once per process."""
     with _lock:
         if "source" in _memo:
             return _memo["source"]
@@ -57,7 +57,7 @@ def source_digest() -> str:
             for dirpath, dirnames, filenames in os.walk(root):
                 dirnames.sort()
                 for fn in sorted(filenames):
-                    if fn.endswith(".py"):
+                    if fn.endswith((".py", ".cc")):  # .cc: native kernels (pallas_kernels)
                         path = os.path.join(dirpath, fn)
                         h.update(os.path.relpath(path, root).encode() + b"\0")
                         with open(path, "rb") as f:

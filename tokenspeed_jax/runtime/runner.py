@@ -55,6 +55,7 @@ from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import (
     get_paged_attention,
     get_short_conv,
+    jnp_layout,
     resolve_backend,
 )
 from tokenspeed_jax.runtime.executables import ExecutableStore
@@ -159,7 +160,7 @@ class ModelRunner:
       layout: the `scheduler.CacheLayout` the Scheduler was built from (`scheduler.cache_layout`):
         group page sizes and widths, pool size, mirror slots, layer -> group map, R and T of
         the StepOps, honor_full_refresh.
-      backend: "auto" | "pallas" | "reference" attention.
+      backend: "auto" | "pallas" | "reference" | "native" attention (`runtime.backends`).
       min_token_bucket, min_kv_bucket: the shortest token bucket and kv bucket (in tokens).
       mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.runtime.sharding`);
         None = the default device, unsharded (the single-device path, unchanged).
@@ -228,7 +229,7 @@ class ModelRunner:
             init_state, model_config, layout.layer_groups, layout.page_sizes, layout.widths,
             num_pages=layout.num_pages, max_live_requests=layout.max_live_requests,
             runs=None if self._scan is None else self._scan.runs,
-            bits_pools=self.backend == "reference",  # bf16 / fp8 as bits (pool_bits)
+            bits_pools=jnp_layout(self.backend),  # bf16 / fp8 as bits (pool_bits)
             kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)

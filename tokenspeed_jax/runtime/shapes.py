@@ -82,8 +82,8 @@ class ShapePolicy:
               min_token_bucket: int = DEFAULT_MIN_TOKEN_BUCKET,
               min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET) -> ShapePolicy:
         """The policy of a runner over mirrors of `widths` pages of `page_sizes` tokens per
-        group; `backend` is the resolved attention backend ("reference" | "pallas")."""
-        if backend == "reference":
+        group; `backend` is the resolved attention backend ("reference" | "native" | "pallas")."""
+        if backend in ("reference", "native"):  # jnp paths: tables cut to the kv bucket
             levels = kv_levels(widths, page_sizes, min_kv_bucket)
         else:  # Pallas: loops bounded by kv_len on the device; one full-width level
             levels = ((max(w * b for w, b in zip(widths, page_sizes)), tuple(widths)),)
