@@ -34,7 +34,8 @@ __all__ = ["SOURCE_DIR", "load", "unavailable"]
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 # name -> (source file, {FFI symbol: XLA custom-call target})
 _KERNELS = {
-    "paged_decode": ("paged_decode.cc", {"TokenspeedPagedDecode": "tokenspeed_paged_decode"}),
+    "paged_attention": ("paged_attention.cc",
+                        {"TokenspeedPagedAttention": "tokenspeed_paged_attention"}),
 }
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 _lock = threading.Lock()

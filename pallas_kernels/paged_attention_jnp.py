@@ -26,7 +26,7 @@ from pallas_kernels import kv_quant, pool_bits
 from pallas_kernels.paged_attention_inputs import block_metadata, check_inputs
 
 __all__ = ["PAGES_PER_STEP", "PER_TOKEN_MAX_Q", "REFERENCE_BLOCK_Q", "TOKENS_PER_CHUNK",
-           "TokensPass", "pad_meta", "paged_attention_reference"]
+           "BlocksPass", "TokensPass", "pad_meta", "paged_attention_reference"]
 
 # Requests with at most this many query tokens go token by token: a block of
 # `REFERENCE_BLOCK_Q` rows would compute mostly padding rows for them.
@@ -203,6 +203,8 @@ def _blocks_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
 # (q, k_pages, v_pages, page_table, meta, num_blocks, *, scale, sliding_window, soft_cap, sinks,
 #  k_scales, v_scales) -> (out f[NB', Hq, D], dest i32[NB']): the short requests' pass.
 TokensPass = Callable[..., tuple[jax.Array, jax.Array]]
+# the same plus keywords bq, max_gather_elems -> (out f[NB' * bq, Hq, D], dest): the block pass
+BlocksPass = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -214,7 +216,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                               v_scales: jax.Array | None = None, interpret: bool = False,
                               block_q: int | None = None,
                               max_gather_elems: int = 1 << 18,
-                              tokens_pass: TokensPass | None = None) -> jax.Array:
+                              tokens_pass: TokensPass | None = None,
+                              blocks_pass: BlocksPass | None = None) -> jax.Array:
     """Pure-jnp twin of `paged_attention` (same arguments and result; `interpret` is ignored).
 
     The two passes of the module docstring; `block_q` = the block pass alone with that block
@@ -225,8 +228,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     pages wholly before it, holes included, are never read. A block-pass iteration gathers at
     most ~`max_gather_elems` K elements (at least one block): 2^18 (1 MiB of f32) beat 2^20
     and 2^22 by 1.3-4x, the gathered K/V stays in cache.
-    `tokens_pass` replaces the short requests' pass (`paged_attention_cpu` passes its native
-    one); the block pass and the assembly stay these.
+    `tokens_pass` / `blocks_pass` replace the two passes (`paged_attention_cpu` passes its
+    native ones); the block metadata and the assembly stay these.
     Returns f[T, Hq, D] in q's dtype; padding tokens are zeros.
     """
     del interpret
@@ -255,8 +258,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         meta, bound = block_metadata(*meta_args, bq, big)
         # real blocks come first; a request of >= 5 tokens has at most q_len / 5 blocks
         bound = min(bound, t if block_q else t // (PER_TOKEN_MAX_Q + 1))
-        o, dst = _blocks_pass(q, k_pages, v_pages, page_table, meta, bound, bq=bq,
-                              max_gather_elems=max_gather_elems, **common)
+        o, dst = (blocks_pass or _blocks_pass)(q, k_pages, v_pages, page_table, meta, bound,
+                                               bq=bq, max_gather_elems=max_gather_elems,
+                                               **common)
         outs.append(o)
         dests.append(dst)
     out = jnp.zeros_like(q)

@@ -26,10 +26,10 @@ def _jnp(args, kwargs):
 
 
 def test_built_once_into_the_cache_dir_named_by_source_and_cpu() -> None:
-    path = native._build("paged_decode")
+    path = native._build("paged_attention")
     assert path.startswith(native._cache_root()) and os.path.exists(path)
     mtime = os.stat(path).st_mtime_ns
-    assert native._build("paged_decode") == path  # a second call reads the cache
+    assert native._build("paged_attention") == path  # a second call reads the cache
     assert os.stat(path).st_mtime_ns == mtime
     assert not [f for f in os.listdir(os.path.dirname(path)) if f.startswith(".")], "temp left"
 
@@ -41,7 +41,7 @@ def test_failed_build_names_the_compiler_error(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("CXX", str(bad))
     monkeypatch.setenv("TOKENSPEED_JAX_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match="out of cheese"):
-        native._build("paged_decode")
+        native._build("paged_attention")
     assert os.listdir(tmp_path / "cache" / "native") == [], "no partial .so left behind"
 
 
@@ -56,8 +56,8 @@ def test_unavailable_kernel_falls_back_to_the_reference(monkeypatch) -> None:
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_why", {})
     monkeypatch.setattr(native, "_build", fail)
-    assert native.load("paged_decode") is None
-    assert "no C++ compiler" in (native.unavailable("paged_decode") or "")
+    assert native.load("paged_attention") is None
+    assert "no C++ compiler" in (native.unavailable("paged_attention") or "")
     assert resolve_backend("native") == "reference"
     assert resolve_backend("auto") == "reference"
     args, kwargs = _jnp(*build(CASES["decode_ps16_g4"]))
@@ -97,8 +97,13 @@ def test_kv_kind_rejects_pools_it_cannot_read() -> None:
             paged_attention_cpu.kv_kind(*bad)
 
 
-def test_lowers_to_one_custom_call() -> None:
-    """The short requests go through one custom call (the longer ones keep the block pass)."""
-    args, kwargs = _jnp(*build(CASES["decode_ps16_g4"]))
+def test_lowers_to_custom_calls_and_no_loop() -> None:
+    """A step's attention is two custom calls (short requests, then blocks of longer ones; one
+    when no request can be long), and none of the reference's traced loops."""
+    args, kwargs = _jnp(*build(CASES["mixed_ps32_g2"]))
     text = jax.jit(paged_attention_cpu.paged_attention_cpu).lower(*args, **kwargs).as_text()
+    assert text.count(paged_attention_cpu.TARGET) == 2
+    assert "while" not in text
+    q, *rest = args
+    text = jax.jit(paged_attention_cpu.paged_attention_cpu).lower(q[:4], *rest, **kwargs).as_text()
     assert text.count(paged_attention_cpu.TARGET) == 1
