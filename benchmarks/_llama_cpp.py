@@ -7,10 +7,7 @@ venv's python). No such interpreter, or no llama_cpp in it: `batch1_tok_s` retur
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import tempfile
 
 # argv[1] = JSON {gguf, prompt, max_tokens, reps, threads}; prints "RESULT {tok_s, tokens}".
 _CHILD = r"""
@@ -45,17 +42,8 @@ def batch1_tok_s(python: str | None, gguf: str, prompt: list[int], max_tokens: i
         return None
     kw = dict(gguf=os.path.abspath(gguf), prompt=prompt, max_tokens=max_tokens, reps=reps,
               threads=threads or os.cpu_count() or 1)
-    with tempfile.TemporaryDirectory() as d:
-        arg, script = os.path.join(d, "kw.json"), os.path.join(d, "child.py")
-        with open(arg, "w") as f:
-            json.dump(kw, f)
-        with open(script, "w") as f:
-            f.write(_CHILD)
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        proc = subprocess.run([python, script, arg], capture_output=True, text=True, env=env)
-    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        print(f"llama.cpp failed:\n{proc.stderr[-2000:]}")
-        return None
-    out: float = json.loads(line[len("RESULT "):])["tok_s"]
-    return out
+    from _peer import run_child  # benchmarks/ is sys.path[0] when run as a script
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = run_child(python, _CHILD, kw, env, "llama.cpp")
+    return None if res is None else float(res["tok_s"])

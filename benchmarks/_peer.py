@@ -1,10 +1,15 @@
-"""What the benchmarks against vLLM CPU share (vs_vllm.py, vs_vllm_serve.py): the environment
-each engine's process runs in, and whether vllm imports from the given interpreter."""
+"""What the benchmarks against peers share (vs_vllm.py, vs_vllm_serve.py, _llama_cpp.py): the
+environment each engine's process runs in, whether vllm imports from the given interpreter, and
+one timed engine per child process."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
+import tempfile
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,3 +36,23 @@ def vllm_importable(python: str | None) -> bool:
                               capture_output=True).returncode == 0
     except OSError:
         return False
+
+
+def run_child(python: str, script: str, kw: dict[str, Any], env: dict[str, str],
+              label: str) -> Any | None:
+    """Run `script` (source text) with `python` in a fresh temporary directory, argv[1] the
+    path of `kw` as JSON; return the JSON after its last "RESULT " stdout line, or None (the
+    child's stderr tail printed under `label`) when it fails or prints none."""
+    with tempfile.TemporaryDirectory() as d:
+        arg, path = os.path.join(d, "kw.json"), os.path.join(d, "child.py")
+        with open(arg, "w") as f:
+            json.dump(kw, f)
+        with open(path, "w") as f:
+            f.write(script)
+        proc = subprocess.run([python, path, arg], env=env, capture_output=True, text=True,
+                              cwd=d)
+    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        print(f"{label} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[len("RESULT "):])

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(_HERE)
@@ -66,19 +64,10 @@ if __name__ == "__main__":  # vLLM spawns its engine core process from this file
 
 
 def _child(python: str, kw: dict, env: dict) -> list[dict] | None:
-    with tempfile.TemporaryDirectory() as d:
-        arg, script = os.path.join(d, "kw.json"), os.path.join(d, "child.py")
-        with open(arg, "w") as f:
-            json.dump(kw, f)
-        with open(script, "w") as f:
-            f.write(_CHILD)
-        proc = subprocess.run([python, script, arg], env=env, capture_output=True, text=True,
-                              cwd=d)
-    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        print(f"{kw['engine']} {kw['dtype']} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(line[len("RESULT "):])
+    from _peer import run_child  # benchmarks/ is sys.path[0] when run as a script
+
+    out: list[dict] | None = run_child(python, _CHILD, kw, env, f"{kw['engine']} {kw['dtype']}")
+    return out
 
 
 def prompts(model: str, n: int, reps: int) -> tuple[list[list[list[int]]], list[int]]:

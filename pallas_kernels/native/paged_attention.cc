@@ -150,7 +150,9 @@ inline const float* row_of(const void* pool, const uint16_t* scales, int64_t sro
 // Scratch of one thread, sized for the problem.
 struct Scratch {
   std::vector<float> kt, vrows, row, lg, m, den, acc;
+  std::vector<const float*> vptr;
   Scratch(const Problem& p) {
+    vptr.resize(p.page);           // the page's V rows as float
     const int64_t rows = p.bq * (p.hq / p.hkv);
     kt.resize(p.d * p.page);       // K of one page, transposed: [D, page]
     vrows.resize(p.page * p.d);    // V of one page (converted kinds)
@@ -161,6 +163,52 @@ struct Scratch {
     acc.resize(rows * p.d);        // numerator
   }
 };
+
+// Running softmax state of `rows` query rows (row = token * group + g, g the head in the KV
+// head's group) starts at the sink, a key with logit `sink` and value 0 seen first, or empty.
+inline void init_rows(const Problem& p, int64_t h, int64_t rows, float* m, float* den) {
+  const int64_t group = p.hq / p.hkv;
+  for (int64_t row = 0; row < rows; ++row) {
+    if (p.sinks != nullptr) {
+      m[row] = p.sinks[h * group + row % group];
+      den[row] = 1.0f;
+    } else {
+      m[row] = -std::numeric_limits<float>::infinity();
+      den[row] = 0.0f;
+    }
+  }
+}
+
+// One page's logits l[0, nr) of one query row (-inf where masked) -> softmax weights in place,
+// folding the page into the row's running max `m`, denominator `den` and numerator acc[0, d).
+inline void online_softmax(float* l, int64_t nr, float& m, float& den, float* acc, int64_t d) {
+  float mx = m;
+  for (int64_t r = 0; r < nr; ++r) mx = std::max(mx, l[r]);
+  if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible yet
+    for (int64_t r = 0; r < nr; ++r) l[r] = 0.0f;
+    return;
+  }
+  const float corr = std::isfinite(m) ? std::exp(m - mx) : 0.0f;
+  m = mx;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t r = 0; r < nr; ++r) {
+    l[r] = exp_nonpositive(l[r] - mx);
+    sum += l[r];
+  }
+  den = den * corr + sum;
+  if (corr != 1.0f) {
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) acc[j] *= corr;
+  }
+}
+
+// out[0, d) = acc / den (zeros for a row that saw no key).
+inline void normalize_row(const float* acc, float den, float* out, int64_t d) {
+  const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) out[j] = acc[j] * inv;
+}
 
 // A one-token block (decodes, short drafts), one KV head: each visible K row is read once and
 // dotted with the group's query heads (cheaper for a few rows than transposing a tile).
@@ -183,15 +231,7 @@ void attend_token(const Problem& p, int64_t n, int64_t h, Scratch& s) {
   float* lg = s.lg.data();  // [group, page] logits, then weights, of one page
   float* acc = out;         // [group, d] numerator, normalised at the end
   std::fill(acc, acc + group * d, 0.0f);
-  for (int64_t g = 0; g < group; ++g) {
-    if (p.sinks != nullptr) {  // a key with logit `sink` and value 0, seen first
-      m[g] = p.sinks[h * group + g];
-      den[g] = 1.0f;
-    } else {
-      m[g] = -std::numeric_limits<float>::infinity();
-      den[g] = 0.0f;
-    }
-  }
+  init_rows(p, h, group, m, den);
   const int64_t first_pos = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
   const int32_t* row = p.table + seq * p.width;
   const int64_t last_col = std::min<int64_t>(position / ps, p.width - 1);
@@ -217,22 +257,7 @@ void attend_token(const Problem& p, int64_t n, int64_t h, Scratch& s) {
       if (p.soft_cap > 0.0f) {
         for (int64_t r = 0; r < nr; ++r) l[r] = p.soft_cap * std::tanh(l[r] / p.soft_cap);
       }
-      float mx = m[g];
-      for (int64_t r = 0; r < nr; ++r) mx = std::max(mx, l[r]);
-      const float corr = std::isfinite(m[g]) ? std::exp(m[g] - mx) : 0.0f;
-      m[g] = mx;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t r = 0; r < nr; ++r) {
-        l[r] = exp_nonpositive(l[r] - mx);
-        sum += l[r];
-      }
-      den[g] = den[g] * corr + sum;
-      if (corr != 1.0f) {
-        float* a = acc + g * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) a[i] *= corr;
-      }
+      online_softmax(l, nr, m[g], den[g], acc + g * d, d);
     }
     for (int64_t r = 0; r < nr; ++r) {
       const float* v = row_of<KIND>(p.v, p.vs, (page * ps + r0 + r) * p.hkv + h, d, vtmp);
@@ -244,11 +269,38 @@ void attend_token(const Problem& p, int64_t n, int64_t h, Scratch& s) {
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = den[g] > 0.0f ? 1.0f / den[g] : 0.0f;
-    float* a = acc + g * d;
+  for (int64_t g = 0; g < group; ++g) normalize_row(acc + g * d, den[g], acc + g * d, d);
+}
+
+constexpr int64_t kRowBlock = 4;
+
+// l[k, 0:ps] = qr[k] . kt[:, 0:ps] for k < n (kt is K transposed, [d, ps]). With PS (the
+// page size) known the 4 x PS partial sums fit in vector registers across the d loop.
+template <int PS>
+inline void logits_tile(const float* const* qr, const float* kt, int64_t d, int64_t ps, float* l,
+                        int64_t n) {
+  if constexpr (PS > 0) {
+    float t[kRowBlock][PS] = {};
+    for (int64_t j = 0; j < d; ++j) {
+      const float* kj = kt + j * PS;
+      for (int64_t k = 0; k < kRowBlock; ++k) {
+        const float qj = qr[k][j];
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) a[i] *= inv;
+        for (int64_t r = 0; r < PS; ++r) t[k][r] += qj * kj[r];
+      }
+    }
+    for (int64_t k = 0; k < n; ++k) std::memcpy(l + k * PS, t[k], sizeof(t[k]));
+  } else {
+    for (int64_t k = 0; k < n; ++k) {
+      float* lk = l + k * ps;
+      std::fill_n(lk, ps, 0.0f);
+      for (int64_t j = 0; j < d; ++j) {
+        const float qj = qr[k][j];
+        const float* kj = kt + j * ps;
+#pragma omp simd
+        for (int64_t r = 0; r < ps; ++r) lk[r] += qj * kj[r];
+      }
+    }
   }
 }
 
@@ -273,18 +325,12 @@ void attend_block(const Problem& p, int64_t b, int64_t h, Scratch& s) {
   float* den = s.den.data();
   float* acc = s.acc.data();
   float* kt = s.kt.data();
+  // query row `row` (token row / group, head h * group + row % group)
+  auto q_row = [&](int64_t row) {
+    return p.q + ((static_cast<int64_t>(q0) + row / group) * p.hq + h * group + row % group) * d;
+  };
   std::fill_n(acc, rows * d, 0.0f);
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      if (p.sinks != nullptr) {  // a key with logit `sink` and value 0, seen first
-        m[i * group + g] = p.sinks[h * group + g];
-        den[i * group + g] = 1.0f;
-      } else {
-        m[i * group + g] = -std::numeric_limits<float>::infinity();
-        den[i * group + g] = 0.0f;
-      }
-    }
-  }
+  init_rows(p, h, rows, m, den);
   const int64_t pos_first = static_cast<int64_t>(q0) + pos_off;
   const int64_t pos_last = pos_first + nq - 1;
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos_first - p.window + 1) : 0;
@@ -306,70 +352,60 @@ void attend_block(const Problem& p, int64_t b, int64_t h, Scratch& s) {
       const float* k = row_of<KIND>(p.k, p.ks, (page * ps + r0 + r) * p.hkv + h, d, s.row.data());
       for (int64_t j = 0; j < d; ++j) kt[j * ps + r] = k[j];
     }
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t pos = pos_first + i;
-      const int64_t key0 = col * ps + r0;  // absolute position of the tile's first key
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qr = p.q + ((static_cast<int64_t>(q0) + i) * p.hq + h * group + g) * d;
-        float* l = lg + (i * group + g) * ps;
-        for (int64_t r = 0; r < ps; ++r) l[r] = 0.0f;
-        for (int64_t j = 0; j < d; ++j) {
-          const float qj = qr[j];
-          const float* kj = kt + j * ps;
+    // logits [rows, ps] = q rows @ kt, four rows at a time (PS > 0: their partial sums stay in
+    // registers and share each K tile row's loads)
+    const int64_t key0 = col * ps + r0;  // absolute position of the tile's first key
+    for (int64_t row0 = 0; row0 < rows; row0 += kRowBlock) {
+      const int64_t n = std::min<int64_t>(kRowBlock, rows - row0);
+      const float* qr[kRowBlock];
+      for (int64_t k = 0; k < kRowBlock; ++k) qr[k] = q_row(std::min(row0 + k, rows - 1));
+      logits_tile<PS>(qr, kt, d, ps, lg + row0 * ps, n);
+    }
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t pos = pos_first + row / group;
+      float* l = lg + row * ps;
+      for (int64_t r = 0; r < nr; ++r) {
+        float x = l[r] * p.scale;
+        if (p.soft_cap > 0.0f) x = p.soft_cap * std::tanh(x / p.soft_cap);
+        const int64_t kp = key0 + r;
+        const bool keep = kp <= pos && (p.window <= 0 || kp > pos - p.window);
+        l[r] = keep ? x : -std::numeric_limits<float>::infinity();
+      }
+      online_softmax(l, nr, m[row], den[row], acc + row * d, d);
+    }
+    const float** vr = s.vptr.data();
+    for (int64_t r = 0; r < nr; ++r) {
+      vr[r] = row_of<KIND>(p.v, p.vs, (page * ps + r0 + r) * p.hkv + h, d, s.vrows.data() + r * d);
+    }
+    // acc rows += weights @ V rows, two V rows at a time: they stay in registers while each
+    // accumulator row streams through L1 once per pair (measured faster than rows outer with
+    // register-held column blocks)
+    int64_t r = 0;
+    for (; r + 2 <= nr; r += 2) {
+      const float* v0 = vr[r];
+      const float* v1 = vr[r + 1];
+      for (int64_t row = 0; row < rows; ++row) {
+        const float e0 = lg[row * ps + r], e1 = lg[row * ps + r + 1];
+        if (e0 == 0.0f && e1 == 0.0f) continue;  // masked: skip the work
+        float* a = acc + row * d;
 #pragma omp simd
-          for (int64_t r = 0; r < ps; ++r) l[r] += qj * kj[r];
-        }
-        for (int64_t r = 0; r < nr; ++r) {
-          float x = l[r] * p.scale;
-          if (p.soft_cap > 0.0f) x = p.soft_cap * std::tanh(x / p.soft_cap);
-          const int64_t kp = key0 + r;
-          const bool keep = kp <= pos && (p.window <= 0 || kp > pos - p.window);
-          l[r] = keep ? x : -std::numeric_limits<float>::infinity();
-        }
-        const int64_t row = i * group + g;
-        float mx = m[row];
-        for (int64_t r = 0; r < nr; ++r) mx = std::max(mx, l[r]);
-        if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible yet
-          for (int64_t r = 0; r < nr; ++r) l[r] = 0.0f;
-          continue;
-        }
-        const float corr = std::isfinite(m[row]) ? std::exp(m[row] - mx) : 0.0f;
-        m[row] = mx;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t r = 0; r < nr; ++r) {
-          l[r] = exp_nonpositive(l[r] - mx);
-          sum += l[r];
-        }
-        den[row] = den[row] * corr + sum;
-        if (corr != 1.0f) {
-          float* a = acc + row * d;
-#pragma omp simd
-          for (int64_t j = 0; j < d; ++j) a[j] *= corr;
-        }
+        for (int64_t j = 0; j < d; ++j) a[j] += e0 * v0[j] + e1 * v1[j];
       }
     }
-    for (int64_t r = 0; r < nr; ++r) {
-      const float* v = row_of<KIND>(p.v, p.vs, (page * ps + r0 + r) * p.hkv + h, d,
-                                    s.vrows.data() + r * d);
+    for (; r < nr; ++r) {
+      const float* v = vr[r];
       for (int64_t row = 0; row < rows; ++row) {
         const float e = lg[row * ps + r];
-        if (e == 0.0f) continue;  // masked: never multiply (V is real, but skip the work)
+        if (e == 0.0f) continue;
         float* a = acc + row * d;
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) a[j] += e * v[j];
       }
     }
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t row = i * group + g;
-      const float inv = den[row] > 0.0f ? 1.0f / den[row] : 0.0f;
-      const float* a = acc + row * d;
-      float* o = p.out + ((b * p.bq + i) * p.hq + h * group + g) * d;
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) o[j] = a[j] * inv;
-    }
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t i = row / group, g = row % group;
+    normalize_row(acc + row * d, den[row], p.out + ((b * p.bq + i) * p.hq + h * group + g) * d, d);
   }
 }
 
