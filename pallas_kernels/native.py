@@ -36,6 +36,7 @@ SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 _KERNELS = {
     "paged_attention": ("paged_attention.cc",
                         {"TokenspeedPagedAttention": "tokenspeed_paged_attention"}),
+    "block_matmul": ("block_matmul.cc", {"TokenspeedBlockMatmul": "tokenspeed_block_matmul"}),
 }
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 _lock = threading.Lock()
@@ -70,9 +71,12 @@ def _build(name: str) -> str:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
-    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", src]
-    with open(src, "rb") as f:
-        text = f.read()
+    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{SOURCE_DIR}", src]
+    text = b""
+    for path in [src] + sorted(os.path.join(SOURCE_DIR, h) for h in os.listdir(SOURCE_DIR)
+                               if h.endswith(".h")):  # the shared headers it may include
+        with open(path, "rb") as f:
+            text += f.read()
     key = hashlib.sha256(text + "\0".join(cmd).encode() + _cpu_flags().encode()
                          + platform.machine().encode() + jax.__version__.encode()).hexdigest()[:20]
     root = _cache_root()

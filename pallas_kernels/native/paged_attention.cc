@@ -25,15 +25,14 @@
 // [pos - window + 1, pos] get weight 0 through a -inf logit, never a multiply.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -427,30 +426,6 @@ AttendFn attend_for(int32_t kind, int64_t bq, int64_t page) {
   }
 }
 
-// Work shared by the calling thread and the intra-op pool's tasks: (token, head) items claimed
-// in chunks. The caller claims chunks too and returns once every item is done, so it never
-// waits on a task the pool has not started (another step may hold the pool's threads); a task
-// that starts after that finds nothing left and only drops its reference.
-struct Shared {
-  Problem p;
-  AttendFn attend = nullptr;
-  int64_t items = 0, chunk = 1;
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-void work(Shared& s) {
-  Scratch scratch(s.p);
-  for (;;) {
-    const int64_t b = s.next.fetch_add(s.chunk, std::memory_order_relaxed);
-    if (b >= s.items) return;
-    const int64_t e = std::min(s.items, b + s.chunk);
-    for (int64_t item = b; item < e; ++item) {
-      s.attend(s.p, item / s.p.hkv, item % s.p.hkv, scratch);
-    }
-    s.done.fetch_add(e - b, std::memory_order_release);
-  }
-}
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                               ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
@@ -488,29 +463,23 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.scale = scale;
   p.soft_cap = soft_cap;
   p.window = window;
-  auto shared = std::make_shared<Shared>();
-  shared->p = p;
-  shared->attend = attend_for(kv_kind, p.bq, p.page);
-  if (shared->attend == nullptr) return ffi::Error::InvalidArgument("paged_attention: kv_kind");
+  const AttendFn attend = attend_for(kv_kind, p.bq, p.page);
+  if (attend == nullptr) return ffi::Error::InvalidArgument("paged_attention: kv_kind");
   // real blocks come first (block_metadata): the items end at the last non-empty block
   int64_t real = p.nb;
   while (real > 0 && p.meta[p.nb + real - 1] >= p.meta[2 * p.nb + real - 1]) --real;
   if (real < p.nb) {
     std::fill_n(p.out + real * p.bq * p.hq * p.d, (p.nb - real) * p.bq * p.hq * p.d, 0.0f);
   }
-  shared->items = real * p.hkv;
-  shared->chunk = p.hkv;  // one block's heads: its page-table row and query rows stay hot
-  // a thread per ~8 blocks' worth of work (a decode block is one token, a prefill block bq)
-  const int64_t work_units = real * p.bq;
+  // a thread per ~8 blocks' worth of work (a decode block is one token, a prefill block bq);
+  // chunks of one block's heads: its page-table row and query rows stay hot
   const int64_t threads =
-      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), work_units / 8));
-  for (int64_t t = 1; t < threads; ++t) {
-    pool.Schedule([shared] { work(*shared); });
-  }
-  work(*shared);
-  while (shared->done.load(std::memory_order_acquire) < shared->items) {
-    std::this_thread::yield();  // a task is finishing the chunk it claimed
-  }
+      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), real * p.bq / 8));
+  tokenspeed::parallel_chunks(pool, real * p.hkv, p.hkv, threads, [p, attend] {
+    return [p, attend, scratch = std::make_shared<Scratch>(p)](int64_t b, int64_t e) {
+      for (int64_t item = b; item < e; ++item) attend(p, item / p.hkv, item % p.hkv, *scratch);
+    };
+  });
   return ffi::Error::Success();
 }
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenspeed_jax.models import block_quant
+from tokenspeed_jax.models import block_quant, quant
 from tokenspeed_jax.models.block_quant import block_matmul, check_blocks, dequantize_blocks
 
 gguf = pytest.importorskip("gguf")
@@ -37,9 +37,13 @@ def test_read_blocks_equals_the_gguf_dequantizer(kind):
     np.testing.assert_allclose(np.asarray(got).T, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "jnp"])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("lead", [(1,), (2, 3), (block_quant.SPLIT_MAX_ROWS + 1,)])
-def test_block_matmul_is_the_dequantized_product(kind, lead):
+@pytest.mark.parametrize("lead", [(1,), (2, 3), (block_quant.SPLIT_MAX_ROWS + 1,),
+                                  (quant.NATIVE_MAX_ROWS + 1,)])
+def test_block_matmul_is_the_dequantized_product(kind, lead, native, monkeypatch):
+    if not native:  # the split (<= SPLIT_MAX_ROWS rows) and float lowerings
+        monkeypatch.setattr(block_quant, "use_native", lambda rows=None: False)
     codes, scales, mins = read_blocks(_file_rows(kind, 40, 128, seed=1), kind)
     c, s = jnp.asarray(codes.T), jnp.asarray(scales.T)  # [in, out] layout
     m = None if mins is None else jnp.asarray(mins.T)

@@ -11,9 +11,10 @@ import pytest
 from flax import nnx
 
 from tokenspeed_jax import LLM, SamplingParams
-from tokenspeed_jax.models import build_model, tiny_random_config
+from tokenspeed_jax.models import build_model, quant, tiny_random_config
 from tokenspeed_jax.models.layers import Linear
 from tokenspeed_jax.models.quant import (
+    NATIVE_MAX_ROWS,
     SPLIT_MAX_ROWS,
     qmatmul,
     quantize_columns,
@@ -39,8 +40,18 @@ def test_quantize_columns_error_is_half_a_step():
     assert np.abs(np.asarray(q)).max() == 127  # every column uses its whole range
 
 
+@pytest.fixture(params=["native", "jnp"])
+def lowering(request, monkeypatch):
+    """The int8 product through the native block kernel (where it builds) or the jnp ones."""
+    if request.param == "jnp":
+        monkeypatch.setattr(quant, "use_native", lambda rows=None: False)
+    elif not quant.use_native():
+        pytest.skip("no native block kernel here")
+    return request.param
+
+
 @pytest.mark.parametrize("lead", [(5,), (2, 3), (1,), (), (200,)])  # 200 rows: the float lowering
-def test_qmatmul_modes_match_numpy(lead):
+def test_qmatmul_modes_match_numpy(lead, lowering):
     x = np.asarray(jax.random.normal(jax.random.key(1), (*lead, 96))) * 3.0
     q, s = quantize_columns(jax.random.normal(jax.random.key(2), (96, 40)))
     qn, sn = np.asarray(q, np.float64), np.asarray(s, np.float64)
@@ -60,9 +71,11 @@ def test_qmatmul_modes_match_numpy(lead):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
 @pytest.mark.parametrize("rows", [1, 16, SPLIT_MAX_ROWS])
-def test_int8_weights_stay_int8_in_small_steps(rows):
-    """Up to SPLIT_MAX_ROWS rows the weight-only product reads the int8 matrix in an integer
-    dot: the compiled step holds no float copy of it (the float lowering converts it)."""
+def test_int8_weights_stay_int8_in_small_steps(rows, lowering):
+    """Up to SPLIT_MAX_ROWS rows (NATIVE_MAX_ROWS with the native kernel) the weight-only
+    product reads the int8 matrix itself: the compiled step holds no float copy of it (the
+    float lowering converts it)."""
+    last = NATIVE_MAX_ROWS if lowering == "native" else SPLIT_MAX_ROWS
     q, s = jnp.ones((576, 1536), jnp.int8), jnp.ones((1536,), jnp.float32)
 
     def float_weights(n: int) -> int:
@@ -70,8 +83,8 @@ def test_int8_weights_stay_int8_in_small_steps(rows):
         hlo = jax.jit(lambda a, b, c: qmatmul(a, b, c, "int8")).lower(xn, q, s).compile()
         return hlo.as_text().count("f32[576,1536]")
 
-    assert float_weights(rows) == 0
-    assert float_weights(SPLIT_MAX_ROWS + 1) > 0  # prefill-sized: the float lowering
+    assert float_weights(rows) == 0 and float_weights(last) == 0
+    assert float_weights(last + 1) > 0  # prefill-sized: the float lowering
 
 
 def test_quantize_model_covers_every_linear_and_a_tied_table():

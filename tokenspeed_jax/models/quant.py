@@ -6,8 +6,13 @@ keeps a .gguf file's own Q8_0 / Q4_0 / Q4_1 blocks (`hf/gguf.py`).
 Two ways to multiply by them, both dequantizing inside the jitted step (no full-precision copy
 of a weight is ever held):
 - "int8" (weight-only, W8A16): activations keep their precision, the only error is the weights'
-  rounding. Two lowerings of the same product, chosen per shape at trace time:
-  - split (XLA:CPU, up to SPLIT_MAX_ROWS rows: decode and small chunks): each token's
+  rounding. Three lowerings of the same product, chosen per shape at trace time:
+  - native (XLA:CPU up to NATIVE_MAX_ROWS rows when its C++ kernel builds; not the tied
+    embedding's transposed table): the block kernel of `models/block_quant.py` with one block of
+    all K inputs. 30 chained 576 x 1536 layers: 1 row 2.5 ms against split's 3.0, 16 rows 10.2
+    against 17.1, 64 rows 30.2 against 44.6 and float32's 31.0 (benchmarks/block_matmul.py
+    --kind int8);
+  - split (XLA:CPU without the native kernel, up to SPLIT_MAX_ROWS rows): each token's
     activations are written exactly enough as two int8 rows, x = s1 * q1 + s2 * q2 with
     s2 = s1 / 254 (q2 holds the rounding residual of q1), and both go through one int8 x int8
     -> int32 dot: y = (acc1 * s1 + acc2 * s2) * s. The residual left is at most absmax / 64516
@@ -36,11 +41,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import block_matmul_cpu
 from tokenspeed_jax.models import cpu_dot
 
 WEIGHT_QUANTIZATIONS = ("int8", "w8a8", "q8_0", "gguf")
 BLOCK_MODES = ("q8_0", "gguf")  # kernels held as blocks of 32 inputs (models/block_quant.py)
 SPLIT_MAX_ROWS = 32  # split lowering of "int8" up to this many rows, on CPU (see above)
+# The native block kernel (int8 and the block modes) up to this many rows: past it XLA's float
+# dot of weights converted inside the step is as fast (benchmarks/block_matmul.py).
+NATIVE_MAX_ROWS = 128
 _QMAX = 127.0
 _TINY = 1e-30
 
@@ -59,6 +68,15 @@ def quantize_columns(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
+def use_native(rows: int | None = None) -> bool:
+    """Whether a product of `rows` rows (any, when None) takes the native block kernel here
+    (`pallas_kernels.block_matmul_cpu`); builds and registers it the first time (the runner calls
+    this before loading cached executables that may call it)."""
+    if jax.default_backend() != "cpu" or (rows is not None and rows > NATIVE_MAX_ROWS):
+        return False
+    return block_matmul_cpu.available()
+
+
 def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, mode: str, *,
             q_transposed: bool = False) -> jax.Array:
     """x f[..., K] @ dequant(q int8[K, N] (q_transposed: [N, K]), scale f32[N]) in x's dtype."""
@@ -69,6 +87,9 @@ def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, mode: str, *,
         xq = jnp.round(x32 / sx).astype(jnp.int8)
         acc = cpu_dot.dot(xq, q, dims[0][1][0], jnp.int32)  # a lone row as two (cpu_dot)
         y = acc.astype(jnp.float32) * sx * scale
+    elif not q_transposed and use_native(x.size // x.shape[-1]):
+        # one block of all K inputs: the per-channel scale is the block scale
+        y = block_matmul_cpu.block_matmul_cpu(x, q, scale[None, :])
     elif x.size // x.shape[-1] <= SPLIT_MAX_ROWS and jax.default_backend() == "cpu":
         y = _split_int8_dot(x, q, dims) * scale
     else:

@@ -57,7 +57,7 @@ def source_digest() -> str:
             for dirpath, dirnames, filenames in os.walk(root):
                 dirnames.sort()
                 for fn in sorted(filenames):
-                    if fn.endswith((".py", ".cc")):  # .cc: native kernels (pallas_kernels)
+                    if fn.endswith((".py", ".cc", ".h")):  # .cc, .h: native kernels (pallas_kernels)
                         path = os.path.join(dirpath, fn)
                         h.update(os.path.relpath(path, root).encode() + b"\0")
                         with open(path, "rb") as f:

@@ -49,7 +49,7 @@ from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.models.layer_scan import ScannedGraph
-from tokenspeed_jax.models.quant import check_quantization, quantize_model
+from tokenspeed_jax.models.quant import BLOCK_MODES, check_quantization, quantize_model, use_native
 from tokenspeed_jax.page_table import update_rows
 from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import (
@@ -217,6 +217,8 @@ class ModelRunner:
         self.quantization = quantization
         if quantization is not None:  # after any re-layout: scales follow the final columns
             quantize_model(model, quantization)
+        if quantization in ("int8", *BLOCK_MODES):
+            use_native()  # its custom call registered before an executable loads
         # scan_layers: the layers' params and pools stacked per run of identical layers, applied
         # by lax.scan (models/layer_scan.py): one layer body to trace and compile, not L
         self._scan: ScannedGraph | None = None

@@ -1,0 +1,108 @@
+"""Block-quantized (GGUF Q4_1 / Q8_0, per-channel int8) matmul lowerings on XLA:CPU, side by
+side (issue 26).
+
+    python benchmarks/block_matmul.py [--rows 1,4,8,16,32,64,128] [--kind q4_1|q8_0|int8]
+
+30 chained SmolLM2-sized layers (x [rows, 576] @ W [576, 1536], then the next layer's x is the
+first 576 columns), each W random Q4_1 / Q8_0 blocks in `models.block_quant`'s layout (int8:
+one scale per output channel, `models.quant`'s weight-only "int8", a single block of all K
+inputs), one jit per lowering: "native" (`pallas_kernels.block_matmul_cpu`, one C++ custom call per layer),
+"split" (int8 activation rows, a batched int8 dot over the blocks), "float" (dequantize inside
+the step, one float dot) and "f32" (a float32 copy of the weights, the unquantized reference).
+Median of `--reps` after a warm call; "native rel. diff": max |native - f32| / max |f32| of one
+layer's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,4,8,16,32,64,128")
+    p.add_argument("--kind", default="q4_1", choices=("q4_1", "q8_0", "int8"))
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--reps", type=int, default=7)
+    args = p.parse_args()
+
+    from pallas_kernels.block_matmul_cpu import available, block_matmul_cpu, block_matmul_reference
+    from tokenspeed_jax.models.block_quant import dequantize_blocks
+    from tokenspeed_jax.models.quant import _split_int8_dot, split_rows
+
+    k, n, layers = 576, 1536, args.layers
+    rng = np.random.default_rng(0)
+    lo, hi = (0, 16) if args.kind == "q4_1" else (-127, 128)
+    codes = [jnp.asarray(rng.integers(lo, hi, (k, n)), jnp.int8) for _ in range(layers)]
+    block = k if args.kind == "int8" else 32
+    scales = [jnp.asarray(rng.random((k // block, n)) * 0.01, jnp.float32) for _ in range(layers)]
+    mins = [jnp.asarray(rng.standard_normal((k // block, n)) * 0.01, jnp.float32)
+            if args.kind == "q4_1" else None for _ in range(layers)]
+    dense = [block_matmul_reference(jnp.eye(k), c, s, m) for c, s, m in
+             zip(codes, scales, mins, strict=True)]
+
+    def split(x, c, s, m):
+        if block == k:  # models.quant's "int8" lowering up to its SPLIT_MAX_ROWS
+            return _split_int8_dot(x, c, (((1,), (0,)), ((), ()))) * s[0]
+        g, rows = k // 32, x.shape[0]
+        xq, s1, s2 = split_rows(x)
+        acc = jax.lax.dot_general(xq.reshape(2 * rows, g, 32), c.reshape(g, 32, n),
+                                  (((2,), (1,)), ((1,), (0,))),
+                                  preferred_element_type=jnp.int32).astype(jnp.float32)
+        y = jnp.sum((acc[:, :rows] * s1 + acc[:, rows:] * s2) * s[:, None, :], axis=0)
+        return y if m is None else y + jnp.dot(jnp.sum(x.reshape(rows, g, 32), -1), m)
+
+    lowerings = {
+        "native": lambda x, c, s, m, w: block_matmul_cpu(x, c, s, m),
+        "split": lambda x, c, s, m, w: split(x, c, s, m),
+        "float": lambda x, c, s, m, w: (jnp.dot(x, c.astype(x.dtype)) * s[0] if block == k
+                                        else jnp.dot(x, dequantize_blocks(c, s, m))),
+        "f32": lambda x, c, s, m, w: jnp.dot(x, w),
+    }
+
+    def chain(fn):
+        def run(x, cs, ss, ms, ws):
+            for c, s, m, w in zip(cs, ss, ms, ws, strict=True):
+                x = jnp.tanh(fn(x, c, s, m, w)[:, :k])
+            return x
+        return jax.jit(run)
+
+    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, native kernel built: {available()}; "
+          f"{layers} layers of [rows, {k}] @ {args.kind} [{k}, {n}]\n")
+    print("| rows | " + " | ".join(f"{name} ms" for name in lowerings) + " | best | native rel. diff |")
+    print("|---|" + "---|" * (len(lowerings) + 2))
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+        ms = {}
+        for name, fn in lowerings.items():
+            f = chain(fn)
+            jax.block_until_ready(f(x, codes, scales, mins, dense))  # compile
+            times = []
+            for _ in range(args.reps):
+                t = time.perf_counter()
+                jax.block_until_ready(f(x, codes, scales, mins, dense))
+                times.append(time.perf_counter() - t)
+            ms[name] = 1e3 * statistics.median(times)
+        best = min(ms, key=ms.__getitem__)
+        # one layer, not the chain: the tanh chain saturates to +-1 and hides differences
+        want = np.asarray(x @ dense[0])
+        got = np.asarray(block_matmul_cpu(x, codes[0], scales[0], mins[0]))
+        diff = np.abs(got - want).max() / np.abs(want).max()
+        print(f"| {rows} | " + " | ".join(f"{ms[name]:.1f}" for name in lowerings)
+              + f" | {best} | {diff:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""`block_matmul_cpu`: x @ (GGUF-style block-quantized weights) on XLA:CPU, in native code.
+
+The weights are llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks in the `[in, out]` layout of
+`tokenspeed_jax.models.block_quant`: codes int8[K, N] (one byte per weight), scales f32[K/B, N],
+optional mins f32[K/B, N]; W[k, n] = scales[k // B, n] * codes[k, n] (+ mins[k // B, n]).
+One C++ custom call (`pallas_kernels/native/block_matmul.cc`) dequantizes 16-column tiles in
+registers and reuses each for 4 rows of x, split over XLA's intra-op threads: a few rows (decode)
+read one byte per weight, where the jnp lowerings read a float copy or run a batched int8 dot
+that XLA:CPU does well only for a row or two. `block_matmul_reference` is the same product as
+the dequantized matrix's float dot.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import native
+
+__all__ = ["TARGET", "available", "block_matmul_cpu", "block_matmul_reference"]
+
+TARGET = "tokenspeed_block_matmul"
+
+
+def available() -> bool:
+    """Whether the native kernel is built and registered in this process (builds it once)."""
+    return native.load("block_matmul") is not None
+
+
+def _check(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None) -> int:
+    """ValueError naming what does not fit; returns the block size B."""
+    if codes.ndim != 2 or codes.dtype != jnp.int8:
+        raise ValueError(f"{codes.shape=} {codes.dtype=}: codes must be int8[K, N]")
+    if x.ndim < 1 or x.shape[-1] != codes.shape[0]:
+        raise ValueError(f"{x.shape=}: the last axis must be K = {codes.shape[0]} ({codes.shape=})")
+    if scales.ndim != 2 or scales.shape[1] != codes.shape[1] or scales.shape[0] < 1 \
+            or codes.shape[0] % scales.shape[0]:
+        raise ValueError(f"{scales.shape=}: expected [K / B, N] for {codes.shape=}")
+    if mins is not None and mins.shape != scales.shape:
+        raise ValueError(f"{mins.shape=}: expected {scales.shape=}")
+    return int(codes.shape[0] // scales.shape[0])
+
+
+def block_matmul_reference(x: jax.Array, codes: jax.Array, scales: jax.Array,
+                           mins: jax.Array | None = None) -> jax.Array:
+    """x f[..., K] @ W -> f32[..., N], W the dequantized blocks (float32, HIGHEST precision)."""
+    block = _check(x, codes, scales, mins)
+    k, n = codes.shape
+    w = codes.astype(jnp.float32).reshape(k // block, block, n) * scales[:, None, :]
+    if mins is not None:
+        w = w + mins[:, None, :]
+    return jnp.matmul(x.astype(jnp.float32), w.reshape(k, n),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def block_matmul_cpu(x: jax.Array, codes: jax.Array, scales: jax.Array,
+                     mins: jax.Array | None = None) -> jax.Array:
+    """x f[..., K] @ W -> f32[..., N] as one native call (the reference when it cannot be
+    built). x is computed in float32; codes int8[K, N]; scales / mins f32[K / B, N]."""
+    block = _check(x, codes, scales, mins)
+    if not available():
+        return block_matmul_reference(x, codes, scales, mins)
+    k, n = codes.shape
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
+    y: jax.Array = call(rows, codes, scales.astype(jnp.float32),
+                        jnp.zeros((1,), jnp.float32) if mins is None else mins.astype(jnp.float32),
+                        block=np.int32(block), has_mins=mins is not None)
+    return y.reshape(*x.shape[:-1], n)

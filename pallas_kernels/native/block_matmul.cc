@@ -1,0 +1,211 @@
+// Block-quantized matmul on the CPU: an XLA FFI custom call (XLA:CPU) for GGUF-style weights.
+//
+// y f32[M, N] = x f32[M, K] @ W, with W kept as blocks in our [in, out] layout (models/
+// block_quant.py): codes int8[K, N], scales f32[K / B, N] and, for Q4_1, mins f32[K / B, N]:
+//     W[k, n] = scales[k / B, n] * codes[k, n] (+ mins[k / B, n]).
+// XLA:CPU has no such dot: the jnp lowerings either dequantize the whole matrix inside the step
+// or run an int8 dot batched over the K / B blocks, which it does well only for a row or two.
+// Here a 16-column tile of codes is converted to float in registers, one K row at a time, and
+// used for 6 rows of x at once: the codes are read once per 6 rows (a batch-1 decode reads
+// 1 byte per weight, not the 4 of a float32 copy). The block scale is applied once per block
+// (y += scale * sum(x * code) + min * sum(x)): float32 sums in another order than a dot of the
+// dequantized matrix, not a bit-identical product.
+// Column tiles are split over XLA's intra-op threads.
+//
+// Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32[M, K], codes s8[K, N],
+// scales f32[G, N], mins f32[G, N] (has_mins) or any f32 array. Attribute: block = K / G.
+// Output f32[M, N].
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kCols = 16;  // columns per tile: two AVX2 vectors
+constexpr int64_t kRows = 6;   // rows of x per pass: 12 accumulator vectors of the 16
+
+struct Problem {
+  const float* x;
+  const int8_t* codes;
+  const float* scales;
+  const float* mins;   // nullptr without
+  const float* xsum;   // f32[M, G]: sum of x over each block (for the mins), or nullptr
+  float* y;
+  int64_t m, k, n, block;
+};
+
+// Rows [m0, m0 + NR) x columns [n0, n0 + kCols) (all in range). The block scale is factored
+// out of the inner loop: y += scale * sum_k x[k] * code[k] (+ min * sum_k x[k]), so a weight
+// costs one int8 -> float conversion per NR rows and no per-weight dequantization.
+#ifdef __AVX2__
+template <int NR, bool MINS>
+void tile(const Problem& p, int64_t m0, int64_t n0) {
+  const float* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = p.x + (m0 + r) * p.k;
+  __m256 acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int64_t groups = p.k / p.block;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 part[NR][2];
+    for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
+    const int8_t* c = p.codes + g * p.block * p.n + n0;
+    for (int64_t kk = g * p.block; kk < (g + 1) * p.block; ++kk, c += p.n) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+      for (int r = 0; r < NR; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(xr[r] + kk);
+        part[r][0] = _mm256_fmadd_ps(xv, w0, part[r][0]);
+        part[r][1] = _mm256_fmadd_ps(xv, w1, part[r][1]);
+      }
+    }
+    const __m256 d0 = _mm256_loadu_ps(p.scales + g * p.n + n0);
+    const __m256 d1 = _mm256_loadu_ps(p.scales + g * p.n + n0 + 8);
+    for (int r = 0; r < NR; ++r) {
+      acc[r][0] = _mm256_fmadd_ps(part[r][0], d0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(part[r][1], d1, acc[r][1]);
+    }
+    if constexpr (MINS) {
+      const __m256 n0v = _mm256_loadu_ps(p.mins + g * p.n + n0);
+      const __m256 n1v = _mm256_loadu_ps(p.mins + g * p.n + n0 + 8);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 s = _mm256_broadcast_ss(p.xsum + (m0 + r) * groups + g);
+        acc[r][0] = _mm256_fmadd_ps(s, n0v, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(s, n1v, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    _mm256_storeu_ps(p.y + (m0 + r) * p.n + n0, acc[r][0]);
+    _mm256_storeu_ps(p.y + (m0 + r) * p.n + n0 + 8, acc[r][1]);
+  }
+}
+#else
+template <int NR, bool MINS>
+void tile(const Problem& p, int64_t m0, int64_t n0) {
+  const int64_t groups = p.k / p.block;
+  float acc[NR][kCols] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    float part[NR][kCols] = {};
+    for (int64_t kk = g * p.block; kk < (g + 1) * p.block; ++kk) {
+      const int8_t* c = p.codes + kk * p.n + n0;
+      float w[kCols];
+      for (int64_t j = 0; j < kCols; ++j) w[j] = static_cast<float>(c[j]);
+      for (int r = 0; r < NR; ++r) {
+        const float xv = p.x[(m0 + r) * p.k + kk];
+#pragma omp simd
+        for (int64_t j = 0; j < kCols; ++j) part[r][j] += xv * w[j];
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const float s = MINS ? p.xsum[(m0 + r) * groups + g] : 0.0f;
+      for (int64_t j = 0; j < kCols; ++j) {
+        acc[r][j] += part[r][j] * p.scales[g * p.n + n0 + j];
+        if constexpr (MINS) acc[r][j] += s * p.mins[g * p.n + n0 + j];
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) std::memcpy(p.y + (m0 + r) * p.n + n0, acc[r], sizeof(acc[r]));
+}
+#endif
+
+// Every row of x for columns [n0, n0 + kCols): passes of kRows rows, then the 1-5 left over.
+template <bool MINS>
+void full_tile(const Problem& p, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + kRows <= p.m; m0 += kRows) tile<kRows, MINS>(p, m0, n0);
+  switch (p.m - m0) {
+    case 5: tile<5, MINS>(p, m0, n0); break;
+    case 4: tile<4, MINS>(p, m0, n0); break;
+    case 3: tile<3, MINS>(p, m0, n0); break;
+    case 2: tile<2, MINS>(p, m0, n0); break;
+    case 1: tile<1, MINS>(p, m0, n0); break;
+    default: break;
+  }
+}
+
+// The last columns [n0, n) when N is not a multiple of kCols: plain loops.
+void edge_tile(const Problem& p, int64_t n0) {
+  for (int64_t i = 0; i < p.m; ++i) {
+    for (int64_t j = n0; j < p.n; ++j) {
+      float s = 0.0f;
+      for (int64_t kk = 0; kk < p.k; ++kk) {
+        const int64_t g = kk / p.block;
+        float w = p.scales[g * p.n + j] * static_cast<float>(p.codes[kk * p.n + j]);
+        if (p.mins != nullptr) w += p.mins[g * p.n + j];
+        s += p.x[i * p.k + kk] * w;
+      }
+      p.y[i * p.n + j] = s;
+    }
+  }
+}
+
+ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scales,
+                           ffi::Buffer<ffi::F32> mins, int32_t block, bool has_mins,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto cd = codes.dimensions();
+  auto sd = scales.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || block < 1 || xd[1] != cd[0] ||
+      cd[0] != sd[0] * block || cd[1] != sd[1] ||
+      (has_mins && mins.element_count() != scales.element_count()) ||
+      y->element_count() != xd[0] * cd[1]) {
+    return ffi::Error::InvalidArgument(
+        "block_matmul: x [M, K], codes [K, N], scales (and mins) [K / block, N], y [M, N]");
+  }
+  Problem p{x.typed_data(), codes.typed_data(), scales.typed_data(),
+            has_mins ? mins.typed_data() : nullptr, nullptr, y->typed_data(),
+            xd[0], xd[1], cd[1], block};
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  std::vector<float> xsum;  // outlives every claimed chunk: parallel_chunks returns when all are done
+  if (has_mins) {
+    const int64_t groups = p.k / p.block;
+    xsum.assign(p.m * groups, 0.0f);
+    for (int64_t i = 0; i < p.m; ++i) {
+      for (int64_t kk = 0; kk < p.k; ++kk) xsum[i * groups + kk / p.block] += p.x[i * p.k + kk];
+    }
+    p.xsum = xsum.data();
+  }
+  const int64_t tiles = p.n / kCols;
+  if (p.n % kCols) edge_tile(p, tiles * kCols);
+  // a thread per ~64 K x 16 tile passes; chunks of 4 tiles
+  const int64_t passes = tiles * ((p.m + kRows - 1) / kRows) * p.k / 1024;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), passes / 16));
+  tokenspeed::parallel_chunks(pool, tiles, 4, threads, [p] {
+    return [p](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        if (p.mins != nullptr) {
+          full_tile<true>(p, t * kCols);
+        } else {
+          full_tile<false>(p, t * kCols);
+        }
+      }
+    };
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenspeedBlockMatmul, BlockMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins
+                                  .Attr<int32_t>("block")
+                                  .Attr<bool>("has_mins")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,93 @@
+"""The native block-quantized matmul (`pallas_kernels.block_matmul_cpu`) against a float64
+oracle of the dequantized weights, with its reference run through the same body; shape errors
+named; the lowering is one custom call with no dequantized weight matrix."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import block_matmul_cpu
+from pallas_kernels.block_matmul_cpu import block_matmul_reference
+
+IMPLS = {"reference": block_matmul_reference, "native": block_matmul_cpu.block_matmul_cpu}
+
+
+@pytest.fixture(params=sorted(IMPLS))
+def impl(request):
+    if request.param == "native" and not block_matmul_cpu.available():
+        pytest.skip("no C++ compiler here")
+    return IMPLS[request.param]
+
+
+def _blocks(k: int, n: int, block: int, mins: bool, seed: int):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0 if mins else -128, 16 if mins else 128, (k, n)).astype(np.int8)
+    scales = (rng.random((k // block, n)) * 0.02).astype(np.float32)
+    m = (rng.standard_normal((k // block, n)) * 0.02).astype(np.float32) if mins else None
+    return codes, scales, m
+
+
+CASES = {  # (lead shape, K, N, block, mins)
+    "decode_q8": ((1,), 64, 48, 32, False),
+    "decode_q4_1": ((1,), 96, 32, 32, True),
+    "rows_not_a_multiple_of_4": ((7,), 64, 32, 32, True),
+    "cols_not_a_multiple_of_16": ((5,), 64, 37, 32, False),
+    "lead_axes": ((2, 3), 128, 64, 32, True),
+    "per_channel_block_is_k": ((9,), 64, 16, 64, False),
+    "many_rows": ((70,), 64, 48, 32, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_float64_oracle(impl, case):
+    lead, k, n, block, mins = CASES[case]
+    codes, scales, m = _blocks(k, n, block, mins, seed=len(case))
+    x = np.random.default_rng(1).standard_normal((*lead, k)).astype(np.float32)
+    w = codes.astype(np.float64).reshape(k // block, block, n) * scales[:, None, :]
+    if m is not None:
+        w = w + m[:, None, :]
+    want = x.astype(np.float64) @ w.reshape(k, n)
+    got = impl(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scales),
+               None if m is None else jnp.asarray(m))
+    assert got.shape == (*lead, n) and got.dtype == jnp.float32
+    # float32 products summed over K: a few ulps of the sum of |terms|
+    bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(w.reshape(k, n))) + 1e-6
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert (err <= bound).all(), err.max()
+
+
+def test_bfloat16_activations(impl):
+    codes, scales, m = _blocks(64, 32, 32, True, seed=3)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 64)), jnp.bfloat16)
+    got = impl(x, jnp.asarray(codes), jnp.asarray(scales), jnp.asarray(m))
+    want = block_matmul_reference(x.astype(jnp.float32), jnp.asarray(codes), jnp.asarray(scales),
+                                  jnp.asarray(m))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(codes=np.zeros((64, 8), np.int32)), "codes must be int8"),
+    (dict(x=np.zeros((2, 32), np.float32)), "last axis must be K"),
+    (dict(scales=np.zeros((3, 8), np.float32)), "expected \\[K / B, N\\]"),
+    (dict(scales=np.zeros((2, 4), np.float32)), "expected \\[K / B, N\\]"),
+    (dict(mins=np.zeros((1, 8), np.float32)), "mins.shape"),
+])
+def test_invalid_inputs_raise(impl, bad, match):
+    args = dict(x=np.zeros((2, 64), np.float32), codes=np.zeros((64, 8), np.int8),
+                scales=np.zeros((2, 8), np.float32), mins=None)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        impl(*(None if v is None else jnp.asarray(v) for v in args.values()))
+
+
+def test_lowers_to_one_custom_call_without_a_float_weight_copy():
+    if not block_matmul_cpu.available():
+        pytest.skip("no C++ compiler here")
+    codes, scales, m = (jnp.asarray(a) for a in _blocks(576, 1536, 32, True, seed=0))
+    hlo = jax.jit(block_matmul_cpu.block_matmul_cpu).lower(
+        jnp.zeros((4, 576), jnp.float32), codes, scales, m).compile().as_text()
+    assert hlo.count("custom_call_target=\"tokenspeed_block_matmul\"") == 1
+    assert "f32[576,1536]" not in hlo
