@@ -1,16 +1,18 @@
 """Block-quantized (GGUF Q4_1 / Q8_0, per-channel int8) matmul lowerings on XLA:CPU, side by
 side (issue 26).
 
-    python benchmarks/block_matmul.py [--rows 1,4,8,16,32,64,128] [--kind q4_1|q8_0|int8]
+    python benchmarks/block_matmul.py [--rows 1,4,8,16,32,64,128] [--kind q4_1|q8_0|int8|f32|bf16]
 
 30 chained SmolLM2-sized layers (x [rows, 576] @ W [576, 1536], then the next layer's x is the
 first 576 columns), each W random Q4_1 / Q8_0 blocks in `models.block_quant`'s layout (int8:
 one scale per output channel, `models.quant`'s weight-only "int8", a single block of all K
-inputs), one jit per lowering: "native" (`pallas_kernels.block_matmul_cpu`, one C++ custom call per layer),
-"split" (int8 activation rows, a batched int8 dot over the blocks), "float" (dequantize inside
-the step, one float dot) and "f32" (a float32 copy of the weights, the unquantized reference).
-Median of `--reps` after a warm call; "native rel. diff": max |native - f32| / max |f32| of one
-layer's output.
+inputs; f32 / bf16: plain float weights), one jit per lowering: "native"
+(`pallas_kernels.block_matmul_cpu`, one C++ custom call per layer), "xla" (f32 / bf16: XLA's own
+dot as `models.layers.matmul` ran it before, activations in the weights' dtype), "split" (int8
+activation rows, a batched int8 dot over the blocks), "float" (dequantize inside the step, one
+float dot) and "f32" (a float32 copy of the weights, the unquantized reference). Median of
+`--reps` after a warm call; "native rel. diff": max |native - f32| / max |f32| of one layer's
+output.
 """
 
 from __future__ import annotations
@@ -33,12 +35,18 @@ import numpy as np  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,4,8,16,32,64,128")
-    p.add_argument("--kind", default="q4_1", choices=("q4_1", "q8_0", "int8"))
+    p.add_argument("--kind", default="q4_1", choices=("q4_1", "q8_0", "int8", "f32", "bf16"))
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--reps", type=int, default=7)
     args = p.parse_args()
 
-    from pallas_kernels.block_matmul_cpu import available, block_matmul_cpu, block_matmul_reference
+    from pallas_kernels.block_matmul_cpu import (
+        available,
+        block_matmul_cpu,
+        block_matmul_reference,
+        dense_matmul_cpu,
+    )
+    from tokenspeed_jax.models import cpu_dot
     from tokenspeed_jax.models.block_quant import dequantize_blocks
     from tokenspeed_jax.models.quant import _split_int8_dot, split_rows
 
@@ -64,13 +72,25 @@ def main() -> None:
         y = jnp.sum((acc[:, :rows] * s1 + acc[:, rows:] * s2) * s[:, None, :], axis=0)
         return y if m is None else y + jnp.dot(jnp.sum(x.reshape(rows, g, 32), -1), m)
 
-    lowerings = {
-        "native": lambda x, c, s, m, w: block_matmul_cpu(x, c, s, m),
-        "split": lambda x, c, s, m, w: split(x, c, s, m),
-        "float": lambda x, c, s, m, w: (jnp.dot(x, c.astype(x.dtype)) * s[0] if block == k
-                                        else jnp.dot(x, dequantize_blocks(c, s, m))),
-        "f32": lambda x, c, s, m, w: jnp.dot(x, w),
-    }
+    if args.kind in ("f32", "bf16"):  # float weights: the native kernel against XLA's own dot
+        wdt = jnp.float32 if args.kind == "f32" else jnp.bfloat16
+        codes = [(d * 0.02).astype(wdt) for d in dense]
+        dense = [c.astype(jnp.float32) for c in codes]
+        lowerings = {
+            "native": lambda x, c, s, m, w: dense_matmul_cpu(x, c),
+            # XLA's dot as `models.layers.matmul` runs it: activations in the weights' dtype
+            "xla": lambda x, c, s, m, w: cpu_dot.dot(x.astype(c.dtype), c, 0, jnp.float32),
+        }
+        if args.kind == "bf16":
+            lowerings["f32"] = lambda x, c, s, m, w: jnp.dot(x, w)
+    else:
+        lowerings = {
+            "native": lambda x, c, s, m, w: block_matmul_cpu(x, c, s, m),
+            "split": lambda x, c, s, m, w: split(x, c, s, m),
+            "float": lambda x, c, s, m, w: (jnp.dot(x, c.astype(x.dtype)) * s[0] if block == k
+                                            else jnp.dot(x, dequantize_blocks(c, s, m))),
+            "f32": lambda x, c, s, m, w: jnp.dot(x, w),
+        }
 
     def chain(fn):
         def run(x, cs, ss, ms, ws):
@@ -98,7 +118,7 @@ def main() -> None:
         best = min(ms, key=ms.__getitem__)
         # one layer, not the chain: the tanh chain saturates to +-1 and hides differences
         want = np.asarray(x @ dense[0])
-        got = np.asarray(block_matmul_cpu(x, codes[0], scales[0], mins[0]))
+        got = np.asarray(lowerings["native"](x, codes[0], scales[0], mins[0], dense[0]))
         diff = np.abs(got - want).max() / np.abs(want).max()
         print(f"| {rows} | " + " | ".join(f"{ms[name]:.1f}" for name in lowerings)
               + f" | {best} | {diff:.1e} |", flush=True)

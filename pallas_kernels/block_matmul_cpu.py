@@ -1,13 +1,16 @@
-"""`block_matmul_cpu`: x @ (GGUF-style block-quantized weights) on XLA:CPU, in native code.
+"""`block_matmul_cpu` / `dense_matmul_cpu`: x @ (GGUF-style block-quantized, or float32 /
+bfloat16) weights on XLA:CPU, in native code.
 
 The weights are llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks in the `[in, out]` layout of
 `tokenspeed_jax.models.block_quant`: codes int8[K, N] (one byte per weight), scales f32[K/B, N],
 optional mins f32[K/B, N]; W[k, n] = scales[k // B, n] * codes[k, n] (+ mins[k // B, n]).
-One C++ custom call (`pallas_kernels/native/block_matmul.cc`) dequantizes 16-column tiles in
-registers and reuses each for 4 rows of x, split over XLA's intra-op threads: a few rows (decode)
-read one byte per weight, where the jnp lowerings read a float copy or run a batched int8 dot
-that XLA:CPU does well only for a row or two. `block_matmul_reference` is the same product as
-the dequantized matrix's float dot.
+One C++ custom call (`pallas_kernels/native/block_matmul.cc`) converts 16-column tiles of codes
+in registers and reuses each for 6 rows of x, split over XLA's intra-op threads: a few rows
+(decode) read one byte per weight, where the jnp lowerings read a float copy or run a batched
+int8 dot that XLA:CPU does well only for a row or two. `dense_matmul_cpu` is the same kernel on
+float32 / bfloat16 weights (one block of all K inputs, scale 1: an exact float32 product in
+another summation order), faster than XLA:CPU's own dot for decode-sized steps.
+`*_reference` are the same products as XLA's float dot.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import numpy as np
 
 from pallas_kernels import native
 
-__all__ = ["TARGET", "available", "block_matmul_cpu", "block_matmul_reference"]
+__all__ = ["TARGET", "available", "block_matmul_cpu", "block_matmul_reference", "dense_matmul_cpu",
+           "dense_matmul_reference"]
 
 TARGET = "tokenspeed_block_matmul"
 
@@ -67,4 +71,32 @@ def block_matmul_cpu(x: jax.Array, codes: jax.Array, scales: jax.Array,
     y: jax.Array = call(rows, codes, scales.astype(jnp.float32),
                         jnp.zeros((1,), jnp.float32) if mins is None else mins.astype(jnp.float32),
                         block=np.int32(block), has_mins=mins is not None)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _check_dense(x: jax.Array, w: jax.Array) -> None:
+    if w.ndim != 2 or w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{w.shape=} {w.dtype=}: w must be float32 or bfloat16 [K, N]")
+    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"{x.shape=}: the last axis must be K = {w.shape[0]} ({w.shape=})")
+
+
+def dense_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x f[..., K] @ w f32 / bf16[K, N] -> f32[..., N] (float32, HIGHEST precision)."""
+    _check_dense(x, w)
+    return jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def dense_matmul_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x f[..., K] @ w f32 / bf16[K, N] -> f32[..., N] as one native call (the reference when
+    it cannot be built); x is computed in float32."""
+    _check_dense(x, w)
+    if not available():
+        return dense_matmul_reference(x, w)
+    k, n = w.shape
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
+    y: jax.Array = call(rows, w, jnp.ones((1, n), jnp.float32), jnp.zeros((1,), jnp.float32),
+                        block=np.int32(k), has_mins=False)
     return y.reshape(*x.shape[:-1], n)

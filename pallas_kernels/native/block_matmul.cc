@@ -10,9 +10,12 @@
 // 1 byte per weight, not the 4 of a float32 copy). The block scale is applied once per block
 // (y += scale * sum(x * code) + min * sum(x)): float32 sums in another order than a dot of the
 // dequantized matrix, not a bit-identical product.
+// Float32 / bfloat16 weights take the same path as codes (one block of all K inputs, scale 1),
+// which beats XLA:CPU's own dot for decode-sized steps (dense_matmul_cpu).
 // Column tiles are split over XLA's intra-op threads.
 //
-// Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32[M, K], codes s8[K, N],
+// Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32[M, K], codes s8 / f32 /
+// bf16[K, N],
 // scales f32[G, N], mins f32[G, N] (has_mins) or any f32 array. Attribute: block = K / G.
 // Output f32[M, N].
 
@@ -37,7 +40,7 @@ constexpr int64_t kRows = 6;   // rows of x per pass: 12 accumulator vectors of 
 
 struct Problem {
   const float* x;
-  const int8_t* codes;
+  const void* codes;   // int8 codes, or float32 / bfloat16 weights (then one block, scale 1)
   const float* scales;
   const float* mins;   // nullptr without
   const float* xsum;   // f32[M, G]: sum of x over each block (for the mins), or nullptr
@@ -45,11 +48,39 @@ struct Problem {
   int64_t m, k, n, block;
 };
 
+using bf16 = uint16_t;  // XLA FFI's bfloat16 storage: the high half of a float32
+
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+inline float to_float(float v) { return v; }
+inline float to_float(bf16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // Rows [m0, m0 + NR) x columns [n0, n0 + kCols) (all in range). The block scale is factored
 // out of the inner loop: y += scale * sum_k x[k] * code[k] (+ min * sum_k x[k]), so a weight
 // costs one int8 -> float conversion per NR rows and no per-weight dequantization.
 #ifdef __AVX2__
-template <int NR, bool MINS>
+// 16 consecutive weights as two float vectors
+inline void load16(const int8_t* c, __m256& w0, __m256& w1) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+inline void load16(const float* c, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(c);
+  w1 = _mm256_loadu_ps(c + 8);
+}
+inline void load16(const bf16* c, __m256& w0, __m256& w1) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
+  w1 = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
+}
+
+template <typename T, int NR, bool MINS>
 void tile(const Problem& p, int64_t m0, int64_t n0) {
   const float* xr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = p.x + (m0 + r) * p.k;
@@ -59,11 +90,10 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
   for (int64_t g = 0; g < groups; ++g) {
     __m256 part[NR][2];
     for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
-    const int8_t* c = p.codes + g * p.block * p.n + n0;
+    const T* c = static_cast<const T*>(p.codes) + g * p.block * p.n + n0;
     for (int64_t kk = g * p.block; kk < (g + 1) * p.block; ++kk, c += p.n) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+      __m256 w0, w1;
+      load16(c, w0, w1);
       for (int r = 0; r < NR; ++r) {
         const __m256 xv = _mm256_broadcast_ss(xr[r] + kk);
         part[r][0] = _mm256_fmadd_ps(xv, w0, part[r][0]);
@@ -92,16 +122,16 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
   }
 }
 #else
-template <int NR, bool MINS>
+template <typename T, int NR, bool MINS>
 void tile(const Problem& p, int64_t m0, int64_t n0) {
   const int64_t groups = p.k / p.block;
   float acc[NR][kCols] = {};
   for (int64_t g = 0; g < groups; ++g) {
     float part[NR][kCols] = {};
     for (int64_t kk = g * p.block; kk < (g + 1) * p.block; ++kk) {
-      const int8_t* c = p.codes + kk * p.n + n0;
+      const T* c = static_cast<const T*>(p.codes) + kk * p.n + n0;
       float w[kCols];
-      for (int64_t j = 0; j < kCols; ++j) w[j] = static_cast<float>(c[j]);
+      for (int64_t j = 0; j < kCols; ++j) w[j] = to_float(c[j]);
       for (int r = 0; r < NR; ++r) {
         const float xv = p.x[(m0 + r) * p.k + kk];
 #pragma omp simd
@@ -121,28 +151,30 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
 #endif
 
 // Every row of x for columns [n0, n0 + kCols): passes of kRows rows, then the 1-5 left over.
-template <bool MINS>
+template <typename T, bool MINS>
 void full_tile(const Problem& p, int64_t n0) {
   int64_t m0 = 0;
-  for (; m0 + kRows <= p.m; m0 += kRows) tile<kRows, MINS>(p, m0, n0);
+  for (; m0 + kRows <= p.m; m0 += kRows) tile<T, kRows, MINS>(p, m0, n0);
   switch (p.m - m0) {
-    case 5: tile<5, MINS>(p, m0, n0); break;
-    case 4: tile<4, MINS>(p, m0, n0); break;
-    case 3: tile<3, MINS>(p, m0, n0); break;
-    case 2: tile<2, MINS>(p, m0, n0); break;
-    case 1: tile<1, MINS>(p, m0, n0); break;
+    case 5: tile<T, 5, MINS>(p, m0, n0); break;
+    case 4: tile<T, 4, MINS>(p, m0, n0); break;
+    case 3: tile<T, 3, MINS>(p, m0, n0); break;
+    case 2: tile<T, 2, MINS>(p, m0, n0); break;
+    case 1: tile<T, 1, MINS>(p, m0, n0); break;
     default: break;
   }
 }
 
 // The last columns [n0, n) when N is not a multiple of kCols: plain loops.
+template <typename T>
 void edge_tile(const Problem& p, int64_t n0) {
+  const T* codes = static_cast<const T*>(p.codes);
   for (int64_t i = 0; i < p.m; ++i) {
     for (int64_t j = n0; j < p.n; ++j) {
       float s = 0.0f;
       for (int64_t kk = 0; kk < p.k; ++kk) {
         const int64_t g = kk / p.block;
-        float w = p.scales[g * p.n + j] * static_cast<float>(p.codes[kk * p.n + j]);
+        float w = p.scales[g * p.n + j] * to_float(codes[kk * p.n + j]);
         if (p.mins != nullptr) w += p.mins[g * p.n + j];
         s += p.x[i * p.k + kk] * w;
       }
@@ -151,10 +183,29 @@ void edge_tile(const Problem& p, int64_t n0) {
   }
 }
 
-ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scales,
-                           ffi::Buffer<ffi::F32> mins, int32_t block, bool has_mins,
-                           ffi::ResultBuffer<ffi::F32> y) {
+template <typename T>
+void run(ffi::ThreadPool& pool, const Problem& p) {
+  const int64_t tiles = p.n / kCols;
+  if (p.n % kCols) edge_tile<T>(p, tiles * kCols);
+  // a thread per ~64 K x 16 tile passes; chunks of 4 tiles
+  const int64_t passes = tiles * ((p.m + kRows - 1) / kRows) * p.k / 1024;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), passes / 16));
+  tokenspeed::parallel_chunks(pool, tiles, 4, threads, [p] {
+    return [p](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        if (p.mins != nullptr) {
+          full_tile<T, true>(p, t * kCols);
+        } else {
+          full_tile<T, false>(p, t * kCols);
+        }
+      }
+    };
+  });
+}
+
+ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
+                           int32_t block, bool has_mins, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto cd = codes.dimensions();
   auto sd = scales.dimensions();
@@ -165,7 +216,11 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument(
         "block_matmul: x [M, K], codes [K, N], scales (and mins) [K / block, N], y [M, N]");
   }
-  Problem p{x.typed_data(), codes.typed_data(), scales.typed_data(),
+  const ffi::DataType dtype = codes.element_type();
+  if (dtype != ffi::DataType::S8 && dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("block_matmul: codes must be int8, float32 or bfloat16");
+  }
+  Problem p{x.typed_data(), codes.untyped_data(), scales.typed_data(),
             has_mins ? mins.typed_data() : nullptr, nullptr, y->typed_data(),
             xd[0], xd[1], cd[1], block};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
@@ -178,22 +233,13 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
     p.xsum = xsum.data();
   }
-  const int64_t tiles = p.n / kCols;
-  if (p.n % kCols) edge_tile(p, tiles * kCols);
-  // a thread per ~64 K x 16 tile passes; chunks of 4 tiles
-  const int64_t passes = tiles * ((p.m + kRows - 1) / kRows) * p.k / 1024;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), passes / 16));
-  tokenspeed::parallel_chunks(pool, tiles, 4, threads, [p] {
-    return [p](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        if (p.mins != nullptr) {
-          full_tile<true>(p, t * kCols);
-        } else {
-          full_tile<false>(p, t * kCols);
-        }
-      }
-    };
-  });
+  if (dtype == ffi::DataType::S8) {
+    run<int8_t>(pool, p);
+  } else if (dtype == ffi::DataType::F32) {
+    run<float>(pool, p);
+  } else {
+    run<bf16>(pool, p);
+  }
   return ffi::Error::Success();
 }
 
@@ -203,7 +249,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenspeedBlockMatmul, BlockMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // codes
+                                  .Arg<ffi::AnyBuffer>()         // codes: s8, f32 or bf16
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mins
                                   .Attr<int32_t>("block")

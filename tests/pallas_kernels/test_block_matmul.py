@@ -91,3 +91,37 @@ def test_lowers_to_one_custom_call_without_a_float_weight_copy():
         jnp.zeros((4, 576), jnp.float32), codes, scales, m).compile().as_text()
     assert hlo.count("custom_call_target=\"tokenspeed_block_matmul\"") == 1
     assert "f32[576,1536]" not in hlo
+
+
+DENSE_IMPLS = {"reference": block_matmul_cpu.dense_matmul_reference,
+               "native": block_matmul_cpu.dense_matmul_cpu}
+
+
+@pytest.fixture(params=sorted(DENSE_IMPLS))
+def dense_impl(request):
+    if request.param == "native" and not block_matmul_cpu.available():
+        pytest.skip("no C++ compiler here")
+    return DENSE_IMPLS[request.param]
+
+
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lead,k,n", [((1,), 64, 48), ((7,), 96, 37), ((2, 3), 128, 64),
+                                      ((70,), 64, 16), ((0,), 32, 16)])
+def test_dense_matches_float64_oracle(dense_impl, wdtype, lead, k, n):
+    """Float weights through the same kernel (one block, scale 1): every row count's pass
+    (6 rows, then 1-5 left over), columns past the last 16-wide tile, bf16 weights widened."""
+    rng = np.random.default_rng(k + n)
+    w = jnp.asarray(rng.standard_normal((k, n)), getattr(jnp, wdtype))
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    got = dense_impl(jnp.asarray(x), w)
+    assert got.shape == (*lead, n) and got.dtype == jnp.float32
+    bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(w64)) + 1e-6
+    assert (np.abs(np.asarray(got, np.float64) - x.astype(np.float64) @ w64) <= bound).all()
+
+
+@pytest.mark.parametrize("w,match", [(np.zeros((64, 8), np.float16), "float32 or bfloat16"),
+                                     (np.zeros((32, 8), np.float32), "last axis must be K")])
+def test_dense_invalid_inputs_raise(dense_impl, w, match):
+    with pytest.raises(ValueError, match=match):
+        dense_impl(jnp.zeros((2, 64), jnp.float32), jnp.asarray(w))

@@ -37,3 +37,21 @@ def test_bf16_weights_are_not_converted_per_call(rows):
     assert f32_weights(lambda a, b: matmul(a, b)) == 0
     assert f32_weights(lambda a, b: matmul(a, b.T.T)) == 0
     assert f32_weights(lambda a, b: a @ b) > 0  # the plain bf16 dot: the reason for matmul
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's native kernel")
+def test_bf16_weights_take_the_native_kernel():
+    """bf16 [K, N] weights run as one custom call of the native block kernel (faster than XLA's
+    bf16 dot on CPU); a transposed (tied) table and float32 weights stay on XLA's dot."""
+    from tokenspeed_jax.models.quant import use_native
+    if not use_native():
+        pytest.skip("no C++ compiler here")
+
+    def calls(x, w, **kw) -> int:
+        hlo = jax.jit(lambda a, b: matmul(a, b, **kw)).lower(x, w).compile().as_text()
+        return hlo.count('custom_call_target="tokenspeed_block_matmul"')
+
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    assert calls(x, jnp.ones((64, 48), jnp.bfloat16)) == 1
+    assert calls(x, jnp.ones((48, 64), jnp.bfloat16), w_transposed=True) == 0
+    assert calls(x.astype(jnp.float32), jnp.ones((64, 48), jnp.float32)) == 0

@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.block_matmul_cpu import dense_matmul_cpu
 from tokenspeed_jax.models import cpu_dot
 from tokenspeed_jax.models.block_quant import block_matmul, check_blocks, quantize_blocks
 from tokenspeed_jax.models.config import ModelConfig
-from tokenspeed_jax.models.quant import BLOCK_MODES, qmatmul, quantize_columns
+from tokenspeed_jax.models.quant import BLOCK_MODES, qmatmul, quantize_columns, use_native
 from tokenspeed_jax.models.rope import rope_parameters
 
 
@@ -75,8 +76,15 @@ def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Arr
     path takes bf16 inputs with an f32 output); a bf16 result makes it upcast both operands to
     float32 first, i.e. convert every weight matrix on every step (SmolLM2 bf16: 212 converts,
     most of a decode step). Same numbers either way: f32 accumulation, rounded to x's dtype.
-    A lone row goes as two on XLA:CPU (`cpu_dot`).
+    A lone row goes as two on XLA:CPU (`cpu_dot`). bf16 weights [K, N] on XLA:CPU go through
+    the native kernel of the block-quantized weights (`pallas_kernels.block_matmul_cpu.
+    dense_matmul_cpu`: the same f32 products and accumulation, another summation order), which
+    ran 30 chained 576 x 1536 layers 1.2-1.6x faster than XLA's bf16 dot from 1 to 512 rows
+    (benchmarks/block_matmul.py --kind bf16). float32 stays on XLA's dot, which reads a float32
+    matrix faster than the kernel's 16-column tiles (1.1-1.6x).
     """
+    if w.dtype == jnp.bfloat16 and not w_transposed and w.ndim == 2 and use_native():
+        return dense_matmul_cpu(x, w).astype(x.dtype)
     return cpu_dot.dot(x, w, 1 if w_transposed else 0, jnp.float32).astype(x.dtype)
 
 

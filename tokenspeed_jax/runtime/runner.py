@@ -217,7 +217,7 @@ class ModelRunner:
         self.quantization = quantization
         if quantization is not None:  # after any re-layout: scales follow the final columns
             quantize_model(model, quantization)
-        if quantization in ("int8", *BLOCK_MODES):
+        if quantization in ("int8", *BLOCK_MODES) or model_config.dtype == "bfloat16":
             use_native()  # its custom call registered before an executable loads
         # scan_layers: the layers' params and pools stacked per run of identical layers, applied
         # by lax.scan (models/layer_scan.py): one layer body to trace and compile, not L

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from scheduler.step_ops import StepOps, device_schema
+from tokenspeed_jax.runtime.draw import draw, row_keys
 from tokenspeed_jax.runtime.filtering import filtered_logits
 from tokenspeed_jax.runtime.spec_verify import verify_drafts
 
@@ -63,10 +64,7 @@ def sample(
 
     def stochastic(_):
         filtered = filtered_logits(logits, temperature, top_k, top_p)
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
-            seeds.astype(jnp.uint32), sample_index.astype(jnp.int32)
-        )
-        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        drawn = draw(row_keys(seeds, sample_index), filtered)
         return jnp.where(temperature > 0, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from tokenspeed_jax.runtime.draw import draw, row_keys
 from tokenspeed_jax.runtime.filtering import filtered_logits
 
 __all__ = ["verify_drafts"]
@@ -76,9 +77,7 @@ def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
         # would use (`sampling.sample`), so the drawn token is the one decoding without drafts
         # would have drawn there
         index = (ops["sample_index"][:n, None] + j[None, :]).reshape(-1)
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
-            per_row(ops["seeds"]).astype(jnp.uint32), index)
-        drawn = jax.vmap(jax.random.categorical)(keys, flat).astype(jnp.int32).reshape(n, k + 1)
+        drawn = draw(row_keys(per_row(ops["seeds"]), index), flat).reshape(n, k + 1)
         return jnp.where(temperature[:, None] > 0, drawn, greedy)
 
     out = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
