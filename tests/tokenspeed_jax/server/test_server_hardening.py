@@ -209,9 +209,9 @@ def test_queue_limit_503_at_once_then_the_rest_finish(srv):
 def test_chat_logprob_bytes_are_raw_token_bytes(srv):
     r = srv.client.chat.completions.create(model="tiny-random", messages=CHAT["messages"],
                                            max_tokens=24, temperature=1.0, seed=5, logprobs=True,
-                                           top_logprobs=3)
+                                           top_logprobs=3, extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content
-    assert len(content) == 24
+    assert len(content) == 24  # every sampled token, EOS or not
     for e in content:
         tid = srv.tok.encode(e.token, add_bos=False) if e.token and "\ufffd" not in e.token else None
         assert len(e.bytes) <= 1  # one byte per token (or none: a special)
