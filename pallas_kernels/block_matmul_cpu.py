@@ -9,7 +9,8 @@ in registers and reuses each for 6 rows of x, split over XLA's intra-op threads:
 (decode) read one byte per weight, where the jnp lowerings read a float copy or run a batched
 int8 dot that XLA:CPU does well only for a row or two. `dense_matmul_cpu` is the same kernel on
 float32 / bfloat16 weights (one block of all K inputs, scale 1: an exact float32 product in
-another summation order), faster than XLA:CPU's own dot for decode-sized steps.
+another summation order): faster than XLA:CPU's bf16 dot, slower than its float32 one
+(benchmarks/block_matmul.py).
 `*_reference` are the same products as XLA's float dot.
 """
 
@@ -32,12 +33,16 @@ def available() -> bool:
     return native.load("block_matmul") is not None
 
 
+def _check_x(x: jax.Array, w: jax.Array) -> None:
+    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"{x.shape=}: the last axis must be K = {w.shape[0]} ({w.shape=})")
+
+
 def _check(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None) -> int:
     """ValueError naming what does not fit; returns the block size B."""
     if codes.ndim != 2 or codes.dtype != jnp.int8:
         raise ValueError(f"{codes.shape=} {codes.dtype=}: codes must be int8[K, N]")
-    if x.ndim < 1 or x.shape[-1] != codes.shape[0]:
-        raise ValueError(f"{x.shape=}: the last axis must be K = {codes.shape[0]} ({codes.shape=})")
+    _check_x(x, codes)
     if scales.ndim != 2 or scales.shape[1] != codes.shape[1] or scales.shape[0] < 1 \
             or codes.shape[0] % scales.shape[0]:
         raise ValueError(f"{scales.shape=}: expected [K / B, N] for {codes.shape=}")
@@ -65,6 +70,12 @@ def block_matmul_cpu(x: jax.Array, codes: jax.Array, scales: jax.Array,
     block = _check(x, codes, scales, mins)
     if not available():
         return block_matmul_reference(x, codes, scales, mins)
+    return _native_call(x, codes, scales, mins, block)
+
+
+def _native_call(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None,
+                 block: int) -> jax.Array:
+    """The custom call on x's rows flattened to [M, K]; f32[..., N]."""
     k, n = codes.shape
     rows = x.reshape(-1, k).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
@@ -77,8 +88,7 @@ def block_matmul_cpu(x: jax.Array, codes: jax.Array, scales: jax.Array,
 def _check_dense(x: jax.Array, w: jax.Array) -> None:
     if w.ndim != 2 or w.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"{w.shape=} {w.dtype=}: w must be float32 or bfloat16 [K, N]")
-    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"{x.shape=}: the last axis must be K = {w.shape[0]} ({w.shape=})")
+    _check_x(x, w)
 
 
 def dense_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -94,9 +104,4 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
     _check_dense(x, w)
     if not available():
         return dense_matmul_reference(x, w)
-    k, n = w.shape
-    rows = x.reshape(-1, k).astype(jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
-    y: jax.Array = call(rows, w, jnp.ones((1, n), jnp.float32), jnp.zeros((1,), jnp.float32),
-                        block=np.int32(k), has_mins=False)
-    return y.reshape(*x.shape[:-1], n)
+    return _native_call(x, w, jnp.ones((1, w.shape[1]), jnp.float32), None, w.shape[0])

@@ -10,8 +10,8 @@
 // 1 byte per weight, not the 4 of a float32 copy). The block scale is applied once per block
 // (y += scale * sum(x * code) + min * sum(x)): float32 sums in another order than a dot of the
 // dequantized matrix, not a bit-identical product.
-// Float32 / bfloat16 weights take the same path as codes (one block of all K inputs, scale 1),
-// which beats XLA:CPU's own dot for decode-sized steps (dense_matmul_cpu).
+// Float32 / bfloat16 weights take the same path as codes (one block of all K inputs, scale 1,
+// dense_matmul_cpu): faster than XLA:CPU's bf16 dot, slower than its float32 one.
 // Column tiles are split over XLA's intra-op threads.
 //
 // Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32[M, K], codes s8 / f32 /
