@@ -45,6 +45,7 @@ def main() -> None:
         block_matmul_cpu,
         block_matmul_reference,
         dense_matmul_cpu,
+        pack_tiles,
     )
     from tokenspeed_jax.models import cpu_dot
     from tokenspeed_jax.models.block_quant import dequantize_blocks
@@ -77,25 +78,29 @@ def main() -> None:
         codes = [(d * 0.02).astype(wdt) for d in dense]
         dense = [c.astype(jnp.float32) for c in codes]
         lowerings = {
-            "native": lambda x, c, s, m, w: dense_matmul_cpu(x, c),
+            "native": lambda x, c, s, m, w, t: dense_matmul_cpu(x, c),
+            "tiled": lambda x, c, s, m, w, t: dense_matmul_cpu(x, t),
             # XLA's dot as `models.layers.matmul` runs it: activations in the weights' dtype
-            "xla": lambda x, c, s, m, w: cpu_dot.dot(x.astype(c.dtype), c, 0, jnp.float32),
+            "xla": lambda x, c, s, m, w, t: cpu_dot.dot(x.astype(c.dtype), c, 0, jnp.float32),
         }
         if args.kind == "bf16":
-            lowerings["f32"] = lambda x, c, s, m, w: jnp.dot(x, w)
+            lowerings["f32"] = lambda x, c, s, m, w, t: jnp.dot(x, w)
     else:
         lowerings = {
-            "native": lambda x, c, s, m, w: block_matmul_cpu(x, c, s, m),
-            "split": lambda x, c, s, m, w: split(x, c, s, m),
-            "float": lambda x, c, s, m, w: (jnp.dot(x, c.astype(x.dtype)) * s[0] if block == k
+            "native": lambda x, c, s, m, w, t: block_matmul_cpu(x, c, s, m),
+            "tiled": lambda x, c, s, m, w, t: block_matmul_cpu(x, t, s, m),
+            "split": lambda x, c, s, m, w, t: split(x, c, s, m),
+            "float": lambda x, c, s, m, w, t: (jnp.dot(x, c.astype(x.dtype)) * s[0] if block == k
                                             else jnp.dot(x, dequantize_blocks(c, s, m))),
-            "f32": lambda x, c, s, m, w: jnp.dot(x, w),
+            "f32": lambda x, c, s, m, w, t: jnp.dot(x, w),
         }
 
+    tiles = [pack_tiles(c) for c in codes]  # tile-major copies (`pack_tiles`)
+
     def chain(fn):
-        def run(x, cs, ss, ms, ws):
-            for c, s, m, w in zip(cs, ss, ms, ws, strict=True):
-                x = jnp.tanh(fn(x, c, s, m, w)[:, :k])
+        def run(x, cs, ss, ms, ws, ts):
+            for c, s, m, w, t in zip(cs, ss, ms, ws, ts, strict=True):
+                x = jnp.tanh(fn(x, c, s, m, w, t)[:, :k])
             return x
         return jax.jit(run)
 
@@ -108,17 +113,17 @@ def main() -> None:
         ms = {}
         for name, fn in lowerings.items():
             f = chain(fn)
-            jax.block_until_ready(f(x, codes, scales, mins, dense))  # compile
+            jax.block_until_ready(f(x, codes, scales, mins, dense, tiles))  # compile
             times = []
             for _ in range(args.reps):
                 t = time.perf_counter()
-                jax.block_until_ready(f(x, codes, scales, mins, dense))
+                jax.block_until_ready(f(x, codes, scales, mins, dense, tiles))
                 times.append(time.perf_counter() - t)
             ms[name] = 1e3 * statistics.median(times)
         best = min(ms, key=ms.__getitem__)
         # one layer, not the chain: the tanh chain saturates to +-1 and hides differences
         want = np.asarray(x @ dense[0])
-        got = np.asarray(lowerings["native"](x, codes[0], scales[0], mins[0], dense[0]))
+        got = np.asarray(lowerings["tiled"](x, codes[0], scales[0], mins[0], dense[0], tiles[0]))
         diff = np.abs(got - want).max() / np.abs(want).max()
         print(f"| {rows} | " + " | ".join(f"{ms[name]:.1f}" for name in lowerings)
               + f" | {best} | {diff:.1e} |", flush=True)

@@ -46,6 +46,14 @@ struct Problem {
   const float* xsum;   // f32[M, G]: sum of x over each block (for the mins), or nullptr
   float* y;
   int64_t m, k, n, block;
+  bool tiled;  // codes in tile-major order [N / kCols, K, kCols] (pack_tiles), not [K, N]
+
+  // codes of column tile [n0, n0 + kCols) from K row `kk`, and the step to the next K row
+  template <typename T>
+  const T* tile_codes(int64_t kk, int64_t n0) const {
+    return static_cast<const T*>(codes) + (tiled ? n0 * k + kk * kCols : kk * n + n0);
+  }
+  int64_t row_step() const { return tiled ? kCols : n; }
 };
 
 using bf16 = uint16_t;  // XLA FFI's bfloat16 storage: the high half of a float32
@@ -90,8 +98,9 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
   for (int64_t g = 0; g < groups; ++g) {
     __m256 part[NR][2];
     for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
-    const T* c = static_cast<const T*>(p.codes) + g * p.block * p.n + n0;
-    for (int64_t kk = g * p.block; kk < (g + 1) * p.block; ++kk, c += p.n) {
+    const T* c = p.tile_codes<T>(g * p.block, n0);
+    const int64_t step = p.row_step();
+    for (int64_t kk = g * p.block; kk < (g + 1) * p.block; ++kk, c += step) {
       __m256 w0, w1;
       load16(c, w0, w1);
       for (int r = 0; r < NR; ++r) {
@@ -129,7 +138,7 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
   for (int64_t g = 0; g < groups; ++g) {
     float part[NR][kCols] = {};
     for (int64_t kk = g * p.block; kk < (g + 1) * p.block; ++kk) {
-      const T* c = static_cast<const T*>(p.codes) + kk * p.n + n0;
+      const T* c = p.tile_codes<T>(kk, n0);
       float w[kCols];
       for (int64_t j = 0; j < kCols; ++j) w[j] = to_float(c[j]);
       for (int r = 0; r < NR; ++r) {
@@ -187,10 +196,12 @@ template <typename T>
 void run(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t tiles = p.n / kCols;
   if (p.n % kCols) edge_tile<T>(p, tiles * kCols);
-  // a thread per ~64 K x 16 tile passes; chunks of 4 tiles
+  // a thread per ~4 x 1024 K rows of tile passes (a 576 x 576 layer on one row takes two);
+  // chunks of up to 4 tiles, at least 4 chunks a thread
   const int64_t passes = tiles * ((p.m + kRows - 1) / kRows) * p.k / 1024;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), passes / 16));
-  tokenspeed::parallel_chunks(pool, tiles, 4, threads, [p] {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), passes / 4));
+  const int64_t chunk = std::clamp<int64_t>(tiles / (4 * threads), 1, 4);
+  tokenspeed::parallel_chunks(pool, tiles, chunk, threads, [p] {
     return [p](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         if (p.mins != nullptr) {
@@ -205,16 +216,22 @@ void run(ffi::ThreadPool& pool, const Problem& p) {
 
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
-                           int32_t block, bool has_mins, ffi::ResultBuffer<ffi::F32> y) {
+                           int32_t block, bool has_mins, bool tiled,
+                           ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto cd = codes.dimensions();
   auto sd = scales.dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || block < 1 || xd[1] != cd[0] ||
-      cd[0] != sd[0] * block || cd[1] != sd[1] ||
+  // codes [K, N], or tile-major [N / kCols, K, kCols]
+  const bool rank_ok = tiled ? cd.size() == 3 && cd[2] == kCols : cd.size() == 2;
+  const int64_t ck = rank_ok ? (tiled ? cd[1] : cd[0]) : -1;
+  const int64_t cn = rank_ok ? (tiled ? cd[0] * kCols : cd[1]) : -1;
+  if (!rank_ok || xd.size() != 2 || sd.size() != 2 || block < 1 || xd[1] != ck ||
+      ck != sd[0] * block || cn != sd[1] ||
       (has_mins && mins.element_count() != scales.element_count()) ||
-      y->element_count() != xd[0] * cd[1]) {
+      y->element_count() != xd[0] * cn) {
     return ffi::Error::InvalidArgument(
-        "block_matmul: x [M, K], codes [K, N], scales (and mins) [K / block, N], y [M, N]");
+        "block_matmul: x [M, K], codes [K, N] (tiled: [N / 16, K, 16]), scales (and mins) "
+        "[K / block, N], y [M, N]");
   }
   const ffi::DataType dtype = codes.element_type();
   if (dtype != ffi::DataType::S8 && dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16) {
@@ -222,7 +239,7 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   }
   Problem p{x.typed_data(), codes.untyped_data(), scales.typed_data(),
             has_mins ? mins.typed_data() : nullptr, nullptr, y->typed_data(),
-            xd[0], xd[1], cd[1], block};
+            xd[0], ck, cn, block, tiled};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   std::vector<float> xsum;  // outlives every claimed chunk: parallel_chunks returns when all are done
   if (has_mins) {
@@ -254,4 +271,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenspeedBlockMatmul, BlockMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mins
                                   .Attr<int32_t>("block")
                                   .Attr<bool>("has_mins")
+                                  .Attr<bool>("tiled")
                                   .Ret<ffi::Buffer<ffi::F32>>());

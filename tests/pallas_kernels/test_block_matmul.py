@@ -15,11 +15,25 @@ from pallas_kernels.block_matmul_cpu import block_matmul_reference
 IMPLS = {"reference": block_matmul_reference, "native": block_matmul_cpu.block_matmul_cpu}
 
 
-@pytest.fixture(params=sorted(IMPLS))
+def _tiled(fn):
+    """`fn` taking its weight [K, N] tile-major (`pack_tiles`); N not a multiple of 16: skip.
+    A weight of a dtype no kernel takes goes as it is (its ValueError is under test)."""
+    def call(x, w, *rest):
+        if w.dtype not in (jnp.int8, jnp.float32, jnp.bfloat16):
+            return fn(x, w, *rest)
+        if not block_matmul_cpu.tileable(w):
+            pytest.skip(f"{w.shape=}: not tileable")
+        return fn(x, block_matmul_cpu.pack_tiles(w), *rest)
+    return call
+
+
+@pytest.fixture(params=[f"{name}-{layout}" for name in sorted(IMPLS)
+                        for layout in ("kn", "tiled")])
 def impl(request):
-    if request.param == "native" and not block_matmul_cpu.available():
+    name, layout = request.param.split("-")
+    if name == "native" and not block_matmul_cpu.available():
         pytest.skip("no C++ compiler here")
-    return IMPLS[request.param]
+    return IMPLS[name] if layout == "kn" else _tiled(IMPLS[name])
 
 
 def _blocks(k: int, n: int, block: int, mins: bool, seed: int):
@@ -97,11 +111,13 @@ DENSE_IMPLS = {"reference": block_matmul_cpu.dense_matmul_reference,
                "native": block_matmul_cpu.dense_matmul_cpu}
 
 
-@pytest.fixture(params=sorted(DENSE_IMPLS))
+@pytest.fixture(params=[f"{name}-{layout}" for name in sorted(DENSE_IMPLS)
+                        for layout in ("kn", "tiled")])
 def dense_impl(request):
-    if request.param == "native" and not block_matmul_cpu.available():
+    name, layout = request.param.split("-")
+    if name == "native" and not block_matmul_cpu.available():
         pytest.skip("no C++ compiler here")
-    return DENSE_IMPLS[request.param]
+    return DENSE_IMPLS[name] if layout == "kn" else _tiled(DENSE_IMPLS[name])
 
 
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
@@ -125,3 +141,29 @@ def test_dense_matches_float64_oracle(dense_impl, wdtype, lead, k, n):
 def test_dense_invalid_inputs_raise(dense_impl, w, match):
     with pytest.raises(ValueError, match=match):
         dense_impl(jnp.zeros((2, 64), jnp.float32), jnp.asarray(w))
+
+
+def test_pack_tiles_round_trip_and_layout():
+    w = jnp.arange(32 * 48, dtype=jnp.int32).reshape(32, 48).astype(jnp.bfloat16)
+    t = block_matmul_cpu.pack_tiles(w)
+    assert t.shape == (3, 32, 16)
+    # tile j holds columns [16 j, 16 j + 16) of every K row, K rows contiguous
+    np.testing.assert_array_equal(np.asarray(t[1, 5]), np.asarray(w[5, 16:32]))
+    np.testing.assert_array_equal(np.asarray(block_matmul_cpu.unpack_tiles(t)), np.asarray(w))
+    assert block_matmul_cpu.weight_shape(t) == (32, 48) == block_matmul_cpu.weight_shape(w)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        block_matmul_cpu.pack_tiles(jnp.zeros((32, 40), jnp.bfloat16))
+    with pytest.raises(ValueError, match="tile-major"):
+        block_matmul_cpu.unpack_tiles(jnp.zeros((2, 32, 8), jnp.bfloat16))
+
+
+def test_tiled_codes_lower_to_one_custom_call_without_a_relayout():
+    """Tile-major codes go to the kernel as they are: no transpose back to [K, N] in the step."""
+    if not block_matmul_cpu.available():
+        pytest.skip("no C++ compiler here")
+    codes, scales, m = (jnp.asarray(a) for a in _blocks(576, 1536, 32, True, seed=0))
+    hlo = jax.jit(block_matmul_cpu.block_matmul_cpu).lower(
+        jnp.zeros((4, 576), jnp.float32), block_matmul_cpu.pack_tiles(codes), scales,
+        m).compile().as_text()
+    assert hlo.count("custom_call_target=\"tokenspeed_block_matmul\"") == 1
+    assert "s8[576,1536]" not in hlo and "transpose" not in hlo

@@ -78,11 +78,15 @@ def dequantize_blocks(codes: jax.Array, scales: jax.Array, mins: jax.Array | Non
 
 def block_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array,
                  mins: jax.Array | None) -> jax.Array:
-    """x f[..., K] @ dequantize_blocks(codes, scales, mins) f[K, N], in x's dtype."""
-    k, n = codes.shape
+    """x f[..., K] @ dequantize_blocks(codes, scales, mins) f[K, N], in x's dtype; codes
+    int8[K, N] or tile-major [N / 16, K, 16]."""
     rows = x.size // x.shape[-1]
     if use_native(rows):
         return block_matmul_cpu.block_matmul_cpu(x, codes, scales, mins).astype(x.dtype)
+    # tile-major codes (`Linear.tile`) past NATIVE_MAX_ROWS: the float lowering, re-laid in the
+    # same fusion as the dequantization
+    codes = block_matmul_cpu.unpack_tiles(codes)
+    k, n = codes.shape
     if rows > SPLIT_MAX_ROWS or jax.default_backend() != "cpu":
         w = dequantize_blocks(codes, scales, mins, x.dtype)
         y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
