@@ -7,11 +7,13 @@ side (issue 26).
 first 576 columns), each W random Q4_1 / Q8_0 blocks in `models.block_quant`'s layout (int8:
 one scale per output channel, `models.quant`'s weight-only "int8", a single block of all K
 inputs; f32 / bf16: plain float weights), one jit per lowering: "native"
-(`pallas_kernels.block_matmul_cpu`, one C++ custom call per layer), "xla" (f32 / bf16: XLA's own
+(`pallas_kernels.block_matmul_cpu`, one C++ custom call per layer, weights [K, N]), "tiled" (the
+same call on tile-major weights, `pack_tiles`: what a one-device CPU model holds), "xla" (f32 /
+bf16: XLA's own
 dot as `models.layers.matmul` ran it before, activations in the weights' dtype), "split" (int8
 activation rows, a batched int8 dot over the blocks), "float" (dequantize inside the step, one
 float dot) and "f32" (a float32 copy of the weights, the unquantized reference). Median of
-`--reps` after a warm call; "native rel. diff": max |native - f32| / max |f32| of one layer's
+`--reps` after a warm call; "native rel. diff": max |tiled - f32| / max |f32| of one layer's
 output.
 """
 

@@ -9,15 +9,19 @@
 // used for 6 rows of x at once: the codes are read once per 6 rows (a batch-1 decode reads
 // 1 byte per weight, not the 4 of a float32 copy). The block scale is applied once per block
 // (y += scale * sum(x * code) + min * sum(x)): float32 sums in another order than a dot of the
-// dequantized matrix, not a bit-identical product.
+// dequantized matrix, not a bit-identical product. A tile's K rows are taken ~16 KiB at a time
+// (chunk_rows), which stay in L1 across all the passes of rows.
 // Float32 / bfloat16 weights take the same path as codes (one block of all K inputs, scale 1,
-// dense_matmul_cpu): faster than XLA:CPU's bf16 dot, slower than its float32 one.
+// dense_matmul_cpu).
+// Layout: codes [K, N], or tile-major [N / 16, K, 16] (`tiled`, pallas_kernels/
+// block_matmul_cpu.pack_tiles), where a tile's K rows are contiguous: a few-row product then
+// streams memory in order (bf16, 1 row: ~35 GB/s against ~10 strided by N), and float32 tiles
+// beat XLA:CPU's own dot from 1 to 512 rows. The model re-lays its Linears so on one CPU device.
 // Column tiles are split over XLA's intra-op threads.
 //
 // Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32[M, K], codes s8 / f32 /
-// bf16[K, N],
-// scales f32[G, N], mins f32[G, N] (has_mins) or any f32 array. Attribute: block = K / G.
-// Output f32[M, N].
+// bf16 [K, N] or [N / 16, K, 16] (tiled, N a multiple of 16), scales f32[G, N], mins f32[G, N]
+// (has_mins) or any f32 array. Attributes: block = K / G, has_mins, tiled. Output f32[M, N].
 
 #include <algorithm>
 #include <cstdint>
@@ -80,6 +84,9 @@ inline void load16(const int8_t* c, __m256& w0, __m256& w1) {
 inline void load16(const float* c, __m256& w0, __m256& w1) {
   w0 = _mm256_loadu_ps(c);
   w1 = _mm256_loadu_ps(c + 8);
+  // in registers: else the compiler folds the loads into every row's FMA, 6x the loads of a
+  // K row, which made float32 weights 1.5x slower than bf16 ones (load-port bound)
+  asm volatile("" : "+x"(w0), "+x"(w1));
 }
 inline void load16(const bf16* c, __m256& w0, __m256& w1) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
@@ -89,18 +96,21 @@ inline void load16(const bf16* c, __m256& w0, __m256& w1) {
 }
 
 template <typename T, int NR, bool MINS>
-void tile(const Problem& p, int64_t m0, int64_t n0) {
+void tile(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add) {
   const float* xr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = p.x + (m0 + r) * p.k;
   __m256 acc[NR][2];
   for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const int64_t groups = p.k / p.block;
-  for (int64_t g = 0; g < groups; ++g) {
+  const int64_t step = p.row_step();
+  // [k0, k1) is whole groups, or a part of one (chunk_rows)
+  const int64_t span = std::min(p.block, k1 - k0);
+  for (int64_t kb = k0; kb < k1; kb += span) {
+    const int64_t g = kb / p.block;
     __m256 part[NR][2];
     for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
-    const T* c = p.tile_codes<T>(g * p.block, n0);
-    const int64_t step = p.row_step();
-    for (int64_t kk = g * p.block; kk < (g + 1) * p.block; ++kk, c += step) {
+    const T* c = p.tile_codes<T>(kb, n0);
+    for (int64_t kk = kb; kk < kb + span; ++kk, c += step) {
       __m256 w0, w1;
       load16(c, w0, w1);
       for (int r = 0; r < NR; ++r) {
@@ -115,7 +125,7 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
       acc[r][0] = _mm256_fmadd_ps(part[r][0], d0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(part[r][1], d1, acc[r][1]);
     }
-    if constexpr (MINS) {
+    if constexpr (MINS) {  // whole groups only (chunk_rows)
       const __m256 n0v = _mm256_loadu_ps(p.mins + g * p.n + n0);
       const __m256 n1v = _mm256_loadu_ps(p.mins + g * p.n + n0 + 8);
       for (int r = 0; r < NR; ++r) {
@@ -126,18 +136,25 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
     }
   }
   for (int r = 0; r < NR; ++r) {
-    _mm256_storeu_ps(p.y + (m0 + r) * p.n + n0, acc[r][0]);
-    _mm256_storeu_ps(p.y + (m0 + r) * p.n + n0 + 8, acc[r][1]);
+    float* y = p.y + (m0 + r) * p.n + n0;
+    if (add) {
+      acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_loadu_ps(y));
+      acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_loadu_ps(y + 8));
+    }
+    _mm256_storeu_ps(y, acc[r][0]);
+    _mm256_storeu_ps(y + 8, acc[r][1]);
   }
 }
 #else
 template <typename T, int NR, bool MINS>
-void tile(const Problem& p, int64_t m0, int64_t n0) {
+void tile(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add) {
   const int64_t groups = p.k / p.block;
   float acc[NR][kCols] = {};
-  for (int64_t g = 0; g < groups; ++g) {
+  const int64_t span = std::min(p.block, k1 - k0);
+  for (int64_t kb = k0; kb < k1; kb += span) {
+    const int64_t g = kb / p.block;
     float part[NR][kCols] = {};
-    for (int64_t kk = g * p.block; kk < (g + 1) * p.block; ++kk) {
+    for (int64_t kk = kb; kk < kb + span; ++kk) {
       const T* c = p.tile_codes<T>(kk, n0);
       float w[kCols];
       for (int64_t j = 0; j < kCols; ++j) w[j] = to_float(c[j]);
@@ -155,22 +172,43 @@ void tile(const Problem& p, int64_t m0, int64_t n0) {
       }
     }
   }
-  for (int r = 0; r < NR; ++r) std::memcpy(p.y + (m0 + r) * p.n + n0, acc[r], sizeof(acc[r]));
+  for (int r = 0; r < NR; ++r) {
+    float* y = p.y + (m0 + r) * p.n + n0;
+    for (int64_t j = 0; j < kCols; ++j) y[j] = add ? y[j] + acc[r][j] : acc[r][j];
+  }
 }
 #endif
 
-// Every row of x for columns [n0, n0 + kCols): passes of kRows rows, then the 1-5 left over.
+// K rows per chunk of a tile: ~16 KiB of weights, which stay in L1 across every pass of rows
+// (a float32 tile of K = 576 is 36 KiB: re-read from L2 by each pass, 0.6x the speed at 256 rows).
+// Whole blocks when blocks are smaller (the mins term is added per whole block); else a part of
+// the one block of all K (float / per-channel int8 weights: one scale for all K, no mins).
+template <typename T>
+int64_t chunk_rows(const Problem& p) {
+  int64_t rows = std::max<int64_t>(1, 16384 / (kCols * static_cast<int64_t>(sizeof(T))));
+  if (p.block <= rows || p.mins != nullptr) return std::max(p.block, rows / p.block * p.block);
+  const int64_t chunks = (p.k + rows - 1) / rows;  // even chunks: 576 = 3 x 192, not 256 + 256 + 64
+  return (p.k + chunks - 1) / chunks;
+}
+
+// Every row of x for columns [n0, n0 + kCols), one K chunk at a time: passes of kRows rows,
+// then the 1-5 left over.
 template <typename T, bool MINS>
 void full_tile(const Problem& p, int64_t n0) {
-  int64_t m0 = 0;
-  for (; m0 + kRows <= p.m; m0 += kRows) tile<T, kRows, MINS>(p, m0, n0);
-  switch (p.m - m0) {
-    case 5: tile<T, 5, MINS>(p, m0, n0); break;
-    case 4: tile<T, 4, MINS>(p, m0, n0); break;
-    case 3: tile<T, 3, MINS>(p, m0, n0); break;
-    case 2: tile<T, 2, MINS>(p, m0, n0); break;
-    case 1: tile<T, 1, MINS>(p, m0, n0); break;
-    default: break;
+  const int64_t rows = chunk_rows<T>(p);
+  for (int64_t k0 = 0; k0 < p.k; k0 += rows) {
+    const int64_t k1 = std::min(p.k, k0 + rows);
+    const bool add = k0 > 0;
+    int64_t m0 = 0;
+    for (; m0 + kRows <= p.m; m0 += kRows) tile<T, kRows, MINS>(p, m0, n0, k0, k1, add);
+    switch (p.m - m0) {
+      case 5: tile<T, 5, MINS>(p, m0, n0, k0, k1, add); break;
+      case 4: tile<T, 4, MINS>(p, m0, n0, k0, k1, add); break;
+      case 3: tile<T, 3, MINS>(p, m0, n0, k0, k1, add); break;
+      case 2: tile<T, 2, MINS>(p, m0, n0, k0, k1, add); break;
+      case 1: tile<T, 1, MINS>(p, m0, n0, k0, k1, add); break;
+      default: break;
+    }
   }
 }
 

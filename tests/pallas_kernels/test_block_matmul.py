@@ -52,6 +52,10 @@ CASES = {  # (lead shape, K, N, block, mins)
     "lead_axes": ((2, 3), 128, 64, 32, True),
     "per_channel_block_is_k": ((9,), 64, 16, 64, False),
     "many_rows": ((70,), 64, 48, 32, True),
+    # K past one L1 chunk of a tile (block_matmul.cc chunk_rows): whole blocks per chunk, or
+    # the one per-channel block cut in two
+    "k_chunks_q4_1": ((7,), 2048, 32, 32, True),
+    "k_chunks_per_channel": ((7,), 1500, 16, 1500, False),
 }
 
 
@@ -122,7 +126,8 @@ def dense_impl(request):
 
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lead,k,n", [((1,), 64, 48), ((7,), 96, 37), ((2, 3), 128, 64),
-                                      ((70,), 64, 16), ((0,), 32, 16)])
+                                      ((70,), 64, 16), ((0,), 32, 16),
+                                      ((7,), 600, 48)])  # K in 3 (f32) / 2 (bf16) chunks
 def test_dense_matches_float64_oracle(dense_impl, wdtype, lead, k, n):
     """Float weights through the same kernel (one block, scale 1): every row count's pass
     (6 rows, then 1-5 left over), columns past the last 16-wide tile, bf16 weights widened."""

@@ -100,9 +100,11 @@ def test_scanned_program_traces_one_layer_per_run(setup):
         runner = make_runner(setup, scan)
         shape = runner.shapes.step_shape(runner_padding(runner))
         # the reference attention is one jitted function shared by every layer (one private
-        # func in the module); count the dots of the layers themselves
+        # func in the module); count the products of the layers themselves (XLA dots, or the
+        # native matmul's custom calls on a CPU with tile-major weights)
         funcs = runner._lower(shape).as_text().split("func.func")
-        counts[scan] = sum(f.count("dot_general") for f in funcs
+        counts[scan] = sum(f.count("dot_general") + f.count("tokenspeed_block_matmul")
+                           for f in funcs
                            if not f.lstrip().startswith("private @paged_attention_reference"))
     # plain: q, k, v, o and the MLP's 3 per attention layer, in_proj / out_proj + MLP per conv
     # layer, all unrolled; scanned: one body per run (4 runs, 8 layers)

@@ -202,15 +202,15 @@ class CausalLM(nnx.Module):
 
     def tile_table(self) -> bool:
         """A tied table as the tile-major lm_head weight (`layers.Linear.tile`): [V, H] ->
-        [V / 16, H, 16], which the embedding reads by (id // 16, :, id % 16). For a bf16 or
-        int8 weight-only table with V a multiple of 16; returns whether it did. SmolLM2 bf16,
-        one row: the lm_head product 5.3 -> ~2 ms a step."""
+        [V / 16, H, 16], which the embedding reads by (id // 16, :, id % 16). For a float32 /
+        bf16 or int8 weight-only table with V a multiple of 16; returns whether it did. SmolLM2
+        bf16 batch-1 decode: 16.8 -> 14.9 ms a token."""
         table = self.embed_tokens.get_value()
         if table.ndim != 2:
             return False  # tiled already
         v, h = table.shape
         kind_ok = (self.quant_mode == "int8" if self.embed_scale_q is not None
-                   else table.dtype == jnp.bfloat16)
+                   else table.dtype in (jnp.bfloat16, jnp.float32))
         if self.lm_head is not None or not kind_ok or v % TILE:
             return False
         self.embed_tokens = nnx.Param(table.reshape(v // TILE, TILE, h).transpose(0, 2, 1))

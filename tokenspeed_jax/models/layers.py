@@ -60,12 +60,14 @@ class Linear(nnx.Module):
 
     def tile(self) -> bool:
         """Re-lay the kernel tile-major for the native CPU kernel (`pallas_kernels.
-        block_matmul_cpu.pack_tiles`) when every product of this layer takes that kernel with
-        it: bf16 float weights, int8 weight-only, GGUF / Q8_0 blocks; out a multiple of 16.
-        Returns whether it did. A few-row product then streams each tile's weights in order:
-        30 chained bf16 576 x 1536 layers, 1 row, 10.5 -> 3.8 ms (benchmarks/block_matmul.py)."""
+        block_matmul_cpu.pack_tiles`), which then takes every product of this layer: float32 /
+        bf16 weights, int8 weight-only, GGUF / Q8_0 blocks (not w8a8: XLA's integer dot); out a
+        multiple of 16. Returns whether it did. A few-row product streams each tile's weights in
+        order: 30 chained bf16 576 x 1536 layers, 1 row, 10.5 -> 3.8 ms; float32 tiles beat XLA's
+        own dot from 1 to 512 rows (3.2 vs 4.3 ms at 1 row, 176 vs 180 at 512;
+        benchmarks/block_matmul.py)."""
         w = self.kernel.get_value()
-        float_ok = self.quant_mode is None and w.dtype == jnp.bfloat16
+        float_ok = self.quant_mode is None and w.dtype in (jnp.float32, jnp.bfloat16)
         if not tileable(w) or not (float_ok or self.quant_mode in ("int8", *BLOCK_MODES)):
             return False
         self.kernel = nnx.Param(pack_tiles(w))
@@ -86,16 +88,12 @@ def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Arr
     """x f[..., K] @ w f[K, N] (w_transposed: w f[N, K], contracted on its last axis, e.g. a tied
     embedding table) in x's dtype, accumulated in float32.
 
-    Asking for the float32 result is what lets XLA:CPU run a bf16 dot natively (its library
-    path takes bf16 inputs with an f32 output); a bf16 result makes it upcast both operands to
-    float32 first, i.e. convert every weight matrix on every step (SmolLM2 bf16: 212 converts,
-    most of a decode step). Same numbers either way: f32 accumulation, rounded to x's dtype.
-    A lone row goes as two on XLA:CPU (`cpu_dot`). bf16 weights [K, N] on XLA:CPU go through
-    the native kernel of the block-quantized weights (`pallas_kernels.block_matmul_cpu.
-    dense_matmul_cpu`: the same f32 products and accumulation, another summation order), which
-    ran 30 chained 576 x 1536 layers 1.2-1.6x faster than XLA's bf16 dot from 1 to 512 rows
-    (benchmarks/block_matmul.py --kind bf16). float32 stays on XLA's dot, which reads a float32
-    matrix faster than the kernel's 16-column tiles (1.1-1.6x).
+    Tile-major w ([N / 16, K, 16], `Linear.tile` on one CPU device) goes to the native kernel
+    (`pallas_kernels.block_matmul_cpu.dense_matmul_cpu`: the same f32 products and
+    accumulation, another summation order). bf16 [K, N] weights on XLA:CPU too (1.2-1.6x XLA's
+    bf16 dot). Elsewhere XLA's dot asked for a float32 result, which is what lets XLA:CPU run a
+    bf16 dot natively (a bf16 result makes it upcast both operands first, i.e. convert every
+    weight matrix on every step); a lone row goes as two on XLA:CPU (`cpu_dot`).
     """
     if w.ndim == 3 or (w.dtype == jnp.bfloat16 and not w_transposed and use_native()):
         return dense_matmul_cpu(x, w).astype(x.dtype)  # tile-major w: only this kernel takes it

@@ -7,11 +7,12 @@ Two ways to multiply by them, both dequantizing inside the jitted step (no full-
 of a weight is ever held):
 - "int8" (weight-only, W8A16): activations keep their precision, the only error is the weights'
   rounding. Three lowerings of the same product, chosen per shape at trace time:
-  - native (XLA:CPU up to NATIVE_MAX_ROWS rows when its C++ kernel builds; not the tied
-    embedding's transposed table): the block kernel of `models/block_quant.py` with one block of
-    all K inputs. 30 chained 576 x 1536 layers: 1 row 2.5 ms against split's 3.0, 16 rows 10.2
-    against 17.1, 64 rows 30.2 against 44.6 and float32's 31.0 (benchmarks/block_matmul.py
-    --kind int8);
+  - native (XLA:CPU when its C++ kernel builds): the block kernel of `models/block_quant.py`
+    with one block of all K inputs; at every size for a tile-major q (`layers.Linear.tile`, the
+    tied table's `tile_table`: one CPU device), else up to NATIVE_MAX_ROWS rows and not for a
+    transposed table. 30 chained 576 x 1536 layers, tiled: 1 row 1.6 ms against split's 4.2,
+    16 rows 6.8 against 16.1, 512 rows 187 against the float lowering's 214
+    (benchmarks/block_matmul.py --kind int8);
   - split (XLA:CPU without the native kernel, up to SPLIT_MAX_ROWS rows): each token's
     activations are written exactly enough as two int8 rows, x = s1 * q1 + s2 * q2 with
     s2 = s1 / 254 (q2 holds the rounding residual of q1), and both go through one int8 x int8

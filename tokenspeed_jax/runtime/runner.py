@@ -50,7 +50,7 @@ from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.models.layer_scan import ScannedGraph
 from tokenspeed_jax.models.layers import tile_linears
-from tokenspeed_jax.models.quant import BLOCK_MODES, check_quantization, quantize_model, use_native
+from tokenspeed_jax.models.quant import check_quantization, quantize_model, use_native
 from tokenspeed_jax.page_table import update_rows
 from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import (
@@ -218,11 +218,11 @@ class ModelRunner:
         self.quantization = quantization
         if quantization is not None:  # after any re-layout: scales follow the final columns
             quantize_model(model, quantization)
-        if quantization in ("int8", *BLOCK_MODES) or model_config.dtype == "bfloat16":
-            # its custom call registered before an executable loads; on one device its Linears
-            # tile-major (models.layers.tile_linears: not under TP, whose rules split [in, out])
-            if use_native() and tp is None:
-                tile_linears(model)
+        # the native matmul's custom call registered before an executable loads (XLA:CPU); on
+        # one device the Linears it takes laid out tile-major for it (models.layers.
+        # tile_linears; not under TP, whose rules split [in, out])
+        if use_native() and tp is None:
+            tile_linears(model)
         # scan_layers: the layers' params and pools stacked per run of identical layers, applied
         # by lax.scan (models/layer_scan.py): one layer body to trace and compile, not L
         self._scan: ScannedGraph | None = None
