@@ -50,10 +50,12 @@ class Attention(nnx.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        self.q_proj = Linear(h, hq * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
-        self.k_proj = Linear(h, hkv * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
-        self.v_proj = Linear(h, hkv * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
+        # None once fused into qkv_proj (`fuse_projections`)
+        self.q_proj: Linear | None = Linear(h, hq * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
+        self.k_proj: Linear | None = Linear(h, hkv * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
+        self.v_proj: Linear | None = Linear(h, hkv * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
         self.o_proj = Linear(hq * d, h, bias=cfg.o_proj_bias, cfg=cfg, rngs=rngs)
+        self.qkv_proj: Linear | None = None  # q, k and v in one (`fuse_projections`)
         self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
         self.sinks = (
@@ -68,11 +70,26 @@ class Attention(nnx.Module):
         self.sm_scale = cfg.scale * rope_attention_factor(cfg, layer) ** 2
         self.inv_freq = nnx.Variable(rope_inv_freq(cfg, layer))  # not a Param: never trained/loaded
 
+    def fuse_projections(self) -> bool:
+        """q_proj, k_proj and v_proj as one tiled product (`Linear.absorb`); returns whether."""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        if q is None or k is None or v is None or not q.absorb([k, v]):
+            return False
+        self.qkv_proj = nnx.data(q)  # was None: a static attribute
+        self.q_proj = self.k_proj = self.v_proj = None
+        return True
+
     def _qkv(self, x: jax.Array, positions: jax.Array):
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        dq, dkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = jnp.split(self.qkv_proj(x), (dq, dq + dkv), axis=-1)
+        else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = self.inv_freq[...]

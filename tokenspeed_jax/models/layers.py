@@ -73,6 +73,30 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(pack_tiles(w))
         return True
 
+    def absorb(self, others: list[Linear]) -> bool:
+        """Append `others`' output columns to this tiled Linear (one product instead of several
+        on the same input: q / k / v, gate / up). All must be tiled alike: same inputs, dtype,
+        quantization, scale blocks, mins and bias presence. Returns whether it did; the caller
+        splits the output at the old widths."""
+        mine = [self, *others]
+        kernels = [m.kernel.get_value() for m in mine]
+        if any(k.ndim != 3 or k.shape[1:] != kernels[0].shape[1:] or k.dtype != kernels[0].dtype
+               for k in kernels):
+            return False
+        for attr in ("kernel_scale", "kernel_min", "bias"):
+            vals = [getattr(m, attr) for m in mine]
+            if any((v is None) != (vals[0] is None) for v in vals) or (
+                    vals[0] is not None and len({v.get_value().shape[:-1] for v in vals}) != 1):
+                return False
+        if len({m.quant_mode for m in mine}) != 1:
+            return False
+        self.kernel = nnx.Param(jnp.concatenate(kernels, axis=0))
+        for attr in ("kernel_scale", "kernel_min", "bias"):
+            if getattr(self, attr) is not None:
+                joined = jnp.concatenate([getattr(m, attr).get_value() for m in mine], axis=-1)
+                setattr(self, attr, nnx.Param(joined))
+        return True
+
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.quant_mode in BLOCK_MODES and self.kernel_scale is not None:
             mins = self.kernel_min[...] if self.kernel_min is not None else None
@@ -102,12 +126,17 @@ def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Arr
 
 def tile_linears(model: nnx.Module) -> int:
     """`Linear.tile` every Linear of `model` that takes it, and its tied table (`tile_table`,
-    models.decoder.CausalLM); returns how many. For one XLA:CPU device with the native kernel
-    built (the runner's call): a kernel's layout is then the kernel's own, so nothing shards or
-    reads it as [in, out] afterwards."""
+    models.decoder.CausalLM), then fuse the projections that share an input (`fuse_projections`:
+    attention q / k / v, MLP gate / up); returns how many Linears and tables were tiled. For
+    one XLA:CPU device with the native kernel built (the runner's call): a kernel's layout is
+    then the kernel's own, so nothing shards or reads it as [in, out] afterwards."""
     n = sum(module.tile() for _, module in nnx.iter_graph(model) if isinstance(module, Linear))
     tile_table = getattr(model, "tile_table", None)
-    return n + int(tile_table()) if callable(tile_table) else n
+    n += int(tile_table()) if callable(tile_table) else 0
+    fusers = [m for _, m in nnx.iter_graph(model) if callable(getattr(m, "fuse_projections", None))]
+    for module in fusers:
+        module.fuse_projections()
+    return n
 
 
 class RMSNorm(nnx.Module):
@@ -167,10 +196,25 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = Linear(h, i, bias=b, cfg=cfg, rngs=rngs)
-        self.up_proj = Linear(h, i, bias=b, cfg=cfg, rngs=rngs)
+        # None once fused into gate_up_proj (`fuse_projections`)
+        self.gate_proj: Linear | None = Linear(h, i, bias=b, cfg=cfg, rngs=rngs)
+        self.up_proj: Linear | None = Linear(h, i, bias=b, cfg=cfg, rngs=rngs)
         self.down_proj = Linear(i, h, bias=b, cfg=cfg, rngs=rngs)
+        self.gate_up_proj: Linear | None = None  # gate and up in one (`fuse_projections`)
         self.act = activation(cfg.hidden_act)
 
+    def fuse_projections(self) -> bool:
+        """gate_proj and up_proj as one tiled product (`Linear.absorb`); returns whether."""
+        if self.gate_proj is None or self.up_proj is None or \
+                not self.gate_proj.absorb([self.up_proj]):
+            return False
+        self.gate_up_proj = nnx.data(self.gate_proj)  # was None: a static attribute
+        self.gate_proj = self.up_proj = None
+        return True
+
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.gate_up_proj is not None:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+            return self.down_proj(self.act(gate) * up)
+        assert self.gate_proj is not None and self.up_proj is not None
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
