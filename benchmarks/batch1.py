@@ -53,22 +53,29 @@ def run(model: str, dtype: str, bucket: int, args: argparse.Namespace) -> tuple[
     chats = ChatPrompts(llm.tokenizer, system=SYSTEM)
     prompts = [chats.first(i) for i in range(args.prompts)]
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    for p in prompts:  # compiles every shape the timed pass uses
+    for p in prompts:  # the prompts' first prefills
         llm.generate([p], sp)
-    # a lazily compiled shape runs as a covering one while its own compiles on a background
-    # thread: that compile must not share the 2 cores with the timed pass (it once read 28.4
-    # tok/s for 35.7)
+
+    def timed_pass() -> float:
+        """decode time = a full request minus a one-token request of the same prompt (both find
+        the prompt in the prefix cache): what is left is max_tokens - 1 decode steps."""
+        decode_s = 0.0
+        for p in prompts:
+            t0 = time.perf_counter()
+            llm.generate([p], SamplingParams(max_tokens=1))
+            t1 = time.perf_counter()
+            out = llm.generate([p], sp)[0]
+            decode_s += time.perf_counter() - t1 - (t1 - t0)
+            assert len(out.token_ids) == args.max_tokens
+        return decode_s
+
+    # once untimed: a cached prompt's last partial page is a short prefill, another token bucket
+    # than the first pass used. A lazily compiled shape runs as a covering one while its own
+    # compiles on a background thread, which must not share the 2 cores with the timed pass
+    # (reading 28.4 tok/s for 35.7, and single requests 2x slower)
+    timed_pass()
     llm.engine.runner.programs.wait_background()
-    # decode time = a full request minus a one-token request of the same prompt (both find the
-    # prompt in the prefix cache): what is left is max_tokens - 1 decode steps
-    decode_s = 0.0
-    for p in prompts:
-        t0 = time.perf_counter()
-        llm.generate([p], SamplingParams(max_tokens=1))
-        t1 = time.perf_counter()
-        out = llm.generate([p], sp)[0]
-        decode_s += time.perf_counter() - t1 - (t1 - t0)
-        assert len(out.token_ids) == args.max_tokens
+    decode_s = timed_pass()
     tokens = len(prompts) * (args.max_tokens - 1)
     return tokens / decode_s, params
 
