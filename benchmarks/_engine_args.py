@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_batch_requests: int = 32,
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--quantization", default=None, choices=WEIGHT_QUANTIZATIONS)
-    p.add_argument("--min-token-bucket", type=int, default=16)
+    p.add_argument("--min-token-bucket", type=int, default=None,
+                   help="default: the engine's (16, plus 1 for a lone decode on CPU)")
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS)
 
 

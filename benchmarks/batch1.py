@@ -1,12 +1,13 @@
 """Batch-1 decode against the weight-read bound (issue 22), one run.
 
     python benchmarks/batch1.py --model /path/to/smollm2-hf [--dtypes float32,bfloat16]
-                                [--buckets 16,1] [--prompts 6] [--max-tokens 64]
+                                [--buckets default,16] [--prompts 6] [--max-tokens 64]
 
 A lone request decodes one token per step, and each step reads every weight once: the
 machine's copy bandwidth over the parameter bytes is the bound on tokens per second. This
 measures that bandwidth (numpy copy of a 512 MiB array: bytes read + written, best of 5),
-then, for each dtype and each `min_token_bucket` (the rows a lone decode runs the model on),
+then, for each dtype and each `min_token_bucket` ("default": the engine's, whose CPU ladder has
+a 1-token bucket for a lone decode; 16: a lone decode runs the model on 16 rows),
 runs `--prompts` chat prompts one at a time (`--max-tokens` greedy tokens each, EOS ignored)
 after one untimed pass; decode time is each request's time minus that of a one-token request
 of the same prompt. Prints decode tok/s, the bound and the share of it reached.
@@ -43,7 +44,7 @@ def copy_bandwidth(nbytes: int = 512 << 20) -> float:
     return 2 * nbytes / best
 
 
-def run(model: str, dtype: str, bucket: int, args: argparse.Namespace) -> tuple[float, int]:
+def run(model: str, dtype: str, bucket: int | None, args: argparse.Namespace) -> tuple[float, int]:
     """(decode tok/s over the timed pass, parameter bytes)."""
     llm = LLM(model, dtype=dtype, min_token_bucket=bucket, max_batch_requests=8,
               max_scheduled_tokens=256, max_context_len=2048,
@@ -84,7 +85,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--buckets", default="16,1", help="min_token_bucket values to compare")
+    p.add_argument("--buckets", default="default,16",
+                   help="min_token_bucket values to compare (default: the engine's)")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--attention-backend", default="auto",
@@ -95,7 +97,7 @@ def main() -> None:
     bw = copy_bandwidth()
     rows = []
     for dtype in args.dtypes.split(","):
-        for bucket in (int(b) for b in args.buckets.split(",")):
+        for bucket in (None if b == "default" else int(b) for b in args.buckets.split(",")):
             tps, params = run(args.model, dtype, bucket, args)
             rows.append((dtype, bucket, tps, params, bw / params))
             print(f"{dtype} min_token_bucket={bucket}: {tps:.1f} tok/s", flush=True)
@@ -106,7 +108,7 @@ def main() -> None:
           "share of bound |")
     print("|---|---|---|---|---|---|")
     for dtype, bucket, tps, params, bound in rows:
-        print(f"| {dtype} | {bucket} | {tps:.1f} | {params / 1e6:.0f} | {bound:.1f} | "
+        print(f"| {dtype} | {bucket or 'default'} | {tps:.1f} | {params / 1e6:.0f} | {bound:.1f} | "
               f"{tps / bound:.0%} |")
 
 

@@ -88,8 +88,9 @@ class LLM:
     More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
     min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`),
-    min_token_bucket (16: shortest token bucket; a lone decode runs the LM on this many rows, so
-    1 makes batch-1 decode read the weights once per token, at one more compile per halving),
+    min_token_bucket (None: token buckets 16, 32, ... plus a 1-token bucket for a lone decode
+    on CPU, where a padded row costs what a real one does; an int N: powers of two from N only,
+    e.g. 16 for one fewer step shape per kv bucket),
     async_scheduling (True, the default: plan step N+1 on the host while the device runs step N;
     False: the synchronous reference loop. Same outputs: see tokenspeed_jax/engine/engine.py and
     benchmarks/README.md, "Overlapped scheduling"), scan_layers (False: trace and compile one
@@ -169,11 +170,13 @@ class LLM:
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
-        from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET, DEFAULT_MIN_TOKEN_BUCKET
+        from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET
 
-        min_token_bucket = more_options.get("min_token_bucket", DEFAULT_MIN_TOKEN_BUCKET)
-        if not isinstance(min_token_bucket, int) or min_token_bucket < 1:
-            raise ValueError(f"min_token_bucket must be an int >= 1, got {min_token_bucket!r}")
+        min_token_bucket = more_options.get("min_token_bucket")
+        if min_token_bucket is not None and (not isinstance(min_token_bucket, int)
+                                             or min_token_bucket < 1):
+            raise ValueError(f"min_token_bucket must be None or an int >= 1, got "
+                             f"{min_token_bucket!r}")
         from tokenspeed_jax.runtime.backends import BACKENDS
 
         if attention_backend not in BACKENDS:

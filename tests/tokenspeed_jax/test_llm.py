@@ -50,18 +50,24 @@ def test_batched_tight_pool_matches_solo_runs(big, tight):
     assert stats["free_pages"] == stats["total_pages"]  # nothing leaked
 
 
-def test_min_token_bucket_one_runs_a_lone_decode_on_one_row_same_tokens(big):
-    llm = LLM("tiny-random", num_pages=400, min_token_bucket=1, **SMALL)
-    assert llm.engine.runner.buckets == (1, 2, 4, 8, 16, 32)
-    assert big.engine.runner.buckets == (16, 32)
+@pytest.mark.parametrize("bucket, ladder", [(1, (1, 2, 4, 8, 16, 32)), (None, (1, 16, 32))])
+def test_a_lone_decode_runs_on_one_row_same_tokens(bucket, ladder):
+    # None (the default) on CPU: 16, 32 plus a 1-token bucket for a lone decode
+    llm = LLM("tiny-random", num_pages=400, min_token_bucket=bucket, **SMALL)
+    sixteen = LLM("tiny-random", num_pages=400, min_token_bucket=16, **SMALL)
+    assert llm.engine.runner.buckets == ladder
+    assert sixteen.engine.runner.buckets == (16, 32)
     prompts = _prompts(3, seed=5)
     sp = SamplingParams(max_tokens=12, logprobs=True, ignore_eos=True)
     for p in prompts:  # one at a time: decodes in bucket 1, the chunk of the prompt in 32
-        a, b = llm.generate([p], sp)[0], big.generate([p], sp)[0]
+        a, b = llm.generate([p], sp)[0], sixteen.generate([p], sp)[0]
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-    both = llm.generate(prompts, sp)  # three decodes a step: bucket 4
-    assert [o.token_ids for o in both] == [big.generate([p], sp)[0].token_ids for p in prompts]
+    both = llm.generate(prompts, sp)  # three decodes a step: bucket 4 (1) or 16 (None)
+    assert [o.token_ids for o in both] == [sixteen.generate([p], sp)[0].token_ids
+                                           for p in prompts]
+    llm.engine.runner.programs.wait_background()
+    assert 1 in {s.bucket for s in llm.engine.runner.programs.ready}
     with pytest.raises(ValueError, match="min_token_bucket"):
         LLM("tiny-random", num_pages=64, min_token_bucket=0, **SMALL)
 

@@ -81,9 +81,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> Non
                    help="compile every step shape afresh (no persistent compilation cache)")
     p.add_argument("--compile-workers", type=int_at_least(1), default=2,
                    help="step shapes compiled (or loaded) at once during warm-up")
-    p.add_argument("--min-token-bucket", type=int_at_least(1), default=16,
-                   help="shortest token bucket: a lone decode runs the model on this many rows "
-                        "(1: fastest batch-1 decode, one more step shape per halving)")
+    p.add_argument("--min-token-bucket", type=int_at_least(1), default=None,
+                   help="shortest token bucket, powers of two from it (default: 16, plus a "
+                        "1-token bucket for a lone decode on CPU)")
     p.add_argument("--scan-layers", action="store_true",
                    help="trace and compile one decoder layer per run of identical layers "
                         "(lax.scan) instead of every layer: faster compiles, same tokens")

@@ -163,6 +163,9 @@ class ModelRunner:
         the StepOps, honor_full_refresh.
       backend: "auto" | "pallas" | "reference" | "native" attention (`runtime.backends`).
       min_token_bucket, min_kv_bucket: the shortest token bucket and kv bucket (in tokens).
+        min_token_bucket None (the default): 16, plus a 1-token bucket for a lone decode when
+        the devices are CPUs (`shapes.token_buckets`: there a padded row costs what a real one
+        does, so a lone decode on 16 rows reads ~3x longer); an int: powers of two from it.
       mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.runtime.sharding`);
         None = the default device, unsharded (the single-device path, unchanged).
       scan_layers: stack each run of identical layers (params and pools) and apply it with
@@ -183,7 +186,7 @@ class ModelRunner:
         layout: CacheLayout,
         *,
         backend: str = "auto",
-        min_token_bucket: int = DEFAULT_MIN_TOKEN_BUCKET,
+        min_token_bucket: int | None = None,
         min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET,
         mesh: Mesh | None = None,
         executable_store: ExecutableStore | None = None,
@@ -202,9 +205,12 @@ class ModelRunner:
         self.num_speculative = 0 if spec is None else spec.num_speculative_tokens  # static
         self.backend = resolve_backend(backend)
         _check_fp8_support(kv_cache_dtype, self.backend, mesh)
-        self.shapes = ShapePolicy.build(layout.widths, layout.page_sizes, self.max_scheduled_tokens,
-                                        backend=self.backend, min_token_bucket=min_token_bucket,
-                                        min_kv_bucket=min_kv_bucket)
+        platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
+        self.shapes = ShapePolicy.build(
+            layout.widths, layout.page_sizes, self.max_scheduled_tokens, backend=self.backend,
+            min_token_bucket=DEFAULT_MIN_TOKEN_BUCKET if min_token_bucket is None
+            else min_token_bucket, min_kv_bucket=min_kv_bucket,
+            lone_decode=min_token_bucket is None and platform == "cpu")
         self.num_compiles = 0
         self._layouts: dict[StepShape, StepLayout] = {}
         if lazy_compile not in ("background", "sync"):

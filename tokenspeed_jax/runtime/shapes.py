@@ -3,7 +3,9 @@
 A step's shape key is (token bucket, kv bucket); the step compiles once per key.
 * token bucket: the token dimension is padded up to the smallest of the powers of two from
   `min_token_bucket` up to `max_scheduled_tokens` (always a bucket), so a decode step does not
-  pay for a full prefill's worth of padding (`token_buckets`);
+  pay for a full prefill's worth of padding (`token_buckets`); with `lone_decode` a 1-token
+  bucket comes first, so a lone decode reads the weights for one row, not `min_token_bucket`
+  (on CPU the Linears' cost grows with the rows even when they are padding: 3x per token);
 * kv bucket (reference backend): the page tables the attention / conv reads get only the columns
   that cover the step's longest row, rounded up to a ladder of powers of two of tokens from
   `min_kv_bucket` (`kv_levels`), so the jnp reference gathers K/V in proportion to the real
@@ -21,7 +23,7 @@ from typing import NamedTuple
 from scheduler.step_ops import StepOps
 
 DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fewer compiles)
-DEFAULT_MIN_TOKEN_BUCKET = 16  # tokens: the shortest token bucket (a lone decode runs this many)
+DEFAULT_MIN_TOKEN_BUCKET = 16  # tokens: the shortest power-of-two token bucket
 
 KvLevel = tuple[int, tuple[int, ...]]  # (tokens covered, kv columns per group)
 
@@ -33,10 +35,11 @@ class StepShape(NamedTuple):
     level: int
 
 
-def token_buckets(max_scheduled_tokens: int, min_bucket: int = DEFAULT_MIN_TOKEN_BUCKET
-                  ) -> tuple[int, ...]:
-    """Powers of two from `min_bucket` below `max_scheduled_tokens`, then the max itself."""
-    out, b = [], max(1, min_bucket)
+def token_buckets(max_scheduled_tokens: int, min_bucket: int = DEFAULT_MIN_TOKEN_BUCKET, *,
+                  lone_decode: bool = False) -> tuple[int, ...]:
+    """Powers of two from `min_bucket` below `max_scheduled_tokens`, then the max itself;
+    `lone_decode` puts a 1-token bucket first (when `min_bucket` > 1)."""
+    out, b = [1] if lone_decode and min_bucket > 1 else [], max(1, min_bucket)
     while b < max_scheduled_tokens:
         out.append(b)
         b *= 2
@@ -80,14 +83,17 @@ class ShapePolicy:
     def build(cls, widths: tuple[int, ...], page_sizes: tuple[int, ...],
               max_scheduled_tokens: int, *, backend: str,
               min_token_bucket: int = DEFAULT_MIN_TOKEN_BUCKET,
-              min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET) -> ShapePolicy:
+              min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET,
+              lone_decode: bool = False) -> ShapePolicy:
         """The policy of a runner over mirrors of `widths` pages of `page_sizes` tokens per
-        group; `backend` is the resolved attention backend ("reference" | "native" | "pallas")."""
+        group; `backend` is the resolved attention backend ("reference" | "native" | "pallas");
+        `lone_decode`: a 1-token bucket below `min_token_bucket` (`token_buckets`)."""
         if backend in ("reference", "native"):  # jnp paths: tables cut to the kv bucket
             levels = kv_levels(widths, page_sizes, min_kv_bucket)
         else:  # Pallas: loops bounded by kv_len on the device; one full-width level
             levels = ((max(w * b for w, b in zip(widths, page_sizes)), tuple(widths)),)
-        return cls(token_buckets(max_scheduled_tokens, min_token_bucket), levels)
+        return cls(token_buckets(max_scheduled_tokens, min_token_bucket, lone_decode=lone_decode),
+                   levels)
 
     @property
     def shape_keys(self) -> tuple[tuple[int, int], ...]:
