@@ -41,6 +41,7 @@ namespace {
 
 constexpr int64_t kCols = 16;  // columns per tile: two AVX2 vectors
 constexpr int64_t kRows = 6;   // rows of x per pass: 12 accumulator vectors of the 16
+constexpr int64_t kBlockRows = 16 * kRows;  // rows of x per L2 block (tile_range)
 
 struct Problem {
   const float* x;
@@ -191,24 +192,31 @@ int64_t chunk_rows(const Problem& p) {
   return (p.k + chunks - 1) / chunks;
 }
 
-// Every row of x for columns [n0, n0 + kCols), one K chunk at a time: passes of kRows rows,
+// Rows [m0, m1) of x for columns [n0, n0 + kCols) and K rows [k0, k1): passes of kRows rows,
 // then the 1-5 left over.
 template <typename T, bool MINS>
-void full_tile(const Problem& p, int64_t n0) {
+void row_passes(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t k1) {
+  const bool add = k0 > 0;
+  for (; m0 + kRows <= m1; m0 += kRows) tile<T, kRows, MINS>(p, m0, n0, k0, k1, add);
+  switch (m1 - m0) {
+    case 5: tile<T, 5, MINS>(p, m0, n0, k0, k1, add); break;
+    case 4: tile<T, 4, MINS>(p, m0, n0, k0, k1, add); break;
+    case 3: tile<T, 3, MINS>(p, m0, n0, k0, k1, add); break;
+    case 2: tile<T, 2, MINS>(p, m0, n0, k0, k1, add); break;
+    case 1: tile<T, 1, MINS>(p, m0, n0, k0, k1, add); break;
+    default: break;
+  }
+}
+
+// Column tiles [t0, t1) for rows [m0, m1) of x (at most kBlockRows), one K chunk at a time: the
+// K chunk of a tile stays in L1 across its row passes, and the block of x the chunk reads stays
+// in L2 across the tiles (all M rows would stream from L3 once per tile at large M).
+template <typename T, bool MINS>
+void tile_range(const Problem& p, int64_t t0, int64_t t1, int64_t m0, int64_t m1) {
   const int64_t rows = chunk_rows<T>(p);
   for (int64_t k0 = 0; k0 < p.k; k0 += rows) {
     const int64_t k1 = std::min(p.k, k0 + rows);
-    const bool add = k0 > 0;
-    int64_t m0 = 0;
-    for (; m0 + kRows <= p.m; m0 += kRows) tile<T, kRows, MINS>(p, m0, n0, k0, k1, add);
-    switch (p.m - m0) {
-      case 5: tile<T, 5, MINS>(p, m0, n0, k0, k1, add); break;
-      case 4: tile<T, 4, MINS>(p, m0, n0, k0, k1, add); break;
-      case 3: tile<T, 3, MINS>(p, m0, n0, k0, k1, add); break;
-      case 2: tile<T, 2, MINS>(p, m0, n0, k0, k1, add); break;
-      case 1: tile<T, 1, MINS>(p, m0, n0, k0, k1, add); break;
-      default: break;
-    }
+    for (int64_t t = t0; t < t1; ++t) row_passes<T, MINS>(p, m0, m1, t * kCols, k0, k1);
   }
 }
 
@@ -235,17 +243,22 @@ void run(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t tiles = p.n / kCols;
   if (p.n % kCols) edge_tile<T>(p, tiles * kCols);
   // a thread per ~4 x 1024 K rows of tile passes (a 576 x 576 layer on one row takes two);
-  // chunks of up to 4 tiles, at least 4 chunks a thread
+  // work items of up to 4 tiles x kBlockRows rows, at least 4 items a thread (with few rows:
+  // 36 tiles in 9 chunks of 4 left one of 2 threads 5 chunks against 4)
   const int64_t passes = tiles * ((p.m + kRows - 1) / kRows) * p.k / 1024;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), passes / 4));
-  const int64_t chunk = std::clamp<int64_t>(tiles / (4 * threads), 1, 4);
-  tokenspeed::parallel_chunks(pool, tiles, chunk, threads, [p] {
-    return [p](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
+  const int64_t blocks = (p.m + kBlockRows - 1) / kBlockRows;
+  const int64_t chunk = std::clamp<int64_t>(tiles * blocks / (4 * threads), 1, 4);
+  const int64_t chunks = (tiles + chunk - 1) / chunk;
+  tokenspeed::parallel_chunks(pool, chunks * blocks, 1, threads, [p, tiles, chunk, chunks] {
+    return [p, tiles, chunk, chunks](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {  // consecutive items share a block of x
+        const int64_t t0 = i % chunks * chunk, t1 = std::min(tiles, t0 + chunk);
+        const int64_t m0 = i / chunks * kBlockRows, m1 = std::min(p.m, m0 + kBlockRows);
         if (p.mins != nullptr) {
-          full_tile<T, true>(p, t * kCols);
+          tile_range<T, true>(p, t0, t1, m0, m1);
         } else {
-          full_tile<T, false>(p, t * kCols);
+          tile_range<T, false>(p, t0, t1, m0, m1);
         }
       }
     };

@@ -32,6 +32,10 @@
 #include <memory>
 #include <vector>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -105,6 +109,30 @@ inline float exp_nonpositive(float x) {
   const float out = y * two_n;
   return in < -87.0f ? 0.0f : (in != in ? in : out);
 }
+
+#ifdef __AVX2__
+// exp_nonpositive on 8 lanes (GCC leaves the scalar one unvectorized: the NaN select).
+inline __m256 exp_nonpositive8(__m256 in) {
+  const __m256 x = _mm256_max_ps(in, _mm256_set1_ps(-87.0f));  // NaN -> -87, restored below
+  const __m256 n = _mm256_floor_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(y, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+  out = _mm256_blendv_ps(out, _mm256_setzero_ps(),
+                         _mm256_cmp_ps(in, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+  return _mm256_blendv_ps(out, in, _mm256_cmp_ps(in, in, _CMP_UNORD_Q));
+}
+#endif
 
 struct Problem {
   const float* q;
@@ -182,6 +210,7 @@ inline void init_rows(const Problem& p, int64_t h, int64_t rows, float* m, float
 // folding the page into the row's running max `m`, denominator `den` and numerator acc[0, d).
 inline void online_softmax(float* l, int64_t nr, float& m, float& den, float* acc, int64_t d) {
   float mx = m;
+#pragma omp simd reduction(max : mx)
   for (int64_t r = 0; r < nr; ++r) mx = std::max(mx, l[r]);
   if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible yet
     for (int64_t r = 0; r < nr; ++r) l[r] = 0.0f;
@@ -190,8 +219,20 @@ inline void online_softmax(float* l, int64_t nr, float& m, float& den, float* ac
   const float corr = std::isfinite(m) ? std::exp(m - mx) : 0.0f;
   m = mx;
   float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t r = 0; r < nr; ++r) {
+  int64_t r0 = 0;
+#ifdef __AVX2__
+  __m256 vsum = _mm256_setzero_ps();
+  const __m256 vmx = _mm256_set1_ps(mx);
+  for (; r0 + 8 <= nr; r0 += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(l + r0), vmx));
+    _mm256_storeu_ps(l + r0, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vsum);
+  for (float f : lanes) sum += f;
+#endif
+  for (int64_t r = r0; r < nr; ++r) {
     l[r] = exp_nonpositive(l[r] - mx);
     sum += l[r];
   }
@@ -271,7 +312,7 @@ void attend_token(const Problem& p, int64_t n, int64_t h, Scratch& s) {
   for (int64_t g = 0; g < group; ++g) normalize_row(acc + g * d, den[g], acc + g * d, d);
 }
 
-constexpr int64_t kRowBlock = 4;
+constexpr int64_t kRowBlock = 6;  // query rows per logits tile
 
 // l[k, 0:ps] = qr[k] . kt[:, 0:ps] for k < n (kt is K transposed, [d, ps]). With PS (the
 // page size) known the 4 x PS partial sums fit in vector registers across the d loop.
@@ -302,6 +343,35 @@ inline void logits_tile(const float* const* qr, const float* kt, int64_t d, int6
     }
   }
 }
+
+#ifdef __AVX2__
+// acc[NR, d] += w[NR, 0:nr] @ V[0:nr, d] (w rows `ps` apart, V rows vr[r], d a multiple of 16):
+// 16 columns of NR rows accumulate in registers over all nr keys, so each accumulator is loaded
+// and stored once per page, not once per key pair (the loop was load/store bound).
+template <int NR>
+inline void pv_rows(const float* w, int64_t ps, const float* const* vr, int64_t nr, float* acc,
+                    int64_t d) {
+  for (int64_t c = 0; c < d; c += 16) {
+    __m256 a[NR][2];
+    for (int k = 0; k < NR; ++k) {
+      a[k][0] = _mm256_loadu_ps(acc + k * d + c);
+      a[k][1] = _mm256_loadu_ps(acc + k * d + c + 8);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const __m256 v0 = _mm256_loadu_ps(vr[r] + c), v1 = _mm256_loadu_ps(vr[r] + c + 8);
+      for (int k = 0; k < NR; ++k) {
+        const __m256 e = _mm256_broadcast_ss(w + k * ps + r);
+        a[k][0] = _mm256_fmadd_ps(e, v0, a[k][0]);
+        a[k][1] = _mm256_fmadd_ps(e, v1, a[k][1]);
+      }
+    }
+    for (int k = 0; k < NR; ++k) {
+      _mm256_storeu_ps(acc + k * d + c, a[k][0]);
+      _mm256_storeu_ps(acc + k * d + c + 8, a[k][1]);
+    }
+  }
+}
+#endif
 
 // Block `b` (tokens meta[1][b] .. meta[2][b] - 1 of request meta[0][b]), KV head `h`: its
 // `group` query heads x tokens share every K/V row read. PS = the page size when it is a
@@ -360,15 +430,24 @@ void attend_block(const Problem& p, int64_t b, int64_t h, Scratch& s) {
       for (int64_t k = 0; k < kRowBlock; ++k) qr[k] = q_row(std::min(row0 + k, rows - 1));
       logits_tile<PS>(qr, kt, d, ps, lg + row0 * ps, n);
     }
+    // every row sees every key of the tile (below the block's first position, inside every
+    // row's window): no mask, and without a soft cap only the scale (vectorized)
+    const bool open = key0 + nr - 1 <= pos_first && (p.window <= 0 || key0 > pos_last - p.window);
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t pos = pos_first + row / group;
       float* l = lg + row * ps;
-      for (int64_t r = 0; r < nr; ++r) {
-        float x = l[r] * p.scale;
-        if (p.soft_cap > 0.0f) x = p.soft_cap * std::tanh(x / p.soft_cap);
-        const int64_t kp = key0 + r;
-        const bool keep = kp <= pos && (p.window <= 0 || kp > pos - p.window);
-        l[r] = keep ? x : -std::numeric_limits<float>::infinity();
+      if (open && p.soft_cap <= 0.0f) {
+        const float scale = p.scale;
+#pragma omp simd
+        for (int64_t r = 0; r < nr; ++r) l[r] *= scale;
+      } else {
+        for (int64_t r = 0; r < nr; ++r) {
+          float x = l[r] * p.scale;
+          if (p.soft_cap > 0.0f) x = p.soft_cap * std::tanh(x / p.soft_cap);
+          const int64_t kp = key0 + r;
+          const bool keep = kp <= pos && (p.window <= 0 || kp > pos - p.window);
+          l[r] = keep ? x : -std::numeric_limits<float>::infinity();
+        }
       }
       online_softmax(l, nr, m[row], den[row], acc + row * d, d);
     }
@@ -376,9 +455,23 @@ void attend_block(const Problem& p, int64_t b, int64_t h, Scratch& s) {
     for (int64_t r = 0; r < nr; ++r) {
       vr[r] = row_of<KIND>(p.v, p.vs, (page * ps + r0 + r) * p.hkv + h, d, s.vrows.data() + r * d);
     }
+#ifdef __AVX2__
+    if (d % 16 == 0) {  // acc [rows, d] += weights [rows, nr] @ V [nr, d], 6 x 16 at a time
+      int64_t row0 = 0;
+      for (; row0 + 6 <= rows; row0 += 6) pv_rows<6>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d);
+      switch (rows - row0) {
+        case 5: pv_rows<5>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
+        case 4: pv_rows<4>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
+        case 3: pv_rows<3>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
+        case 2: pv_rows<2>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
+        case 1: pv_rows<1>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
+        default: break;
+      }
+      continue;
+    }
+#endif
     // acc rows += weights @ V rows, two V rows at a time: they stay in registers while each
-    // accumulator row streams through L1 once per pair (measured faster than rows outer with
-    // register-held column blocks)
+    // accumulator row streams through L1 once per pair
     int64_t r = 0;
     for (; r + 2 <= nr; r += 2) {
       const float* v0 = vr[r];
