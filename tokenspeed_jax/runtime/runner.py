@@ -210,7 +210,9 @@ class ModelRunner:
             layout.widths, layout.page_sizes, self.max_scheduled_tokens, backend=self.backend,
             min_token_bucket=DEFAULT_MIN_TOKEN_BUCKET if min_token_bucket is None
             else min_token_bucket, min_kv_bucket=min_kv_bucket,
-            lone_decode=min_token_bucket is None and platform == "cpu")
+            # not with speculation: a decode row carries its drafts, 1 + k tokens
+            lone_decode=min_token_bucket is None and platform == "cpu"
+            and self.num_speculative == 0)
         self.num_compiles = 0
         self._layouts: dict[StepShape, StepLayout] = {}
         if lazy_compile not in ("background", "sync"):
