@@ -100,7 +100,7 @@ def main() -> None:
         for bucket in (None if b == "default" else int(b) for b in args.buckets.split(",")):
             tps, params = run(args.model, dtype, bucket, args)
             rows.append((dtype, bucket, tps, params, bw / params))
-            print(f"{dtype} min_token_bucket={bucket}: {tps:.1f} tok/s", flush=True)
+            print(f"{dtype} min_token_bucket={bucket or 'default'}: {tps:.1f} tok/s", flush=True)
     print(f"\n## batch-1 decode: {args.model}, {args.prompts} chat prompts one at a time, "
           f"{args.max_tokens} tokens each; jax {jax.__version__}\n\nCPU: {cpu_line()}; copy "
           f"bandwidth {bw / 1e9:.1f} GB/s\n")

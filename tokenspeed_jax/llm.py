@@ -89,8 +89,8 @@ class LLM:
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
     min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`),
     min_token_bucket (None: token buckets 16, 32, ... plus a 1-token bucket for a lone decode
-    on CPU, where a padded row costs what a real one does; an int N: powers of two from N only,
-    e.g. 16 for one fewer step shape per kv bucket),
+    on CPU without speculative decoding, where a padded row costs what a real one does; an int
+    N: powers of two from N only, e.g. 16 for one fewer step shape per kv bucket),
     async_scheduling (True, the default: plan step N+1 on the host while the device runs step N;
     False: the synchronous reference loop. Same outputs: see tokenspeed_jax/engine/engine.py and
     benchmarks/README.md, "Overlapped scheduling"), scan_layers (False: trace and compile one

@@ -17,7 +17,7 @@
 // block_matmul_cpu.pack_tiles), where a tile's K rows are contiguous: a few-row product then
 // streams memory in order (bf16, 1 row: ~35 GB/s against ~10 strided by N), and float32 tiles
 // beat XLA:CPU's own dot from 1 to 512 rows. The model re-lays its Linears so on one CPU device.
-// Column tiles are split over XLA's intra-op threads.
+// Work items of up to 4 column tiles x 96 rows of x are split over XLA's intra-op threads.
 //
 // Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32[M, K], codes s8 / f32 /
 // bf16 [K, N] or [N / 16, K, 16] (tiled, N a multiple of 16), scales f32[G, N], mins f32[G, N]

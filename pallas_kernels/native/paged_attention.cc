@@ -315,7 +315,7 @@ void attend_token(const Problem& p, int64_t n, int64_t h, Scratch& s) {
 constexpr int64_t kRowBlock = 6;  // query rows per logits tile
 
 // l[k, 0:ps] = qr[k] . kt[:, 0:ps] for k < n (kt is K transposed, [d, ps]). With PS (the
-// page size) known the 4 x PS partial sums fit in vector registers across the d loop.
+// page size) known the kRowBlock x PS partial sums fit in vector registers across the d loop.
 template <int PS>
 inline void logits_tile(const float* const* qr, const float* kt, int64_t d, int64_t ps, float* l,
                         int64_t n) {
@@ -421,8 +421,8 @@ void attend_block(const Problem& p, int64_t b, int64_t h, Scratch& s) {
       const float* k = row_of<KIND>(p.k, p.ks, (page * ps + r0 + r) * p.hkv + h, d, s.row.data());
       for (int64_t j = 0; j < d; ++j) kt[j * ps + r] = k[j];
     }
-    // logits [rows, ps] = q rows @ kt, four rows at a time (PS > 0: their partial sums stay in
-    // registers and share each K tile row's loads)
+    // logits [rows, ps] = q rows @ kt, kRowBlock rows at a time (PS > 0: their partial sums stay
+    // in registers and share each K tile row's loads)
     const int64_t key0 = col * ps + r0;  // absolute position of the tile's first key
     for (int64_t row0 = 0; row0 < rows; row0 += kRowBlock) {
       const int64_t n = std::min<int64_t>(kRowBlock, rows - row0);

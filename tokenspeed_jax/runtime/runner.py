@@ -164,8 +164,10 @@ class ModelRunner:
       backend: "auto" | "pallas" | "reference" | "native" attention (`runtime.backends`).
       min_token_bucket, min_kv_bucket: the shortest token bucket and kv bucket (in tokens).
         min_token_bucket None (the default): 16, plus a 1-token bucket for a lone decode when
-        the devices are CPUs (`shapes.token_buckets`: there a padded row costs what a real one
-        does, so a lone decode on 16 rows reads ~3x longer); an int: powers of two from it.
+        the devices are CPUs and no speculative decoding is configured (`shapes.token_buckets`:
+        there a padded row costs what a real one does, so a lone decode on 16 rows reads ~3x
+        longer; drafts ride in a bucket's padding, which a 1-token bucket has none of); an int:
+        powers of two from it.
       mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.runtime.sharding`);
         None = the default device, unsharded (the single-device path, unchanged).
       scan_layers: stack each run of identical layers (params and pools) and apply it with
