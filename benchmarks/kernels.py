@@ -25,6 +25,7 @@ One GPU run (< 6 minutes on an H200):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import statistics
@@ -40,6 +41,7 @@ from pallas_kernels import (
     DECODE_TUNING_CANDIDATES,
     PagedAttentionConfig,
     default_config,
+    mixed_config,
     paged_attention,
     paged_attention_reference,
     short_conv,
@@ -283,6 +285,9 @@ def cases(smoke: bool):
                     ps, False))
     out.append(("mixed: 60 decodes@8k + 4 prefill x512@4k", [512] * 4 + [1] * 60,
                 [4096] * 4 + [8192] * 60, None, 16, False))
+    # a serving step: one 512-token prefill chunk beside 31 running decodes
+    out.append(("mixed: 31 decodes@2k + 1 prefill x512", [512] + [1] * 31, [512] + [2048] * 31,
+                None, 16, False))
     return out
 
 
@@ -363,6 +368,21 @@ def main() -> int:
                 tuned = jax.jit(functools.partial(paged_attention, config=cfg))
                 report(f"ours {label} tile={cfg.pages_per_block * ps} stages={cfg.num_stages} "
                        f"splits={cfg.kv_splits}", bench(tuned, *args, reps=reps, inner=inner),
+                       roof, nbytes)
+        if label.startswith("mixed"):
+            # the default is two launches (MixedConfig, the decode launch unsplit); before
+            # 2026-12-04 it was one launch at the prefill config
+            t, s, mp = sum(q_lens), len(q_lens), -(-max(kv_lens) // ps)
+            both = mixed_config(t, s, ps, hq // hkv, hkv, mp)
+            assert both is not None
+            split = default_config(s, s, ps, hq // hkv, hkv, mp).kv_splits
+            variants = {"one launch (prefill config)": default_config(t, s, ps, hq // hkv, hkv, mp),
+                        f"two launches, decode kv_splits={split}": dataclasses.replace(
+                            both, decode=dataclasses.replace(both.decode, kv_splits=split))}
+            for name, cfg in variants.items():
+                tuned = jax.jit(functools.partial(paged_attention, interpret=interpret,
+                                                  sliding_window=window, config=cfg))
+                report(f"ours {label} {name}", bench(tuned, *args, reps=reps, inner=inner),
                        roof, nbytes)
         del args
     print("\n".join(["", "table:", *rows]))

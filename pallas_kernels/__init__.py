@@ -2,8 +2,10 @@
 
 from pallas_kernels.paged_attention import (
     DECODE_TUNING_CANDIDATES,
+    MixedConfig,
     PagedAttentionConfig,
     default_config,
+    mixed_config,
     paged_attention,
     paged_attention_reference,
 )
@@ -15,9 +17,11 @@ from pallas_kernels.short_conv import (
 
 __all__ = [
     "DECODE_TUNING_CANDIDATES",
+    "MixedConfig",
     "PagedAttentionConfig",
     "ShortConvConfig",
     "default_config",
+    "mixed_config",
     "paged_attention",
     "paged_attention_reference",
     "short_conv",

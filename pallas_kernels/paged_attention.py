@@ -18,6 +18,9 @@ Kernel design (Triton lowering, see `backend.py`):
 - Sinks enter as the initial running max/denominator (a key with logit `sink` and value 0).
 - Output rows are written with masked stores into a zero-initialised aliased buffer, so padding
   tokens come out as exact zeros.
+- A prefill-shaped batch of several requests runs as two launches into that one buffer
+  (`MixedConfig`): the short requests (decodes, speculative rows) at the 16-row decode config,
+  then the prefill chunks at 64 rows, each launch's block metadata keeping only its requests.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ from pallas_kernels.paged_attention_inputs import block_metadata, check_inputs
 from pallas_kernels.paged_attention_jnp import paged_attention_reference
 from pallas_kernels.paged_attention_tuning import (
     DECODE_TUNING_CANDIDATES,
+    MixedConfig,
     PagedAttentionConfig,
     default_config,
+    mixed_config,
 )
 
-__all__ = ["DECODE_TUNING_CANDIDATES", "PagedAttentionConfig", "default_config",
-           "paged_attention", "paged_attention_reference"]
+__all__ = ["DECODE_TUNING_CANDIDATES", "MixedConfig", "PagedAttentionConfig", "default_config",
+           "mixed_config", "paged_attention", "paged_attention_reference"]
 
 _LOG2E = math.log2(math.e)
 _MASK = -1e30  # finite: (mask - mask) must stay 0, never inf - inf = NaN
@@ -177,10 +182,14 @@ def _kernel(meta_ref: Ref, pt_ref: Ref, q_ref: Ref, k_ref: Ref, v_ref: Ref, sink
 
 
 def _merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Array | None,
-                  dtype: jnp.dtype) -> jax.Array:
+                  unwritten: jax.Array) -> jax.Array:
     """Combine per-split partials f32[K, T, Hq, (D)] (max in the log2 domain) into f[T, Hq, D].
-    Rows no program wrote keep acc=0, m=_MASK, denom=0 and come out as zeros."""
-    m_tot = jnp.max(m, axis=0)
+    Rows no program wrote (padding, requests of another launch) keep m=_MASK in every split and
+    come out as `unwritten` f[T, Hq, D]; a written row's max is a real logit (it sees its own
+    key), far above _MASK."""
+    m_max = jnp.max(m, axis=0)
+    written = m_max > 0.5 * _MASK
+    m_tot = m_max
     if sinks is not None:
         sink2 = sinks.astype(jnp.float32) * _LOG2E
         m_tot = jnp.maximum(m_tot, sink2[None, :])
@@ -189,7 +198,8 @@ def _merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Arr
     den = jnp.sum(w * denom, axis=0)
     if sinks is not None:
         den = den + jnp.exp2(sink2[None, :] - m_tot)
-    return (num / jnp.where(den > 0.0, den, 1.0)[..., None]).astype(dtype)
+    merged = num / jnp.where(den > 0.0, den, 1.0)[..., None]
+    return jnp.where(written[..., None], merged.astype(unwritten.dtype), unwritten)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -198,7 +208,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     sliding_window: int | None = None, soft_cap: float | None = None,
                     sinks: jax.Array | None = None, k_scales: jax.Array | None = None,
                     v_scales: jax.Array | None = None, interpret: bool = False,
-                    config: PagedAttentionConfig | None = None) -> jax.Array:
+                    config: PagedAttentionConfig | MixedConfig | None = None) -> jax.Array:
     """Ragged paged attention (Pallas GPU kernel; `interpret=True` runs it on CPU).
 
     Args:
@@ -215,7 +225,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       k_scales, v_scales: f16[P, page_size, Hkv] for a quantized cache (`kv_quant`): the pools
         are then int8 / float8_e4m3fn and a cached value is `page value * scale`.
       interpret: run the kernel with the Pallas interpreter (CPU tests).
-      config: tuning; None = `default_config(...)` for these static shapes.
+      config: tuning; None = `mixed_config(...)` (two launches: decodes, then prefill chunks)
+        for prefill-shaped batches of several requests, else `default_config(...)`.
 
     Returns:
       f[T, Hq, D] in q's dtype; padding tokens are zeros.
@@ -223,28 +234,55 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     scale = check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                           sinks=sinks, k_scales=k_scales, v_scales=v_scales)
-    quantized = k_scales is not None and v_scales is not None
     t, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_pages.shape
     group = hq // hkv
     _check_kernel_shapes(page_size, d)
-    cfg = config or default_config(t, page_table.shape[0], page_size, group, hkv,
-                                   page_table.shape[1])
-    _check_config(cfg, page_size, group)
+    s, max_pages = page_table.shape
+    if config is None:
+        config = (mixed_config(t, s, page_size, group, hkv, max_pages)
+                  or default_config(t, s, page_size, group, hkv, max_pages))
+    parts = ([(config.decode, (1, config.decode.block_q), s),
+              (config.prefill, (config.decode.block_q + 1, t), None)]
+             if isinstance(config, MixedConfig) else [(config, None, None)])
+    for cfg, _, _ in parts:
+        _check_config(cfg, page_size, group)
     if t == 0:
         return jnp.zeros_like(q)
+    launch = functools.partial(
+        _launch, q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs, scale=scale,
+        window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scales=k_scales,
+        v_scales=v_scales, interpret=interpret)
+    out = jnp.zeros_like(q)
+    for cfg, q_len_range, max_blocks in parts:
+        out = launch(cfg, q_len_range, max_blocks, out)
+    return out
+
+
+def _launch(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+            kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+            cfg: PagedAttentionConfig, q_len_range: tuple[int, int] | None,
+            max_blocks: int | None, out: jax.Array, *, scale: float, window: int | None,
+            soft_cap: float | None, sinks: jax.Array | None, k_scales: jax.Array | None,
+            v_scales: jax.Array | None, interpret: bool) -> jax.Array:
+    """One kernel launch over the requests in `q_len_range` (None: all); returns `out` f[T, Hq,
+    D] with their rows written and every other row as it came in."""
+    quantized = k_scales is not None and v_scales is not None
+    t, hq, d = q.shape
+    num_pages, page_size, hkv, _ = k_pages.shape
     meta, num_blocks = block_metadata(q, page_table, kv_lens, cu_q_lens, num_seqs, page_size,
-                                       cfg.block_q)
+                                      cfg.block_q, q_len_range, max_blocks)
     kernel = functools.partial(
-        _kernel, group=group, block_q=cfg.block_q, pages_per_block=cfg.pages_per_block,
+        _kernel, group=hq // hkv, block_q=cfg.block_q, pages_per_block=cfg.pages_per_block,
         page_size=page_size, head_dim=d, num_tokens=t, pool_tokens=num_pages * page_size,
-        scale=scale, window=sliding_window, soft_cap=soft_cap, has_sinks=sinks is not None,
+        scale=scale, window=window, soft_cap=soft_cap, has_sinks=sinks is not None,
         kv_splits=cfg.kv_splits, quantized=quantized)
     sinks_arr = (sinks.astype(jnp.float32) if sinks is not None
                  else jnp.zeros((hq,), jnp.float32))
-    # Outputs start from aliased buffers: rows no program writes (padding) stay at these values.
+    # Outputs start from aliased buffers: rows no program writes (padding, or requests of the
+    # other launch) keep these values.
     if cfg.kv_splits == 1:
-        inits = [jnp.zeros_like(q)]
+        inits = [out]
         grid: tuple[int, ...] = (num_blocks, hkv)
     else:
         k = cfg.kv_splits
@@ -264,7 +302,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     outs = call(meta, page_table.astype(jnp.int32), q, k_pages.reshape(flat_shape),
                 v_pages.reshape(flat_shape), sinks_arr, *scales, *inits)
     if cfg.kv_splits == 1:
-        out: jax.Array = outs[0]
-        return out
+        written: jax.Array = outs[0]
+        return written
     acc, m, denom = outs
-    return _merge_splits(acc, m, denom, sinks, q.dtype)
+    return _merge_splits(acc, m, denom, sinks, out)

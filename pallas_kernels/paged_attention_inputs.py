@@ -84,14 +84,15 @@ def check_quantized(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scal
 
 def block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
                     cu_q_lens: jax.Array, num_seqs: jax.Array, page_size: int,
-                    block_q: int, q_len_range: tuple[int, int] | None = None
-                    ) -> tuple[jax.Array, int]:
+                    block_q: int, q_len_range: tuple[int, int] | None = None,
+                    max_blocks: int | None = None) -> tuple[jax.Array, int]:
     """i32[4, NB]: per grid block (request, first token, end token, position offset).
 
     NB = cdiv(T, block_q) + S bounds sum_s cdiv(q_len_s, block_q). Real blocks come first;
     surplus blocks get the empty token range [T, T) of request 0 with offset 0: the kernel
     derives an empty key range from it and does no work (no page-table or K/V access at all).
-    `q_len_range=(lo, hi)` keeps only requests with lo <= q_len <= hi (the others get no block).
+    `q_len_range=(lo, hi)` keeps only requests with lo <= q_len <= hi (the others get no block);
+    `max_blocks` then may bound NB tighter (S when hi <= block_q: one block per request).
     """
     t, s = q.shape[0], page_table.shape[0]
     cu, kv, q_len = sanitize(cu_q_lens, kv_lens, num_seqs, t, page_table.shape[1] * page_size)
@@ -100,7 +101,7 @@ def block_metadata(q: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
         nb_per_seq = jnp.where((q_len >= q_len_range[0]) & (q_len <= q_len_range[1]),
                                nb_per_seq, 0)
     ends = jnp.cumsum(nb_per_seq)
-    num_blocks = pl.cdiv(t, block_q) + s
+    num_blocks = pl.cdiv(t, block_q) + s if max_blocks is None else max_blocks
     b = jnp.arange(num_blocks, dtype=jnp.int32)
     # compare_all: S is small (<= a few hundred), and a [NB, S] compare + sum is one fused op on
     # GPU where the default binary search is a sequential loop of gathers.

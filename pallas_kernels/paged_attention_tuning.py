@@ -8,7 +8,8 @@ import dataclasses
 
 from pallas_kernels import backend
 
-__all__ = ["DECODE_TUNING_CANDIDATES", "PagedAttentionConfig", "default_config"]
+__all__ = ["DECODE_TUNING_CANDIDATES", "MixedConfig", "PagedAttentionConfig", "default_config",
+           "mixed_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,37 @@ def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: in
             splits *= 2
     return PagedAttentionConfig(pages_per_block=pages_per_block, block_q=max(1, rows // gp),
                                 num_warps=4 if decode else 8, num_stages=3, kv_splits=splits)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedConfig:
+    """Two launches for a batch that mixes decodes with prefill chunks: requests with at most
+    `decode.block_q` query tokens run first, one block each, with `decode` (16 rows); the rest
+    then run with `prefill` into the same (aliased) output. One launch at the prefill config
+    gives each decode token a 64-row block (16x the tensor-core work it needs) at one program
+    per SM. On the H200 (bf16, 32 q / 8 kv heads, benchmarks/kernels.py): 60 decodes at 8k +
+    4 x 512-token chunks 2.13 -> 1.64 ms, 31 decodes at 2k + one 512-token chunk 0.247 ->
+    0.163 ms."""
+
+    decode: PagedAttentionConfig
+    prefill: PagedAttentionConfig
+
+
+def mixed_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int,
+                 num_kv_heads: int = 1, max_pages: int = 0) -> MixedConfig | None:
+    """The two-launch config for prefill-shaped batches of several requests; None where one
+    launch is the right shape (decode-dominated, or a single request). The decode launch does
+    not split the key range: its partials would be sized by ALL the batch's tokens (T x Hq x D
+    float32 per split), and on the H200 splitting cost 40% at 31 decodes + a 512-token chunk
+    (0.227 vs 0.163 ms) for 3% gained at 60 decodes at 8k + 2k prefill tokens."""
+    if num_tokens <= 2 * num_seqs_max or num_seqs_max < 2:
+        return None
+    decode = default_config(num_seqs_max, num_seqs_max, page_size, group, num_kv_heads,
+                            max_pages)
+    return MixedConfig(
+        decode=dataclasses.replace(decode, kv_splits=1),
+        prefill=default_config(num_tokens, num_seqs_max, page_size, group, num_kv_heads,
+                               max_pages))
 
 
 # Alternatives to the decode default (tile size, pipeline stages, kv_splits) for 32k-context

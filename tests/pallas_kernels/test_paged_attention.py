@@ -213,6 +213,44 @@ def test_kv_splits_match_oracle(name: str, splits: int) -> None:
     np.testing.assert_allclose(got, oracle(*args, **kwargs), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("decode_splits", [1, 2])
+@pytest.mark.parametrize("name", ["all_f32_ps16_g4", "many_decodes_long_chunk",
+                                  "bf16_mixed_d128", "mixed_ps16_g8"])
+def test_mixed_two_launches_match_oracle(name: str, decode_splits: int) -> None:
+    """MixedConfig: the decode launch (with or without kv splits, sinks merged outside) writes
+    only its requests' rows, the prefill launch the rest, into one aliased output."""
+    from pallas_kernels import MixedConfig
+
+    case = CASES[name]
+    args, kwargs = build(case)
+    jargs = [jnp.asarray(a) for a in args]
+    jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val)
+           for key, val in kwargs.items()}
+    ppb = 32 // case.page_size or 1
+    cfg = MixedConfig(
+        decode=PagedAttentionConfig(pages_per_block=ppb, block_q=max(1, 16 // case.group),
+                                    kv_splits=decode_splits),
+        prefill=PagedAttentionConfig(pages_per_block=ppb, block_q=max(1, 64 // case.group),
+                                     num_warps=8))
+    got = np.asarray(paged_attention(*jargs, **jkw, interpret=True, config=cfg)
+                     .astype(jnp.float32)).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert np.all(got[int(args[5][len(case.q_lens)]) :] == 0.0)
+    tol = 3e-2 if case.dtype == "bfloat16" else 2e-5
+    np.testing.assert_allclose(got, oracle(*args, **kwargs), atol=tol, rtol=tol)
+
+
+def test_mixed_config_only_for_prefill_shaped_batches() -> None:
+    from pallas_kernels import mixed_config
+
+    both = mixed_config(2108, 64, 16, 4, 8, 512)  # 60 decodes + 4 x 512-token chunks
+    assert both is not None
+    assert (both.decode.block_q, both.decode.kv_splits) == (4, 1)  # 16 rows, no T-sized partials
+    assert (both.prefill.block_q, both.prefill.kv_splits) == (16, 1)  # 64 rows
+    assert mixed_config(64, 64, 16, 4, 8, 512) is None  # decode-dominated: one launch
+    assert mixed_config(512, 1, 16, 4, 8, 512) is None  # one request: one launch
+
+
 def test_default_config_splits_long_decode_only() -> None:
     from pallas_kernels import default_config
 
