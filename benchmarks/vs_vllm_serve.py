@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -85,12 +86,19 @@ def _bench(vllm_python: str, wrapper: str, port: int, name: str, args: argparse.
         return json.load(f)
 
 
+def _engine_stats(port: int) -> dict:
+    """Our server's /stats (cumulative engine counters)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=30) as r:
+        stats: dict = json.load(r)
+    return stats
+
+
 def _serve(engine: str, args: argparse.Namespace, port: int, log: str) -> subprocess.Popen:
     if engine == "ours":
         env = ours_env()
         cmd = [sys.executable, "-m", "tokenspeed_jax.cli", "serve", "--model", args.model,
                "--dtype", args.dtype, "--max-context-len", "2048", "--port", str(port),
-               "--served-model-name", "model"]
+               "--served-model-name", "model", *shlex.split(args.ours_args)]
     else:
         env = vllm_env()
         cmd = [args.vllm_python, args.wrapper, "serve", args.model, "--dtype", args.dtype,
@@ -115,6 +123,8 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--port", type=int, default=8431)
     p.add_argument("--start-timeout-s", type=float, default=1800)
+    p.add_argument("--ours-args", default="",
+                   help="more `tokenspeed-jax serve` flags, one shell-quoted string")
     args = p.parse_args()
     args.model = os.path.abspath(args.model)
     if not vllm_importable(args.vllm_python):
@@ -133,8 +143,16 @@ def main() -> None:
             try:
                 _wait_healthy(port, proc, args.start_timeout_s, log)
                 _bench(args.vllm_python, args.wrapper, port, "model", args, d, f"{engine}-warm")
+                before = _engine_stats(port) if engine == "ours" else {}
                 results[engine] = r = _bench(args.vllm_python, args.wrapper, port, "model", args,
                                              d, engine)
+                if before:
+                    after = _engine_stats(port)
+                    steps = after["num_engine_steps"] - before["num_engine_steps"]
+                    print(f"ours: {steps} engine steps in the timed pass, "
+                          f"{r['duration'] / max(steps, 1) * 1e3:.0f} ms per step; "
+                          f"{after.get('host_ms_per_step', 0):.1f} ms host per step (whole run)",
+                          flush=True)
                 print(f"{engine}: " + ", ".join(f"{label} {r.get(key, float('nan')):.1f}"
                                                for key, label in _METRICS), flush=True)
             finally:
@@ -142,7 +160,9 @@ def main() -> None:
                 proc.wait(timeout=120)
     print(f"\n## served vs vLLM CPU: {args.model}, {args.dtype}, {args.num_prompts} prompts of "
           f"{args.prefix_len} shared + {args.input_len} random tokens, {args.output_len} out, "
-          f"concurrency {args.max_concurrency}\n\nCPU: {cpu_line()}\n")
+          f"concurrency {args.max_concurrency}"
+          + (f", ours with `{args.ours_args}`" if args.ours_args else "")
+          + f"\n\nCPU: {cpu_line()}\n")
     print("| server | " + " | ".join(label for _, label in _METRICS) + " |")
     print("|---|" + "---|" * len(_METRICS))
     for engine, r in results.items():
