@@ -1,4 +1,4 @@
-"""Shared fixtures of the runtime tests (the worker subprocesses of test_parallel.py,
+"""Shared fixtures of the runtime tests (the worker subprocesses of parallel_worker.py,
 test_distributed.py and test_kv_replication.py run those files as scripts, where `tests.*` is
 not importable; they never need these)."""
 

@@ -1,0 +1,170 @@
+"""The worker of the tensor- / data-parallel tests (test_parallel.py, test_parallel_quant.py).
+
+The device count is fixed when jax initializes, and pytest's process already has jax up with one
+device, so the work runs in a subprocess (this file with `--worker GROUP`, under
+`XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu`) that prints one JSON
+record; the test files assert on it. Two groups, two subprocesses: each test file's fixture runs
+one, so the test workers take them in parallel (one subprocess did both in ~530 s of a CI run,
+its 600 s timeout near).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+SMALL = dict(page_size=4, num_pages=160, max_batch_requests=6, max_scheduled_tokens=32,
+             max_context_len=96)
+
+
+def _shapes_ready(programs) -> int:
+    """Distinct step shapes made ready (compiled, or read back from the executable cache), once
+    the lazily compiled ones have landed."""
+    programs.wait_background()
+    return len(programs.ready)
+
+
+def worker(group: str) -> dict:
+    """Runs in the 4-device subprocess; returns plain numbers / lists for the parent to check.
+    group "core": tp / dp / scan / MoE / bad sizes; "quant": quantized KV and weights, Pallas."""
+    import jax
+    import numpy as np
+
+    from tokenspeed_jax import LLM, SamplingParams
+
+    assert len(jax.devices()) == 4, jax.devices()
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 256, 20).tolist()
+    prompts = [system + rng.integers(0, 256, int(rng.integers(3, 20))).tolist() for _ in range(6)]
+    gen = SamplingParams(max_tokens=16, logprobs=True, ignore_eos=True)
+    plp = SamplingParams(max_tokens=4, logprobs=True, prompt_logprobs=True, ignore_eos=True)
+    out: dict = {"runs": {}}
+
+    def run(name, tp, dp, backend="reference", prompts=prompts, **kw):
+        t0 = time.perf_counter()
+        llm = LLM("tiny-random", tensor_parallel_size=tp, data_parallel_size=dp,
+                  attention_backend=backend, **SMALL, **kw)
+        outs = llm.generate(prompts, gen) + llm.generate(prompts[:2], plp)
+        out["runs"][name] = {
+            "tokens": [o.token_ids for o in outs],
+            "logprobs": [o.logprobs for o in outs],
+            "prompt_logprobs": [o.prompt_logprobs for o in outs],
+            "seconds": time.perf_counter() - t0,
+            "compiles": [_shapes_ready(e.runner.programs) for e in llm.engines],
+        }
+        return llm
+
+    if group == "quant":
+        # the reference backend on the prompts the Pallas runs take
+        run("tp1_ref3", 1, 1, prompts=prompts[:3])
+        # a quantized KV cache (int8 + f16 scales): the scale pools shard on kv heads with their
+        # pool
+        run("tp1_int8", 1, 1, kv_cache_dtype="int8")
+        runner = run("tp2_int8", 2, 1, kv_cache_dtype="int8").engine.runner
+        out["int8_shards"] = {
+            f"cache0.{k}": [v.shape, [list(s.data.shape) for s in v.addressable_shards],
+                            str(v.dtype)] for k, v in runner.state.caches[0].items()}
+        # int8 weights with int8 activations: column-parallel scales split with their columns,
+        # the row-parallel layers' per-token activation absmax reduced across shards
+        run("tp1_w8a8", 1, 1, quantization="w8a8", prompts=prompts[:3])
+        run("tp2_w8a8", 2, 1, quantization="w8a8", prompts=prompts[:3])
+        # Q8_0 blocks: scales f32[in/32, out] split like their kernel (columns, or input blocks)
+        run("tp1_q8_0", 1, 1, quantization="q8_0", prompts=prompts[:3])
+        runner = run("tp2_q8_0", 2, 1, quantization="q8_0", prompts=prompts[:3]).engine.runner
+        out["q8_0_shards"] = {
+            jax.tree_util.keystr(p): [x.shape, list(x.addressable_shards[0].data.shape)]
+            for p, x in jax.tree_util.tree_leaves_with_path(runner.params)
+            if "kernel_scale" in jax.tree_util.keystr(p)}
+        run("tp2_pallas", 2, 1, backend="pallas", prompts=prompts[:3])
+        run("tp1_pallas", 1, 1, backend="pallas", prompts=prompts[:3])
+        return out
+
+    run("tp1", 1, 1)
+    llm = run("tp2", 2, 1)
+    runner = llm.engine.runner
+    shards = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(runner.params):
+        shards[jax.tree_util.keystr(path)] = [
+            leaf.shape, [list(s.data.shape) for s in leaf.addressable_shards],
+            len(leaf.sharding.device_set)]
+    for i, cache in enumerate(runner.state.caches):
+        for k, v in cache.items():
+            shards[f"cache{i}.{k}"] = [v.shape, [list(s.data.shape) for s in v.addressable_shards],
+                                       len(v.sharding.device_set)]
+    out["shards"] = shards
+    out["mirror_replicated"] = all(m.sharding.is_fully_replicated for m in runner.state.mirrors)
+
+    llm = run("tp2dp2", 2, 2)
+    st = llm.stats()
+    out["dp"] = {
+        "num_engines": len(llm.engines), "engine_is_first": llm.engine is llm.engines[0],
+        "devices": [sorted(d.id for d in e.runner.params["norm"]["weight"][...].sharding.device_set)
+                    for e in llm.engines],
+        "replica_steps": [s["num_engine_steps"] for s in st["replicas"]],
+        "total_pages": st["total_pages"], "free_pages": st["free_pages"],
+        "replica_total_pages": [s["total_pages"] for s in st["replicas"]],
+        "prefix_hit_rate": st["prefix_hit_rate"],
+        "prefix_hit_tokens": st["prefix_hit_tokens"], "prefix_query_tokens": st["prefix_query_tokens"],
+    }
+    run("dp2", 1, 2)
+    # scan_layers under tp: stacked params and pools keep their layer's spec behind the run axis
+    runner = run("tp2_scan", 2, 1, scan_layers=True).engine.runner
+    leaves = jax.tree_util.tree_leaves_with_path((runner.params, runner.state.caches))
+    out["scan_shards"] = {jax.tree_util.keystr(p): [x.shape, list(x.addressable_shards[0].data.shape)]
+                          for p, x in leaves}
+    out["moe_maxdiff"] = _moe_forward_diff()
+    errors = {}
+    for name, kw in {"tp3": dict(tensor_parallel_size=3), "tp4dp2": dict(tensor_parallel_size=4,
+                     data_parallel_size=2), "tp0": dict(tensor_parallel_size=0)}.items():
+        try:
+            LLM("tiny-random", **kw, **SMALL)
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    return out
+
+
+def _moe_forward_diff() -> float:
+    """max |logits(tp=2) - logits(tp=1)| of the dense forward of an MoE config with sinks and
+    biases (the paged path shares every parameter rule; tiny-random itself has no MoE)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from tokenspeed_jax.models import build_model, tiny_random_config
+    from tokenspeed_jax.runtime.sharding import TensorParallel, prepare_model, replica_meshes
+
+    cfg = tiny_random_config(num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0,
+                             attention_sinks=True, attention_bias=True, conv_bias=True)
+    net = build_model(cfg, 0)
+    x = jnp.asarray(np.random.default_rng(1).integers(0, 256, 24))
+    ref = np.asarray(net.dense(x))
+    plan = TensorParallel(replica_meshes(2, 1)[0], cfg)
+    prepare_model(net, 2)
+    graph, params = nnx.split(net)
+    sh = plan.param_shardings(params)
+    f = jax.jit(lambda p, t: nnx.merge(graph, p).dense(t), in_shardings=(sh, plan.replicated))
+    return float(np.abs(np.asarray(f(jax.device_put(params, sh), x)) - ref).max())
+
+
+def run_worker(group: str) -> dict:
+    """This file as a script on 4 virtual CPU devices; its JSON record."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--worker", group], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out: dict = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["wall"] = time.perf_counter() - t0
+    return out
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    print(json.dumps(worker(sys.argv[sys.argv.index("--worker") + 1])))
