@@ -83,6 +83,8 @@ def worker(group: str) -> dict:
         return out
 
     run("tp1", 1, 1)
+    # a second tp=1 LLM loads its shapes from the executable store, onto one of the 4 devices
+    out["tp1_warm_loaded"] = run("tp1_warm", 1, 1).stats()["startup"]["shapes_loaded"]
     llm = run("tp2", 2, 1)
     runner = llm.engine.runner
     shards = {}

@@ -9,6 +9,7 @@ here on its JSON record (quantized KV / weights and the Pallas kernels: test_par
 - dp: both replicas served requests, `stats()` sums them, `engine` is `engines[0]`;
 - scan_layers under tp=2: same tokens, stacked params and pools sharded like their layer's;
 - one compile per token bucket per replica (the sharded state keeps its sharding across steps);
+- a second tp=1 LLM loads its steps from the executable store onto one of the 4 devices;
 - an MoE + sinks + biases config: sharded forward == unsharded (ragged_dot over sharded experts);
 - bad sizes raise ValueError (tp=3 with 2 kv heads, tp*dp > devices, tp=0).
 """
@@ -28,7 +29,7 @@ def result() -> dict:
 
 
 @pytest.mark.parametrize("name,base", [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"),
-                                       ("tp2_scan", "tp1")])
+                                       ("tp2_scan", "tp1"), ("tp1_warm", "tp1")])
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
     a, b = result["runs"][base], result["runs"][name]
     assert b["tokens"] == a["tokens"]
@@ -95,3 +96,9 @@ def test_bad_sizes_raise(result):
     assert err["tp3"] is not None and "num_key_value_heads=2" in err["tp3"]
     assert err["tp4dp2"] is not None and "exceeds the 4 available" in err["tp4dp2"]
     assert err["tp0"] is not None
+
+
+def test_single_device_executables_load_on_one_of_many_devices(result):
+    """A stored one-device step loads onto the default device, not spread over all four (which
+    failed at its first call: "Expected args ... to have 4 shards")."""
+    assert result["tp1_warm_loaded"] > 0

@@ -288,7 +288,10 @@ class ModelRunner:
         self._mask_abstract = jax.ShapeDtypeStruct(self._no_mask.shape, jnp.int32,
                                                    sharding=self._no_mask.sharding)
         self._input_sharding = None if tp is None else tp.replicated
-        devices = None if mesh is None else list(mesh.devices.flat)
+        # The devices a stored executable is loaded onto: without a mesh the step runs on the
+        # default device alone; left to itself, deserialization would spread a one-device program
+        # over every local device (4 virtual CPUs, 8 GPUs) and its first call would fail
+        devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         self.programs = StepPrograms(
             self._lower, None if executable_store is None else self._program_key,
             executable_store, devices)
