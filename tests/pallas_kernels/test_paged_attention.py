@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import (
+    MixedConfig,
     PagedAttentionConfig,
     gpu_compile,
     paged_attention,
@@ -165,16 +167,15 @@ def oracle(q, k, v, page_table, kv_lens, cu, num_seqs, *, sm_scale, sliding_wind
     return out
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_float64_oracle(name: str, impl: str) -> None:
-    case = CASES[name]
+def check_matches_oracle(case: Case, impl: Callable[..., jax.Array]) -> None:
+    """The shared test body: `impl` (paged_attention's signature) on `case`'s inputs, with NaN
+    wherever the result must not depend, == the float64 oracle; padding tokens exact zeros."""
     args, kwargs = build(case)
     want = oracle(*args, **kwargs)
     jargs = [jnp.asarray(a) for a in args]
     jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val)
            for key, val in kwargs.items()}
-    got = np.asarray(IMPLS[impl](*jargs, **jkw).astype(jnp.float32)).astype(np.float64)
+    got = np.asarray(impl(*jargs, **jkw).astype(jnp.float32)).astype(np.float64)
     assert got.shape == want.shape
     assert np.isfinite(got).all(), "NaN/inf leaked from pages the kernel must not depend on"
     n_real = int(args[5][len(case.q_lens)])
@@ -183,14 +184,20 @@ def test_matches_float64_oracle(name: str, impl: str) -> None:
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_float64_oracle(name: str, impl: str) -> None:
+    check_matches_oracle(CASES[name], IMPLS[impl])
+
+
+def _interpreted(config: PagedAttentionConfig | MixedConfig) -> Callable[..., jax.Array]:
+    return functools.partial(paged_attention, interpret=True, config=config)
+
+
 def test_many_pages_per_block_and_block_q() -> None:
     """Non-default tiling (1 page per tile, 16 query tokens per program) gives the same answer."""
-    case = CASES["window_small_holes_ps8"]
-    args, kwargs = build(case)
-    jargs = [jnp.asarray(a) for a in args]
     cfg = PagedAttentionConfig(pages_per_block=2, block_q=16, num_warps=8, num_stages=3)
-    got = paged_attention(*jargs, **kwargs, interpret=True, config=cfg)
-    np.testing.assert_allclose(np.asarray(got), oracle(*args, **kwargs), atol=2e-5, rtol=2e-5)
+    check_matches_oracle(CASES["window_small_holes_ps8"], _interpreted(cfg))
 
 
 @pytest.mark.parametrize(("name", "splits"), [("all_f32_ps16_g4", 4), ("window_small_holes_ps8", 2),
@@ -199,18 +206,9 @@ def test_kv_splits_match_oracle(name: str, splits: int) -> None:
     """Flash-decoding path (partials merged in jnp, sinks merged once) == oracle; more splits
     than tiles leaves empty splits that must not disturb the merge."""
     case = CASES[name]
-    args, kwargs = build(case)
-    jargs = [jnp.asarray(a) for a in args]
-    jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val)
-           for key, val in kwargs.items()}
     cfg = PagedAttentionConfig(pages_per_block=32 // case.page_size or 1,
                                block_q=max(1, 16 // case.group), kv_splits=splits)
-    got = np.asarray(paged_attention(*jargs, **jkw, interpret=True, config=cfg)
-                     .astype(jnp.float32)).astype(np.float64)
-    assert np.isfinite(got).all()
-    assert np.all(got[int(args[5][len(case.q_lens)]) :] == 0.0)
-    tol = 3e-2 if case.dtype == "bfloat16" else 2e-5
-    np.testing.assert_allclose(got, oracle(*args, **kwargs), atol=tol, rtol=tol)
+    check_matches_oracle(case, _interpreted(cfg))
 
 
 @pytest.mark.parametrize("decode_splits", [1, 2])
@@ -219,25 +217,14 @@ def test_kv_splits_match_oracle(name: str, splits: int) -> None:
 def test_mixed_two_launches_match_oracle(name: str, decode_splits: int) -> None:
     """MixedConfig: the decode launch (with or without kv splits, sinks merged outside) writes
     only its requests' rows, the prefill launch the rest, into one aliased output."""
-    from pallas_kernels import MixedConfig
-
     case = CASES[name]
-    args, kwargs = build(case)
-    jargs = [jnp.asarray(a) for a in args]
-    jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val)
-           for key, val in kwargs.items()}
     ppb = 32 // case.page_size or 1
     cfg = MixedConfig(
         decode=PagedAttentionConfig(pages_per_block=ppb, block_q=max(1, 16 // case.group),
                                     kv_splits=decode_splits),
         prefill=PagedAttentionConfig(pages_per_block=ppb, block_q=max(1, 64 // case.group),
                                      num_warps=8))
-    got = np.asarray(paged_attention(*jargs, **jkw, interpret=True, config=cfg)
-                     .astype(jnp.float32)).astype(np.float64)
-    assert np.isfinite(got).all()
-    assert np.all(got[int(args[5][len(case.q_lens)]) :] == 0.0)
-    tol = 3e-2 if case.dtype == "bfloat16" else 2e-5
-    np.testing.assert_allclose(got, oracle(*args, **kwargs), atol=tol, rtol=tol)
+    check_matches_oracle(case, _interpreted(cfg))
 
 
 def test_mixed_config_only_for_prefill_shaped_batches() -> None:

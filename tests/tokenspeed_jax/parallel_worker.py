@@ -154,6 +154,15 @@ def _moe_forward_diff() -> float:
     return float(np.abs(np.asarray(f(jax.device_put(params, sh), x)) - ref).max())
 
 
+def check_same_outputs(result: dict, name: str, base: str, max_logprob_diff) -> None:
+    """Run `name` gave run `base`'s greedy tokens, and its logprobs and prompt logprobs within
+    1e-4 (the parametrized body of both test files)."""
+    a, b = result["runs"][base], result["runs"][name]
+    assert b["tokens"] == a["tokens"]
+    assert max_logprob_diff(b["logprobs"], a["logprobs"]) < 1e-4
+    assert max_logprob_diff(b["prompt_logprobs"], a["prompt_logprobs"]) < 1e-4
+
+
 def run_worker(group: str) -> dict:
     """This file as a script on 4 virtual CPU devices; its JSON record."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",

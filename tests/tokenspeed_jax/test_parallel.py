@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tokenspeed_jax.parallel_worker import run_worker
+from tests.tokenspeed_jax.parallel_worker import check_same_outputs, run_worker
 
 pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner loop; CI runs it
 
@@ -31,10 +31,7 @@ def result() -> dict:
 @pytest.mark.parametrize("name,base", [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"),
                                        ("tp2_scan", "tp1"), ("tp1_warm", "tp1")])
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
-    a, b = result["runs"][base], result["runs"][name]
-    assert b["tokens"] == a["tokens"]
-    assert max_logprob_diff(b["logprobs"], a["logprobs"]) < 1e-4
-    assert max_logprob_diff(b["prompt_logprobs"], a["prompt_logprobs"]) < 1e-4
+    check_same_outputs(result, name, base, max_logprob_diff)
 
 
 def test_one_compile_per_bucket_per_replica(result):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tokenspeed_jax.parallel_worker import run_worker
+from tests.tokenspeed_jax.parallel_worker import check_same_outputs, run_worker
 
 pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner loop; CI runs it
 
@@ -25,10 +25,7 @@ def result() -> dict:
 @pytest.mark.parametrize("name,base", [("tp2_pallas", "tp1_pallas"), ("tp2_int8", "tp1_int8"),
                                        ("tp2_w8a8", "tp1_w8a8"), ("tp2_q8_0", "tp1_q8_0")])
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
-    a, b = result["runs"][base], result["runs"][name]
-    assert b["tokens"] == a["tokens"]
-    assert max_logprob_diff(b["logprobs"], a["logprobs"]) < 1e-4
-    assert max_logprob_diff(b["prompt_logprobs"], a["prompt_logprobs"]) < 1e-4
+    check_same_outputs(result, name, base, max_logprob_diff)
 
 
 def test_q8_0_block_scales_split_with_their_kernels(result):

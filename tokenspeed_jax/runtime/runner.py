@@ -138,13 +138,17 @@ def _input_tokens(ops: dict, last_tokens: jax.Array) -> jax.Array:
     return jnp.where(ops["token_from_prev"], prev_tokens, ops["token_ids"])
 
 
+def _devices_of(mesh: Mesh | None) -> list[Any]:
+    """The devices a runner's step runs on: the mesh's, or the default device alone."""
+    return jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+
+
 def _check_fp8_support(kv_cache_dtype: str, backend: str, mesh: Mesh | None) -> None:
     """fp8 pages on the Pallas GPU kernel need fp8 conversions in hardware (sm_89+: Ada,
     Hopper); on older GPUs Triton cannot compile the kernel, so say so up front."""
     if kv_cache_dtype != "fp8_e4m3" or backend != "pallas" or jax.default_backend() != "gpu":
         return
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    for d in devices:
+    for d in _devices_of(mesh):
         cc = getattr(d, "compute_capability", None)
         if cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9):
             raise ValueError(f"kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability >= "
@@ -206,8 +210,9 @@ class ModelRunner:
         spec = layout.scheduler_config.speculative
         self.num_speculative = 0 if spec is None else spec.num_speculative_tokens  # static
         self.backend = resolve_backend(backend)
+        devices = _devices_of(mesh)
         _check_fp8_support(kv_cache_dtype, self.backend, mesh)
-        platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
+        platform = devices[0].platform
         self.shapes = ShapePolicy.build(
             layout.widths, layout.page_sizes, self.max_scheduled_tokens, backend=self.backend,
             min_token_bucket=DEFAULT_MIN_TOKEN_BUCKET if min_token_bucket is None
@@ -288,10 +293,9 @@ class ModelRunner:
         self._mask_abstract = jax.ShapeDtypeStruct(self._no_mask.shape, jnp.int32,
                                                    sharding=self._no_mask.sharding)
         self._input_sharding = None if tp is None else tp.replicated
-        # The devices a stored executable is loaded onto: without a mesh the step runs on the
-        # default device alone; left to itself, deserialization would spread a one-device program
-        # over every local device (4 virtual CPUs, 8 GPUs) and its first call would fail
-        devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+        # Stored executables load onto `devices` by name: left to itself, deserialization would
+        # spread a one-device program over every local device (4 virtual CPUs, 8 GPUs) and its
+        # first call would fail
         self.programs = StepPrograms(
             self._lower, None if executable_store is None else self._program_key,
             executable_store, devices)
