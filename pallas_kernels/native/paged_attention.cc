@@ -176,15 +176,17 @@ inline const float* row_of(const void* pool, const uint16_t* scales, int64_t sro
 
 // Scratch of one thread, sized for the problem.
 struct Scratch {
-  std::vector<float> kt, vrows, row, lg, m, den, acc;
-  std::vector<const float*> vptr;
+  std::vector<float> kt, vrows, row, lg, m, den, acc, zero;
+  std::vector<const float*> kptr, vptr;
   Scratch(const Problem& p) {
     vptr.resize(p.page);           // the page's V rows as float
+    kptr.resize(p.page + 8);       // the page's K rows as float, then `zero` up to a multiple of 8
+    zero.resize(p.d);              // a key of zeros: the decode logits' stand-in past nr
     const int64_t rows = p.bq * (p.hq / p.hkv);
-    kt.resize(p.d * p.page);       // K of one page, transposed: [D, page]
+    kt.resize(p.d * p.page);       // K of one page, transposed: [D, page] (decode: its rows)
     vrows.resize(p.page * p.d);    // V of one page (converted kinds)
     row.resize(p.d);               // one converted K row
-    lg.resize(rows * p.page);      // logits, then weights, of one page: [rows, page]
+    lg.resize(rows * (p.page + 8));  // logits, then weights, of one page: [rows, page (+8)]
     m.resize(rows);                // running max
     den.resize(rows);              // denominator
     acc.resize(rows * p.d);        // numerator
@@ -373,6 +375,95 @@ inline void pv_rows(const float* w, int64_t ps, const float* const* vr, int64_t 
 }
 #endif
 
+#ifdef __AVX2__
+// The horizontal sums of a[0..8), in order, as one vector.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // s0123 = [a0..a3 over lanes 0-3 | a0..a3 over lanes 4-7], s4567 likewise
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// A one-token block on AVX2 (d a multiple of 16), one KV head: per page, the group's logits
+// as dot products of 8 keys at a time (partial sums in registers, one horizontal-sum tree per
+// 8 keys, not one per key), then P @ V with the accumulators in registers (pv_rows). The
+// scalar attend_token reduced every dot on its own and streamed its accumulators through L1
+// once per key: it took a quarter of a served SmolLM2 run's CPU (docs/performance.md).
+template <int KIND>
+void attend_token_avx2(const Problem& p, int64_t n, int64_t h, Scratch& s) {
+  const int64_t group = p.hq / p.hkv, d = p.d, ps = p.page;
+  const int64_t lps = (ps + 7) / 8 * 8;  // logits row stride: whole vectors of 8 keys
+  float* out = p.out + (n * p.bq * p.hq + h * group) * d;
+  const int32_t q0 = p.meta[p.nb + n];
+  if (q0 >= p.meta[2 * p.nb + n]) {
+    std::fill(out, out + group * d, 0.0f);
+    return;
+  }
+  const int64_t position = static_cast<int64_t>(q0) + p.meta[3 * p.nb + n];
+  const int64_t seq = p.meta[n];
+  const float* q = p.q + (static_cast<int64_t>(q0) * p.hq + h * group) * d;
+  float* m = s.m.data();
+  float* den = s.den.data();
+  float* lg = s.lg.data();  // [group, lps]
+  float* acc = out;         // [group, d] numerator, normalised at the end
+  const float** kr = s.kptr.data();
+  const float** vr = s.vptr.data();
+  std::fill(acc, acc + group * d, 0.0f);
+  init_rows(p, h, group, m, den);
+  const int64_t first_pos = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
+  const int32_t* row = p.table + seq * p.width;
+  const int64_t last_col = std::min<int64_t>(position / ps, p.width - 1);
+  for (int64_t col = first_pos / ps; col <= last_col; ++col) {
+    const int64_t page = row[col];
+    if (page < 0 || page >= p.num_pages) continue;  // never: the host hands valid ids
+    const int64_t r0 = std::max<int64_t>(0, first_pos - col * ps);
+    const int64_t r1 = std::min<int64_t>(ps, position - col * ps + 1);
+    const int64_t nr = r1 - r0;
+    if (nr <= 0) continue;
+    for (int64_t r = 0; r < nr; ++r) {
+      kr[r] = row_of<KIND>(p.k, p.ks, (page * ps + r0 + r) * p.hkv + h, d, s.kt.data() + r * d);
+    }
+    const int64_t nr8 = (nr + 7) / 8 * 8;
+    for (int64_t r = nr; r < nr8; ++r) kr[r] = s.zero.data();
+    const __m256 vscale = _mm256_set1_ps(p.scale);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      for (int64_t r8 = 0; r8 < nr8; r8 += 8) {
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + c);
+          for (int i = 0; i < 8; ++i) {
+            a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[r8 + i] + c), a[i]);
+          }
+        }
+        _mm256_storeu_ps(lg + g * lps + r8, _mm256_mul_ps(hsum8(a), vscale));
+      }
+      float* l = lg + g * lps;
+      if (p.soft_cap > 0.0f) {
+        for (int64_t r = 0; r < nr; ++r) l[r] = p.soft_cap * std::tanh(l[r] / p.soft_cap);
+      }
+      online_softmax(l, nr, m[g], den[g], acc + g * d, d);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      vr[r] = row_of<KIND>(p.v, p.vs, (page * ps + r0 + r) * p.hkv + h, d, s.vrows.data() + r * d);
+    }
+    int64_t g0 = 0;
+    for (; g0 + 6 <= group; g0 += 6) pv_rows<6>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d);
+    switch (group - g0) {
+      case 5: pv_rows<5>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d); break;
+      case 4: pv_rows<4>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d); break;
+      case 3: pv_rows<3>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d); break;
+      case 2: pv_rows<2>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d); break;
+      case 1: pv_rows<1>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d); break;
+      default: break;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) normalize_row(acc + g * d, den[g], acc + g * d, d);
+}
+#endif
+
 // Block `b` (tokens meta[1][b] .. meta[2][b] - 1 of request meta[0][b]), KV head `h`: its
 // `group` query heads x tokens share every K/V row read. PS = the page size when it is a
 // compile-time constant (16: fixed-width tile loops), else 0.
@@ -504,17 +595,20 @@ void attend_block(const Problem& p, int64_t b, int64_t h, Scratch& s) {
 using AttendFn = void (*)(const Problem&, int64_t, int64_t, Scratch&);
 
 template <int KIND>
-AttendFn attend_of(int64_t bq, int64_t page) {
+AttendFn attend_of(int64_t bq, int64_t page, int64_t d) {
+#ifdef __AVX2__
+  if (bq == 1 && d % 16 == 0) return attend_token_avx2<KIND>;
+#endif
   if (bq == 1) return attend_token<KIND>;
   return page == 16 ? attend_block<KIND, 16> : attend_block<KIND, 0>;
 }
 
-AttendFn attend_for(int32_t kind, int64_t bq, int64_t page) {
+AttendFn attend_for(int32_t kind, int64_t bq, int64_t page, int64_t d) {
   switch (kind) {
-    case kF32: return attend_of<kF32>(bq, page);
-    case kBf16: return attend_of<kBf16>(bq, page);
-    case kInt8: return attend_of<kInt8>(bq, page);
-    case kFp8: return attend_of<kFp8>(bq, page);
+    case kF32: return attend_of<kF32>(bq, page, d);
+    case kBf16: return attend_of<kBf16>(bq, page, d);
+    case kInt8: return attend_of<kInt8>(bq, page, d);
+    case kFp8: return attend_of<kFp8>(bq, page, d);
     default: return nullptr;
   }
 }
@@ -556,7 +650,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.scale = scale;
   p.soft_cap = soft_cap;
   p.window = window;
-  const AttendFn attend = attend_for(kv_kind, p.bq, p.page);
+  const AttendFn attend = attend_for(kv_kind, p.bq, p.page, p.d);
   if (attend == nullptr) return ffi::Error::InvalidArgument("paged_attention: kv_kind");
   // real blocks come first (block_metadata): the items end at the last non-empty block
   int64_t real = p.nb;
