@@ -18,6 +18,8 @@
 // streams memory in order (bf16, 1 row: ~35 GB/s against ~10 strided by N), and float32 tiles
 // beat XLA:CPU's own dot from 1 to 512 rows. The model re-lays its Linears so on one CPU device.
 // Work items of up to 4 column tiles x 96 rows of x are split over XLA's intra-op threads.
+// With AVX-512, tile-major float32 weights take two tiles at a time in 512-bit registers
+// (tile2_f32: 12 rows x 32 columns a pass).
 //
 // Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32[M, K], codes s8 / f32 /
 // bf16 [K, N] or [N / 16, K, 16] (tiled, N a multiple of 16), scales f32[G, N], mins f32[G, N]
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX2__
@@ -219,6 +222,84 @@ void row_passes(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t k0
   }
 }
 
+#ifdef __AVX512F__
+// Two column tiles [n0, n0 + 2 kCols) (tiles n0 / kCols and the next) x NR rows in 512-bit
+// registers: per K row two weight loads and NR broadcasts feed 2 NR FMAs (the 256-bit tile
+// above: two loads and NR broadcasts for NR 16-column FMAs), the weights' blocks and scales as
+// in `tile`. float32 weights only (no conversion, no mins).
+template <int NR>
+void tile2_f32(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
+               const char* pf) {
+  const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols * sizeof(float) / 64;
+  const float* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = p.x + (m0 + r) * p.k;
+  __m512 acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t step = p.row_step();
+  const int64_t span = std::min(p.block, k1 - k0);
+  for (int64_t kb = k0; kb < k1; kb += span) {
+    const int64_t g = kb / p.block;
+    __m512 part[NR][2];
+    for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+    const float* c0 = p.tile_codes<float>(kb, n0);
+    const float* c1 = p.tile_codes<float>(kb, n0 + kCols);
+    for (int64_t kk = kb; kk < kb + span; ++kk, c0 += step, c1 += step) {
+      const int64_t i = 2 * (kk - k0);
+      if (i < pf_lines) {
+        _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+        _mm_prefetch(pf + i * 64 + 64, _MM_HINT_T0);
+      }
+      __m512 w0 = _mm512_loadu_ps(c0), w1 = _mm512_loadu_ps(c1);
+      asm volatile("" : "+v"(w0), "+v"(w1));
+      for (int r = 0; r < NR; ++r) {
+        const __m512 xv = _mm512_set1_ps(xr[r][kk]);
+        part[r][0] = _mm512_fmadd_ps(xv, w0, part[r][0]);
+        part[r][1] = _mm512_fmadd_ps(xv, w1, part[r][1]);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(p.scales + g * p.n + n0);
+    const __m512 d1 = _mm512_loadu_ps(p.scales + g * p.n + n0 + kCols);
+    for (int r = 0; r < NR; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(part[r][0], d0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(part[r][1], d1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    float* y = p.y + (m0 + r) * p.n + n0;
+    if (add) {
+      acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(y));
+      acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(y + kCols));
+    }
+    _mm512_storeu_ps(y, acc[r][0]);
+    _mm512_storeu_ps(y + kCols, acc[r][1]);
+  }
+}
+
+constexpr int kRows2 = 12;  // rows per pass of tile2_f32: 24 accumulators of the 32 registers
+
+void row_passes2_f32(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t k0,
+                     int64_t k1, const char* pf) {
+  const bool add = k0 > 0;
+  for (; m0 + kRows2 <= m1; m0 += kRows2, pf = nullptr) {
+    tile2_f32<kRows2>(p, m0, n0, k0, k1, add, pf);
+  }
+  switch (m1 - m0) {
+    case 11: tile2_f32<11>(p, m0, n0, k0, k1, add, pf); break;
+    case 10: tile2_f32<10>(p, m0, n0, k0, k1, add, pf); break;
+    case 9: tile2_f32<9>(p, m0, n0, k0, k1, add, pf); break;
+    case 8: tile2_f32<8>(p, m0, n0, k0, k1, add, pf); break;
+    case 7: tile2_f32<7>(p, m0, n0, k0, k1, add, pf); break;
+    case 6: tile2_f32<6>(p, m0, n0, k0, k1, add, pf); break;
+    case 5: tile2_f32<5>(p, m0, n0, k0, k1, add, pf); break;
+    case 4: tile2_f32<4>(p, m0, n0, k0, k1, add, pf); break;
+    case 3: tile2_f32<3>(p, m0, n0, k0, k1, add, pf); break;
+    case 2: tile2_f32<2>(p, m0, n0, k0, k1, add, pf); break;
+    case 1: tile2_f32<1>(p, m0, n0, k0, k1, add, pf); break;
+    default: break;
+  }
+}
+#endif
+
 // Column tiles [t0, t1) for rows [m0, m1) of x (at most kBlockRows), one K chunk at a time: the
 // K chunk of a tile stays in L1 across its row passes, and the block of x the chunk reads stays
 // in L2 across the tiles (all M rows would stream from L3 once per tile at large M).
@@ -227,7 +308,22 @@ void tile_range(const Problem& p, int64_t t0, int64_t t1, int64_t m0, int64_t m1
   const int64_t rows = chunk_rows<T>(p);
   for (int64_t k0 = 0; k0 < p.k; k0 += rows) {
     const int64_t k1 = std::min(p.k, k0 + rows);
-    for (int64_t t = t0; t < t1; ++t) {
+    int64_t t = t0;
+#ifdef __AVX512F__
+    if constexpr (std::is_same_v<T, float> && !MINS) {
+      if (p.tiled) {
+        for (; t + 2 <= t1; t += 2) {
+          const char* pf = nullptr;
+          if (t + 2 < t1 || k1 < p.k) {
+            pf = reinterpret_cast<const char*>(t + 2 < t1 ? p.tile_codes<T>(k0, (t + 2) * kCols)
+                                                          : p.tile_codes<T>(k1, t0 * kCols));
+          }
+          row_passes2_f32(p, m0, m1, t * kCols, k0, k1, pf);
+        }
+      }
+    }
+#endif
+    for (; t < t1; ++t) {
       // tile-major weights: the chunk read next (the next tile's, or the first tile's next
       // K chunk) is contiguous, prefetched during this one's first pass: a few-row product
       // otherwise waits for memory, then computes from L1 (0.6x of either alone)

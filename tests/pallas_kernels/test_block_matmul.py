@@ -127,10 +127,12 @@ def dense_impl(request):
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lead,k,n", [((1,), 64, 48), ((7,), 96, 37), ((2, 3), 128, 64),
                                       ((70,), 64, 16), ((0,), 32, 16),
-                                      ((7,), 600, 48)])  # K in 3 (f32) / 2 (bf16) chunks
+                                      ((7,), 600, 48),  # K in 3 (f32) / 2 (bf16) chunks
+                                      ((25,), 600, 96)])  # AVX-512: 12-row passes of tile pairs
 def test_dense_matches_float64_oracle(dense_impl, wdtype, lead, k, n):
     """Float weights through the same kernel (one block, scale 1): every row count's pass
-    (6 rows, then 1-5 left over), columns past the last 16-wide tile, bf16 weights widened."""
+    (6 rows, then 1-5 left over; with AVX-512, float32 tile pairs: 12 rows, then 1-11),
+    columns past the last 16-wide tile, bf16 weights widened."""
     rng = np.random.default_rng(k + n)
     w = jnp.asarray(rng.standard_normal((k, n)), getattr(jnp, wdtype))
     x = rng.standard_normal((*lead, k)).astype(np.float32)
