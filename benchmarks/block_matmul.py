@@ -10,7 +10,8 @@ inputs; f32 / bf16: plain float weights), one jit per lowering: "native"
 (`pallas_kernels.block_matmul_cpu`, one C++ custom call per layer, weights [K, N]), "tiled" (the
 same call on tile-major weights, `pack_tiles`: what a one-device CPU model holds), "xla" (f32 /
 bf16: XLA's own
-dot as `models.layers.matmul` ran it before, activations in the weights' dtype), "split" (int8
+dot as `models.layers.matmul` ran it before, activations in the weights' dtype), "tiled bf16 x"
+(bf16: the tiled call on bf16 activations, as a bf16 model makes it), "split" (int8
 activation rows, a batched int8 dot over the blocks), "float" (dequantize inside the step, one
 float dot) and "f32" (a float32 copy of the weights, the unquantized reference). Median of
 `--reps` after a warm call; "native rel. diff": max |tiled - f32| / max |f32| of one layer's
@@ -86,6 +87,9 @@ def main() -> None:
             "xla": lambda x, c, s, m, w, t: cpu_dot.dot(x.astype(c.dtype), c, 0, jnp.float32),
         }
         if args.kind == "bf16":
+            # as a bf16 model calls it: bf16 activations (AVX512-BF16: the bf16 dot product)
+            lowerings["tiled bf16 x"] = lambda x, c, s, m, w, t: dense_matmul_cpu(
+                x.astype(jnp.bfloat16), t)
             lowerings["f32"] = lambda x, c, s, m, w, t: jnp.dot(x, w)
     else:
         lowerings = {

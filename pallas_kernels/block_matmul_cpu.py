@@ -119,14 +119,17 @@ def block_matmul_cpu(x: jax.Array, codes: jax.Array, scales: jax.Array,
 
 def _native_call(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None,
                  block: int) -> jax.Array:
-    """The custom call on x's rows flattened to [M, K]; f32[..., N]."""
+    """The custom call on x's rows flattened to [M, K]; f32[..., N]. A bfloat16 x with bfloat16
+    weights tells the kernel its values are bf16 (`x_bf16`: the AVX512-BF16 dot product may take
+    them, exactly)."""
     k, n = weight_shape(codes)
     rows = x.reshape(-1, k).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
     y: jax.Array = call(rows, codes, scales.astype(jnp.float32),
                         jnp.zeros((1,), jnp.float32) if mins is None else mins.astype(jnp.float32),
                         block=np.int32(block), has_mins=mins is not None,
-                        tiled=codes.ndim == 3)
+                        tiled=codes.ndim == 3,
+                        x_bf16=bool(x.dtype == jnp.bfloat16 and codes.dtype == jnp.bfloat16))
     return y.reshape(*x.shape[:-1], n)
 
 

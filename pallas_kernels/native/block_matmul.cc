@@ -23,7 +23,9 @@
 //
 // Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32[M, K], codes s8 / f32 /
 // bf16 [K, N] or [N / 16, K, 16] (tiled, N a multiple of 16), scales f32[G, N], mins f32[G, N]
-// (has_mins) or any f32 array. Attributes: block = K / G, has_mins, tiled. Output f32[M, N].
+// (has_mins) or any f32 array. Attributes: block = K / G, has_mins, tiled, x_bf16 (x's values
+// are bfloat16: with AVX512-BF16, tile-major bf16 weights take the bf16 dot product,
+// tile2_bf16dp). Output f32[M, N].
 
 #include <algorithm>
 #include <cstdint>
@@ -52,6 +54,7 @@ struct Problem {
   const float* scales;
   const float* mins;   // nullptr without
   const float* xsum;   // f32[M, G]: sum of x over each block (for the mins), or nullptr
+  const uint16_t* xb;  // bf16[M, K]: x as bfloat16 (exact: x_bf16), for the bf16 dot products
   float* y;
   int64_t m, k, n, block;
   bool tiled;  // codes in tile-major order [N / kCols, K, kCols] (pack_tiles), not [K, N]
@@ -300,6 +303,102 @@ void row_passes2_f32(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bfloat16 weights and bfloat16-exact x (a bf16 model's activations): two column tiles x NR
+// rows with the AVX512-BF16 dot product, which multiplies two K rows' bf16 pairs and adds them
+// into float32 lanes (32 products an instruction, twice a float32 FMA's). A tile's K rows kk
+// and kk + 1 are 64 contiguous bytes; one vpermw interleaves them into the (kk, kk + 1) pairs
+// of its 16 columns, and x's pair is one broadcast 32-bit load. An odd last K row pairs with
+// zeros. Accumulates in float32 in another order than `tile` (pairs first): not bit-identical.
+template <int NR>
+void tile2_bf16dp(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
+                  const char* pf) {
+  const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols * 2 / 64;
+  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                                  6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
+                                                  12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pairs = _mm512_load_si512(kPairs);
+  const uint16_t* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = p.xb + (m0 + r) * p.k;
+  __m512 acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t step = p.row_step();
+  const int64_t span = std::min(p.block, k1 - k0);
+  for (int64_t kb = k0; kb < k1; kb += span) {
+    const int64_t g = kb / p.block, ke = kb + span;
+    __m512 part[NR][2];
+    for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+    const bf16* c0 = p.tile_codes<bf16>(kb, n0);
+    const bf16* c1 = p.tile_codes<bf16>(kb, n0 + kCols);
+    int64_t kk = kb;
+    for (; kk + 2 <= ke; kk += 2, c0 += 2 * step, c1 += 2 * step) {
+      const int64_t i = kk - k0;
+      if (i < pf_lines) {
+        _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+        _mm_prefetch(pf + i * 64 + 64, _MM_HINT_T0);
+      }
+      const __m512i w0 = _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(c0));
+      const __m512i w1 = _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(c1));
+      for (int r = 0; r < NR; ++r) {
+        int32_t both;
+        std::memcpy(&both, xr[r] + kk, sizeof(both));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(both);
+        part[r][0] = _mm512_dpbf16_ps(part[r][0], xv, (__m512bh)w0);
+        part[r][1] = _mm512_dpbf16_ps(part[r][1], xv, (__m512bh)w1);
+      }
+    }
+    if (kk < ke) {  // an odd last row: (row, 0) pairs (the zero upper half of the load)
+      const __m512i w0 = _mm512_permutexvar_epi16(
+          pairs, _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0))));
+      const __m512i w1 = _mm512_permutexvar_epi16(
+          pairs, _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1))));
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[r][kk]));
+        part[r][0] = _mm512_dpbf16_ps(part[r][0], xv, (__m512bh)w0);
+        part[r][1] = _mm512_dpbf16_ps(part[r][1], xv, (__m512bh)w1);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(p.scales + g * p.n + n0);
+    const __m512 d1 = _mm512_loadu_ps(p.scales + g * p.n + n0 + kCols);
+    for (int r = 0; r < NR; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(part[r][0], d0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(part[r][1], d1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    float* y = p.y + (m0 + r) * p.n + n0;
+    if (add) {
+      acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(y));
+      acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(y + kCols));
+    }
+    _mm512_storeu_ps(y, acc[r][0]);
+    _mm512_storeu_ps(y + kCols, acc[r][1]);
+  }
+}
+
+void row_passes2_bf16dp(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t k0,
+                        int64_t k1, const char* pf) {
+  const bool add = k0 > 0;
+  for (; m0 + kRows2 <= m1; m0 += kRows2, pf = nullptr) {
+    tile2_bf16dp<kRows2>(p, m0, n0, k0, k1, add, pf);
+  }
+  switch (m1 - m0) {
+    case 11: tile2_bf16dp<11>(p, m0, n0, k0, k1, add, pf); break;
+    case 10: tile2_bf16dp<10>(p, m0, n0, k0, k1, add, pf); break;
+    case 9: tile2_bf16dp<9>(p, m0, n0, k0, k1, add, pf); break;
+    case 8: tile2_bf16dp<8>(p, m0, n0, k0, k1, add, pf); break;
+    case 7: tile2_bf16dp<7>(p, m0, n0, k0, k1, add, pf); break;
+    case 6: tile2_bf16dp<6>(p, m0, n0, k0, k1, add, pf); break;
+    case 5: tile2_bf16dp<5>(p, m0, n0, k0, k1, add, pf); break;
+    case 4: tile2_bf16dp<4>(p, m0, n0, k0, k1, add, pf); break;
+    case 3: tile2_bf16dp<3>(p, m0, n0, k0, k1, add, pf); break;
+    case 2: tile2_bf16dp<2>(p, m0, n0, k0, k1, add, pf); break;
+    case 1: tile2_bf16dp<1>(p, m0, n0, k0, k1, add, pf); break;
+    default: break;
+  }
+}
+#endif
+
 // Column tiles [t0, t1) for rows [m0, m1) of x (at most kBlockRows), one K chunk at a time: the
 // K chunk of a tile stays in L1 across its row passes, and the block of x the chunk reads stays
 // in L2 across the tiles (all M rows would stream from L3 once per tile at large M).
@@ -319,6 +418,20 @@ void tile_range(const Problem& p, int64_t t0, int64_t t1, int64_t m0, int64_t m1
                                                           : p.tile_codes<T>(k1, t0 * kCols));
           }
           row_passes2_f32(p, m0, m1, t * kCols, k0, k1, pf);
+        }
+      }
+    }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<T, bf16> && !MINS) {
+      if (p.tiled && p.xb != nullptr) {
+        for (; t + 2 <= t1; t += 2) {
+          const char* pf = nullptr;
+          if (t + 2 < t1 || k1 < p.k) {
+            pf = reinterpret_cast<const char*>(t + 2 < t1 ? p.tile_codes<T>(k0, (t + 2) * kCols)
+                                                          : p.tile_codes<T>(k1, t0 * kCols));
+          }
+          row_passes2_bf16dp(p, m0, m1, t * kCols, k0, k1, pf);
         }
       }
     }
@@ -384,7 +497,7 @@ void run(ffi::ThreadPool& pool, const Problem& p) {
 
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
-                           int32_t block, bool has_mins, bool tiled,
+                           int32_t block, bool has_mins, bool tiled, bool x_bf16,
                            ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto cd = codes.dimensions();
@@ -406,7 +519,7 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     return ffi::Error::InvalidArgument("block_matmul: codes must be int8, float32 or bfloat16");
   }
   Problem p{x.typed_data(), codes.untyped_data(), scales.typed_data(),
-            has_mins ? mins.typed_data() : nullptr, nullptr, y->typed_data(),
+            has_mins ? mins.typed_data() : nullptr, nullptr, nullptr, y->typed_data(),
             xd[0], ck, cn, block, tiled};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   std::vector<float> xsum;  // outlives every claimed chunk: parallel_chunks returns when all are done
@@ -418,6 +531,19 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     }
     p.xsum = xsum.data();
   }
+  std::vector<uint16_t> xb;  // x as bf16 pairs' halves (x_bf16: its values are bf16 already)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (x_bf16 && tiled && dtype == ffi::DataType::BF16 && !has_mins && p.n >= 2 * kCols) {
+    xb.resize(p.m * p.k);
+    for (int64_t i = 0; i < p.m * p.k; ++i) {
+      uint32_t u;
+      std::memcpy(&u, p.x + i, sizeof(u));
+      xb[i] = static_cast<uint16_t>(u >> 16);  // exact: the low half is zero
+    }
+    p.xb = xb.data();
+  }
+#endif
+  (void)x_bf16;
   if (dtype == ffi::DataType::S8) {
     run<int8_t>(pool, p);
   } else if (dtype == ffi::DataType::F32) {
@@ -440,4 +566,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenspeedBlockMatmul, BlockMatmulImpl,
                                   .Attr<int32_t>("block")
                                   .Attr<bool>("has_mins")
                                   .Attr<bool>("tiled")
+                                  .Attr<bool>("x_bf16")
                                   .Ret<ffi::Buffer<ffi::F32>>());

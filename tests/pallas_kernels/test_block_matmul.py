@@ -128,7 +128,7 @@ def dense_impl(request):
 @pytest.mark.parametrize("lead,k,n", [((1,), 64, 48), ((7,), 96, 37), ((2, 3), 128, 64),
                                       ((70,), 64, 16), ((0,), 32, 16),
                                       ((7,), 600, 48),  # K in 3 (f32) / 2 (bf16) chunks
-                                      ((25,), 600, 96)])  # AVX-512: 12-row passes of tile pairs
+                                      ((25,), 600, 512)])  # AVX-512: 12-row passes of tile pairs
 def test_dense_matches_float64_oracle(dense_impl, wdtype, lead, k, n):
     """Float weights through the same kernel (one block, scale 1): every row count's pass
     (6 rows, then 1-5 left over; with AVX-512, float32 tile pairs: 12 rows, then 1-11),
@@ -141,6 +141,21 @@ def test_dense_matches_float64_oracle(dense_impl, wdtype, lead, k, n):
     assert got.shape == (*lead, n) and got.dtype == jnp.float32
     bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(w64)) + 1e-6
     assert (np.abs(np.asarray(got, np.float64) - x.astype(np.float64) @ w64) <= bound).all()
+
+
+@pytest.mark.parametrize("lead,k,n", [((1,), 64, 512), ((25,), 600, 512), ((13,), 601, 512),
+                                      ((3,), 7, 512), ((7,), 96, 48)])
+def test_dense_bf16_activations_match_float64_oracle(dense_impl, lead, k, n):
+    """bf16 x and bf16 weights (a bf16 model's products): with AVX512-BF16 the tile pairs take
+    the bf16 dot product (odd K: the last row paired with zeros), still float32 sums."""
+    rng = np.random.default_rng(k + n)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((*lead, k)), jnp.bfloat16)
+    x64, w64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w))
+    got = dense_impl(x, w)
+    assert got.shape == (*lead, n) and got.dtype == jnp.float32
+    bound = 1e-6 * (np.abs(x64) @ np.abs(w64)) + 1e-6
+    assert (np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound).all()
 
 
 @pytest.mark.parametrize("w,match", [(np.zeros((64, 8), np.float16), "float32 or bfloat16"),
