@@ -19,13 +19,13 @@
 // beat XLA:CPU's own dot from 1 to 512 rows. The model re-lays its Linears so on one CPU device.
 // Work items of up to 4 column tiles x 96 rows of x are split over XLA's intra-op threads.
 // With AVX-512, tile-major float32 weights take two tiles at a time in 512-bit registers
-// (tile2_f32: 12 rows x 32 columns a pass).
+// (Tile2<float>: 12 rows x 32 columns a pass).
 //
 // Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32[M, K], codes s8 / f32 /
 // bf16 [K, N] or [N / 16, K, 16] (tiled, N a multiple of 16), scales f32[G, N], mins f32[G, N]
 // (has_mins) or any f32 array. Attributes: block = K / G, has_mins, tiled, x_bf16 (x's values
 // are bfloat16: with AVX512-BF16, tile-major bf16 weights take the bf16 dot product,
-// tile2_bf16dp). Output f32[M, N].
+// Tile2<bf16>). Output f32[M, N].
 
 #include <algorithm>
 #include <cstdint>
@@ -227,46 +227,25 @@ void row_passes(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t k0
 
 #ifdef __AVX512F__
 // Two column tiles [n0, n0 + 2 kCols) (tiles n0 / kCols and the next) x NR rows in 512-bit
-// registers: per K row two weight loads and NR broadcasts feed 2 NR FMAs (the 256-bit tile
-// above: two loads and NR broadcasts for NR 16-column FMAs), the weights' blocks and scales as
-// in `tile`. float32 weights only (no conversion, no mins).
+// registers: Tile2<float> (float32 weights) and, with AVX512-BF16, Tile2<bf16> (bf16 weights on
+// bf16-exact x); the K loop differs, the blocks' scales and the store are shared.
+constexpr int kRows2 = 12;  // rows per pass: 24 accumulators of the 32 registers
+
+// acc[r] += part[r] * the scales of block g (columns n0 .. n0 + 2 kCols)
 template <int NR>
-void tile2_f32(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
-               const char* pf) {
-  const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols * sizeof(float) / 64;
-  const float* xr[NR];
-  for (int r = 0; r < NR; ++r) xr[r] = p.x + (m0 + r) * p.k;
-  __m512 acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t step = p.row_step();
-  const int64_t span = std::min(p.block, k1 - k0);
-  for (int64_t kb = k0; kb < k1; kb += span) {
-    const int64_t g = kb / p.block;
-    __m512 part[NR][2];
-    for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
-    const float* c0 = p.tile_codes<float>(kb, n0);
-    const float* c1 = p.tile_codes<float>(kb, n0 + kCols);
-    for (int64_t kk = kb; kk < kb + span; ++kk, c0 += step, c1 += step) {
-      const int64_t i = 2 * (kk - k0);
-      if (i < pf_lines) {
-        _mm_prefetch(pf + i * 64, _MM_HINT_T0);
-        _mm_prefetch(pf + i * 64 + 64, _MM_HINT_T0);
-      }
-      __m512 w0 = _mm512_loadu_ps(c0), w1 = _mm512_loadu_ps(c1);
-      asm volatile("" : "+v"(w0), "+v"(w1));
-      for (int r = 0; r < NR; ++r) {
-        const __m512 xv = _mm512_set1_ps(xr[r][kk]);
-        part[r][0] = _mm512_fmadd_ps(xv, w0, part[r][0]);
-        part[r][1] = _mm512_fmadd_ps(xv, w1, part[r][1]);
-      }
-    }
-    const __m512 d0 = _mm512_loadu_ps(p.scales + g * p.n + n0);
-    const __m512 d1 = _mm512_loadu_ps(p.scales + g * p.n + n0 + kCols);
-    for (int r = 0; r < NR; ++r) {
-      acc[r][0] = _mm512_fmadd_ps(part[r][0], d0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(part[r][1], d1, acc[r][1]);
-    }
+inline void fold_block2(const Problem& p, int64_t g, int64_t n0, __m512 (&part)[NR][2],
+                        __m512 (&acc)[NR][2]) {
+  const __m512 d0 = _mm512_loadu_ps(p.scales + g * p.n + n0);
+  const __m512 d1 = _mm512_loadu_ps(p.scales + g * p.n + n0 + kCols);
+  for (int r = 0; r < NR; ++r) {
+    acc[r][0] = _mm512_fmadd_ps(part[r][0], d0, acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(part[r][1], d1, acc[r][1]);
   }
+}
+
+// y rows m0 .. m0 + NR, columns n0 .. n0 + 2 kCols = acc (+ y when `add`: a later K chunk)
+template <int NR>
+inline void store2(const Problem& p, int64_t m0, int64_t n0, __m512 (&acc)[NR][2], bool add) {
   for (int r = 0; r < NR; ++r) {
     float* y = p.y + (m0 + r) * p.n + n0;
     if (add) {
@@ -278,126 +257,156 @@ void tile2_f32(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1,
   }
 }
 
-constexpr int kRows2 = 12;  // rows per pass of tile2_f32: 24 accumulators of the 32 registers
+template <typename T>
+struct Tile2;
 
-void row_passes2_f32(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t k0,
-                     int64_t k1, const char* pf) {
-  const bool add = k0 > 0;
-  for (; m0 + kRows2 <= m1; m0 += kRows2, pf = nullptr) {
-    tile2_f32<kRows2>(p, m0, n0, k0, k1, add, pf);
+// float32: per K row two weight loads and NR broadcasts feed 2 NR FMAs (the 256-bit tile:
+// two loads and NR broadcasts for NR 16-column FMAs). Same order per column as `tile`.
+template <>
+struct Tile2<float> {
+  template <int NR>
+  static void run(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
+                  const char* pf) {
+    const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols * sizeof(float) / 64;
+    const float* xr[NR];
+    for (int r = 0; r < NR; ++r) xr[r] = p.x + (m0 + r) * p.k;
+    __m512 acc[NR][2];
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t step = p.row_step();
+    const int64_t span = std::min(p.block, k1 - k0);
+    for (int64_t kb = k0; kb < k1; kb += span) {
+      __m512 part[NR][2];
+      for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+      const float* c0 = p.tile_codes<float>(kb, n0);
+      const float* c1 = p.tile_codes<float>(kb, n0 + kCols);
+      for (int64_t kk = kb; kk < kb + span; ++kk, c0 += step, c1 += step) {
+        const int64_t i = 2 * (kk - k0);
+        if (i < pf_lines) {
+          _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+          _mm_prefetch(pf + i * 64 + 64, _MM_HINT_T0);
+        }
+        __m512 w0 = _mm512_loadu_ps(c0), w1 = _mm512_loadu_ps(c1);
+        asm volatile("" : "+v"(w0), "+v"(w1));
+        for (int r = 0; r < NR; ++r) {
+          const __m512 xv = _mm512_set1_ps(xr[r][kk]);
+          part[r][0] = _mm512_fmadd_ps(xv, w0, part[r][0]);
+          part[r][1] = _mm512_fmadd_ps(xv, w1, part[r][1]);
+        }
+      }
+      fold_block2<NR>(p, kb / p.block, n0, part, acc);
+    }
+    store2<NR>(p, m0, n0, acc, add);
   }
-  switch (m1 - m0) {
-    case 11: tile2_f32<11>(p, m0, n0, k0, k1, add, pf); break;
-    case 10: tile2_f32<10>(p, m0, n0, k0, k1, add, pf); break;
-    case 9: tile2_f32<9>(p, m0, n0, k0, k1, add, pf); break;
-    case 8: tile2_f32<8>(p, m0, n0, k0, k1, add, pf); break;
-    case 7: tile2_f32<7>(p, m0, n0, k0, k1, add, pf); break;
-    case 6: tile2_f32<6>(p, m0, n0, k0, k1, add, pf); break;
-    case 5: tile2_f32<5>(p, m0, n0, k0, k1, add, pf); break;
-    case 4: tile2_f32<4>(p, m0, n0, k0, k1, add, pf); break;
-    case 3: tile2_f32<3>(p, m0, n0, k0, k1, add, pf); break;
-    case 2: tile2_f32<2>(p, m0, n0, k0, k1, add, pf); break;
-    case 1: tile2_f32<1>(p, m0, n0, k0, k1, add, pf); break;
-    default: break;
-  }
-}
-#endif
+};
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// bfloat16 weights and bfloat16-exact x (a bf16 model's activations): two column tiles x NR
-// rows with the AVX512-BF16 dot product, which multiplies two K rows' bf16 pairs and adds them
-// into float32 lanes (32 products an instruction, twice a float32 FMA's). A tile's K rows kk
-// and kk + 1 are 64 contiguous bytes; one vpermw interleaves them into the (kk, kk + 1) pairs
-// of its 16 columns, and x's pair is one broadcast 32-bit load. An odd last K row pairs with
-// zeros. Accumulates in float32 in another order than `tile` (pairs first): not bit-identical.
-template <int NR>
-void tile2_bf16dp(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
+// bfloat16 weights and bfloat16-exact x (a bf16 model's activations, p.xb) with the AVX512-BF16
+// dot product, which multiplies two K rows' bf16 pairs and adds them into float32 lanes (32
+// products an instruction, twice a float32 FMA's). A tile's K rows kk and kk + 1 are 64
+// contiguous bytes; one vpermw interleaves them into the (kk, kk + 1) pairs of its 16 columns,
+// and x's pair is one broadcast 32-bit load. An odd last K row pairs with zeros. Accumulates in
+// float32 in another order than `tile` (pairs first): not bit-identical.
+template <>
+struct Tile2<bf16> {
+  template <int NR>
+  static void run(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
                   const char* pf) {
-  const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols * 2 / 64;
-  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
-                                                  6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
-                                                  12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i pairs = _mm512_load_si512(kPairs);
-  const uint16_t* xr[NR];
-  for (int r = 0; r < NR; ++r) xr[r] = p.xb + (m0 + r) * p.k;
-  __m512 acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t step = p.row_step();
-  const int64_t span = std::min(p.block, k1 - k0);
-  for (int64_t kb = k0; kb < k1; kb += span) {
-    const int64_t g = kb / p.block, ke = kb + span;
-    __m512 part[NR][2];
-    for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
-    const bf16* c0 = p.tile_codes<bf16>(kb, n0);
-    const bf16* c1 = p.tile_codes<bf16>(kb, n0 + kCols);
-    int64_t kk = kb;
-    for (; kk + 2 <= ke; kk += 2, c0 += 2 * step, c1 += 2 * step) {
-      const int64_t i = kk - k0;
-      if (i < pf_lines) {
-        _mm_prefetch(pf + i * 64, _MM_HINT_T0);
-        _mm_prefetch(pf + i * 64 + 64, _MM_HINT_T0);
+    const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols * sizeof(bf16) / 64;
+    alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                                    6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
+                                                    12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pairs = _mm512_load_si512(kPairs);
+    const uint16_t* xr[NR];
+    for (int r = 0; r < NR; ++r) xr[r] = p.xb + (m0 + r) * p.k;
+    __m512 acc[NR][2];
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t step = p.row_step();
+    const int64_t span = std::min(p.block, k1 - k0);
+    for (int64_t kb = k0; kb < k1; kb += span) {
+      const int64_t ke = kb + span;
+      __m512 part[NR][2];
+      for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+      const bf16* c0 = p.tile_codes<bf16>(kb, n0);
+      const bf16* c1 = p.tile_codes<bf16>(kb, n0 + kCols);
+      int64_t kk = kb;
+      for (; kk + 2 <= ke; kk += 2, c0 += 2 * step, c1 += 2 * step) {
+        const int64_t i = kk - k0;
+        if (i < pf_lines) {
+          _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+          _mm_prefetch(pf + i * 64 + 64, _MM_HINT_T0);
+        }
+        const __m512i w0 = _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(c0));
+        const __m512i w1 = _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(c1));
+        for (int r = 0; r < NR; ++r) {
+          int32_t both;
+          std::memcpy(&both, xr[r] + kk, sizeof(both));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(both);
+          part[r][0] = _mm512_dpbf16_ps(part[r][0], xv, (__m512bh)w0);
+          part[r][1] = _mm512_dpbf16_ps(part[r][1], xv, (__m512bh)w1);
+        }
       }
-      const __m512i w0 = _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(c0));
-      const __m512i w1 = _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(c1));
-      for (int r = 0; r < NR; ++r) {
-        int32_t both;
-        std::memcpy(&both, xr[r] + kk, sizeof(both));
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(both);
-        part[r][0] = _mm512_dpbf16_ps(part[r][0], xv, (__m512bh)w0);
-        part[r][1] = _mm512_dpbf16_ps(part[r][1], xv, (__m512bh)w1);
+      if (kk < ke) {  // an odd last row: (row, 0) pairs (the zero upper half of the load)
+        const __m512i w0 = _mm512_permutexvar_epi16(
+            pairs, _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0))));
+        const __m512i w1 = _mm512_permutexvar_epi16(
+            pairs, _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1))));
+        for (int r = 0; r < NR; ++r) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[r][kk]));
+          part[r][0] = _mm512_dpbf16_ps(part[r][0], xv, (__m512bh)w0);
+          part[r][1] = _mm512_dpbf16_ps(part[r][1], xv, (__m512bh)w1);
+        }
       }
+      fold_block2<NR>(p, kb / p.block, n0, part, acc);
     }
-    if (kk < ke) {  // an odd last row: (row, 0) pairs (the zero upper half of the load)
-      const __m512i w0 = _mm512_permutexvar_epi16(
-          pairs, _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0))));
-      const __m512i w1 = _mm512_permutexvar_epi16(
-          pairs, _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1))));
-      for (int r = 0; r < NR; ++r) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[r][kk]));
-        part[r][0] = _mm512_dpbf16_ps(part[r][0], xv, (__m512bh)w0);
-        part[r][1] = _mm512_dpbf16_ps(part[r][1], xv, (__m512bh)w1);
-      }
-    }
-    const __m512 d0 = _mm512_loadu_ps(p.scales + g * p.n + n0);
-    const __m512 d1 = _mm512_loadu_ps(p.scales + g * p.n + n0 + kCols);
-    for (int r = 0; r < NR; ++r) {
-      acc[r][0] = _mm512_fmadd_ps(part[r][0], d0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(part[r][1], d1, acc[r][1]);
-    }
+    store2<NR>(p, m0, n0, acc, add);
   }
-  for (int r = 0; r < NR; ++r) {
-    float* y = p.y + (m0 + r) * p.n + n0;
-    if (add) {
-      acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(y));
-      acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(y + kCols));
-    }
-    _mm512_storeu_ps(y, acc[r][0]);
-    _mm512_storeu_ps(y + kCols, acc[r][1]);
-  }
-}
+};
+#endif
 
-void row_passes2_bf16dp(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t k0,
-                        int64_t k1, const char* pf) {
+// Which weight types have a Tile2 on this build.
+template <typename T>
+constexpr bool kHasTile2 = std::is_same_v<T, float>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+                           || std::is_same_v<T, bf16>
+#endif
+    ;
+
+// Rows [m0, m1) in passes of kRows2 rows, then the 1-11 left over; the first pass prefetches.
+template <typename T>
+void row_passes2(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t k1,
+                 const char* pf) {
   const bool add = k0 > 0;
   for (; m0 + kRows2 <= m1; m0 += kRows2, pf = nullptr) {
-    tile2_bf16dp<kRows2>(p, m0, n0, k0, k1, add, pf);
+    Tile2<T>::template run<kRows2>(p, m0, n0, k0, k1, add, pf);
   }
   switch (m1 - m0) {
-    case 11: tile2_bf16dp<11>(p, m0, n0, k0, k1, add, pf); break;
-    case 10: tile2_bf16dp<10>(p, m0, n0, k0, k1, add, pf); break;
-    case 9: tile2_bf16dp<9>(p, m0, n0, k0, k1, add, pf); break;
-    case 8: tile2_bf16dp<8>(p, m0, n0, k0, k1, add, pf); break;
-    case 7: tile2_bf16dp<7>(p, m0, n0, k0, k1, add, pf); break;
-    case 6: tile2_bf16dp<6>(p, m0, n0, k0, k1, add, pf); break;
-    case 5: tile2_bf16dp<5>(p, m0, n0, k0, k1, add, pf); break;
-    case 4: tile2_bf16dp<4>(p, m0, n0, k0, k1, add, pf); break;
-    case 3: tile2_bf16dp<3>(p, m0, n0, k0, k1, add, pf); break;
-    case 2: tile2_bf16dp<2>(p, m0, n0, k0, k1, add, pf); break;
-    case 1: tile2_bf16dp<1>(p, m0, n0, k0, k1, add, pf); break;
+    case 11: Tile2<T>::template run<11>(p, m0, n0, k0, k1, add, pf); break;
+    case 10: Tile2<T>::template run<10>(p, m0, n0, k0, k1, add, pf); break;
+    case 9: Tile2<T>::template run<9>(p, m0, n0, k0, k1, add, pf); break;
+    case 8: Tile2<T>::template run<8>(p, m0, n0, k0, k1, add, pf); break;
+    case 7: Tile2<T>::template run<7>(p, m0, n0, k0, k1, add, pf); break;
+    case 6: Tile2<T>::template run<6>(p, m0, n0, k0, k1, add, pf); break;
+    case 5: Tile2<T>::template run<5>(p, m0, n0, k0, k1, add, pf); break;
+    case 4: Tile2<T>::template run<4>(p, m0, n0, k0, k1, add, pf); break;
+    case 3: Tile2<T>::template run<3>(p, m0, n0, k0, k1, add, pf); break;
+    case 2: Tile2<T>::template run<2>(p, m0, n0, k0, k1, add, pf); break;
+    case 1: Tile2<T>::template run<1>(p, m0, n0, k0, k1, add, pf); break;
     default: break;
   }
 }
 #endif
+
+// Tile-major weights: the chunk a thread reads after the current one (tile `next`'s K rows
+// [k0, k1), or past the last tile t1 the first tile's next K chunk), prefetched during the
+// current one's first pass: a few-row product otherwise waits for memory, then computes from L1
+// (0.6x of either alone). nullptr when not tile-major or nothing follows.
+template <typename T>
+const char* next_chunk(const Problem& p, int64_t next, int64_t t0, int64_t t1, int64_t k0,
+                       int64_t k1) {
+  if (!p.tiled || (next >= t1 && k1 >= p.k)) return nullptr;
+  return reinterpret_cast<const char*>(next < t1 ? p.tile_codes<T>(k0, next * kCols)
+                                                 : p.tile_codes<T>(k1, t0 * kCols));
+}
 
 // Column tiles [t0, t1) for rows [m0, m1) of x (at most kBlockRows), one K chunk at a time: the
 // K chunk of a tile stays in L1 across its row passes, and the block of x the chunk reads stays
@@ -409,43 +418,16 @@ void tile_range(const Problem& p, int64_t t0, int64_t t1, int64_t m0, int64_t m1
     const int64_t k1 = std::min(p.k, k0 + rows);
     int64_t t = t0;
 #ifdef __AVX512F__
-    if constexpr (std::is_same_v<T, float> && !MINS) {
-      if (p.tiled) {
+    if constexpr (kHasTile2<T> && !MINS) {
+      if (p.tiled && (std::is_same_v<T, float> || p.xb != nullptr)) {
         for (; t + 2 <= t1; t += 2) {
-          const char* pf = nullptr;
-          if (t + 2 < t1 || k1 < p.k) {
-            pf = reinterpret_cast<const char*>(t + 2 < t1 ? p.tile_codes<T>(k0, (t + 2) * kCols)
-                                                          : p.tile_codes<T>(k1, t0 * kCols));
-          }
-          row_passes2_f32(p, m0, m1, t * kCols, k0, k1, pf);
-        }
-      }
-    }
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    if constexpr (std::is_same_v<T, bf16> && !MINS) {
-      if (p.tiled && p.xb != nullptr) {
-        for (; t + 2 <= t1; t += 2) {
-          const char* pf = nullptr;
-          if (t + 2 < t1 || k1 < p.k) {
-            pf = reinterpret_cast<const char*>(t + 2 < t1 ? p.tile_codes<T>(k0, (t + 2) * kCols)
-                                                          : p.tile_codes<T>(k1, t0 * kCols));
-          }
-          row_passes2_bf16dp(p, m0, m1, t * kCols, k0, k1, pf);
+          row_passes2<T>(p, m0, m1, t * kCols, k0, k1, next_chunk<T>(p, t + 2, t0, t1, k0, k1));
         }
       }
     }
 #endif
     for (; t < t1; ++t) {
-      // tile-major weights: the chunk read next (the next tile's, or the first tile's next
-      // K chunk) is contiguous, prefetched during this one's first pass: a few-row product
-      // otherwise waits for memory, then computes from L1 (0.6x of either alone)
-      const char* pf = nullptr;
-      if (p.tiled && (t + 1 < t1 || k1 < p.k)) {
-        pf = reinterpret_cast<const char*>(
-            t + 1 < t1 ? p.tile_codes<T>(k0, (t + 1) * kCols) : p.tile_codes<T>(k1, t0 * kCols));
-      }
-      row_passes<T, MINS>(p, m0, m1, t * kCols, k0, k1, pf);
+      row_passes<T, MINS>(p, m0, m1, t * kCols, k0, k1, next_chunk<T>(p, t + 1, t0, t1, k0, k1));
     }
   }
 }

@@ -373,6 +373,21 @@ inline void pv_rows(const float* w, int64_t ps, const float* const* vr, int64_t 
     }
   }
 }
+
+// pv_rows over all `rows` rows (weights `ps` apart): passes of 6, then the 1-5 left over.
+inline void pv_all_rows(const float* w, int64_t ps, const float* const* vr, int64_t nr, float* acc,
+                        int64_t rows, int64_t d) {
+  int64_t row0 = 0;
+  for (; row0 + 6 <= rows; row0 += 6) pv_rows<6>(w + row0 * ps, ps, vr, nr, acc + row0 * d, d);
+  switch (rows - row0) {
+    case 5: pv_rows<5>(w + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
+    case 4: pv_rows<4>(w + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
+    case 3: pv_rows<3>(w + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
+    case 2: pv_rows<2>(w + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
+    case 1: pv_rows<1>(w + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
+    default: break;
+  }
+}
 #endif
 
 #ifdef __AVX2__
@@ -449,16 +464,7 @@ void attend_token_avx2(const Problem& p, int64_t n, int64_t h, Scratch& s) {
     for (int64_t r = 0; r < nr; ++r) {
       vr[r] = row_of<KIND>(p.v, p.vs, (page * ps + r0 + r) * p.hkv + h, d, s.vrows.data() + r * d);
     }
-    int64_t g0 = 0;
-    for (; g0 + 6 <= group; g0 += 6) pv_rows<6>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d);
-    switch (group - g0) {
-      case 5: pv_rows<5>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d); break;
-      case 4: pv_rows<4>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d); break;
-      case 3: pv_rows<3>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d); break;
-      case 2: pv_rows<2>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d); break;
-      case 1: pv_rows<1>(lg + g0 * lps, lps, vr, nr, acc + g0 * d, d); break;
-      default: break;
-    }
+    pv_all_rows(lg, lps, vr, nr, acc, group, d);
   }
   for (int64_t g = 0; g < group; ++g) normalize_row(acc + g * d, den[g], acc + g * d, d);
 }
@@ -548,16 +554,7 @@ void attend_block(const Problem& p, int64_t b, int64_t h, Scratch& s) {
     }
 #ifdef __AVX2__
     if (d % 16 == 0) {  // acc [rows, d] += weights [rows, nr] @ V [nr, d], 6 x 16 at a time
-      int64_t row0 = 0;
-      for (; row0 + 6 <= rows; row0 += 6) pv_rows<6>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d);
-      switch (rows - row0) {
-        case 5: pv_rows<5>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
-        case 4: pv_rows<4>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
-        case 3: pv_rows<3>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
-        case 2: pv_rows<2>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
-        case 1: pv_rows<1>(lg + row0 * ps, ps, vr, nr, acc + row0 * d, d); break;
-        default: break;
-      }
+      pv_all_rows(lg, ps, vr, nr, acc, rows, d);
       continue;
     }
 #endif
