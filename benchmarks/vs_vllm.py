@@ -5,9 +5,11 @@
 Workload: `--prompts` chat requests (the `run` job's library-help-desk system prompt, ~200 tokens,
 shared; one question each, rendered with the checkpoint's chat template), `--max-tokens` greedy
 new tokens each with EOS ignored, prefix caching on in both engines, up to `--max-batch`
-running requests, max context 2048. Each engine runs in its own process per dtype, warmed up
-the same way before timing (one request sharing the system prompt through `generate`; ours also
-makes its step shapes ready first, from the executable cache when warm, as `serve` does); then
+running requests, max context 2048, the same KV cache bytes (`--kv-cache-gib`, 4: vLLM CPU's
+`VLLM_CPU_KVCACHE_SPACE`, our `kv_cache_memory_bytes`). Each engine runs in its own process
+per dtype, warmed up the same way before timing (one request sharing the system prompt through
+`generate`; ours also makes its step shapes ready first, from the executable cache when warm, as
+`serve` does); then
 `--reps` timed `generate` calls, each with its own questions' order-shifted set (so only the
 system prompt is a cache hit, as in the first rep), engines alternating per dtype; best rep
 reported. Greedy agreement: sequences equal to vLLM's, per dtype.
@@ -38,7 +40,8 @@ def main():
         from tokenspeed_jax import LLM, SamplingParams
         llm = LLM(kw["model"], dtype=kw["dtype"], max_context_len=2048,
                   max_batch_requests=kw["max_batch"], max_scheduled_tokens=2048,
-                  attention_backend=kw.get("backend", "auto"))
+                  attention_backend=kw.get("backend", "auto"),
+                  kv_cache_memory_bytes=kw["kv_gib"] << 30)
         llm.warmup(max_kv_len=kw["max_kv"])
         sp = SamplingParams(temperature=0.0, max_tokens=kw["max_tokens"], ignore_eos=True)
         run = lambda ps: [o.token_ids for o in llm.generate(ps, sp)]
@@ -123,6 +126,9 @@ def main() -> None:
                         "--shared-len shared + --own-len random ids each (prefill-heavy)")
     p.add_argument("--shared-len", type=int, default=128)
     p.add_argument("--own-len", type=int, default=256)
+    p.add_argument("--kv-cache-gib", type=int, default=4,
+                   help="KV cache bytes of both engines (vLLM: VLLM_CPU_KVCACHE_SPACE; ours: "
+                        "kv_cache_memory_bytes)")
     args = p.parse_args()
     model = os.path.abspath(args.model)
     if args.workload == "chat":
@@ -137,11 +143,12 @@ def main() -> None:
     rows = []
     for dtype in args.dtypes.split(","):
         kw = dict(model=model, dtype=dtype, prompts=reps, warm=warm, max_tokens=args.max_tokens,
-                  max_batch=args.max_batch, max_kv=longest)
+                  max_batch=args.max_batch, max_kv=longest, kv_gib=args.kv_cache_gib)
         results: dict[str, list[dict] | None] = {}
         for name in args.engines.split(","):
             if name == "vllm":
-                results[name] = (_child(args.vllm_python, dict(kw, engine="vllm"), vllm_env())
+                results[name] = (_child(args.vllm_python, dict(kw, engine="vllm"),
+                                        vllm_env(args.kv_cache_gib))
                                  if have_vllm else None)
             else:
                 backend = name.partition(":")[2] or "auto"

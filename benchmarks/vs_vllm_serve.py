@@ -8,7 +8,12 @@ until its `/health` answers: ours makes its step shapes ready before listening, 
 its graphs), and drives each with vLLM's own `vllm bench serve --backend openai` (random
 dataset: `--prefix-len` shared + `--input-len` random tokens per prompt, `--output-len` tokens
 with EOS ignored, `--num-prompts` at `--max-concurrency`), after one untimed warm-up pass of
-the same load. Prints duration, out / total tok/s, TTFT and TPOT p50 / p99, and the ratio.
+the same shape of load with other prompts (`--warm-seed`, 1; the timed pass has seed 0), so the
+timed prompts are new to both prefix caches: `--warm-seed 0` re-sends the warm-up's prompts,
+and then each engine computes what its cache kept of them (vLLM CPU's 128-token blocks keep
+256 of a 384-token prompt, our 16-token pages 368). Both get the same KV cache bytes
+(`--kv-cache-gib`, 4: vLLM's `VLLM_CPU_KVCACHE_SPACE`, our `--kv-cache-memory-bytes`).
+Prints duration, out / total tok/s, TTFT and TPOT p50 / p99, and the ratio.
 `vllm bench serve` is run through a wrapper that answers `importlib.metadata.version("vllm")`
 with the vllm-cpu version + "+cpu" (../shared/peers/vllm-cpu.md). Without --vllm-python (or
 when vllm does not import there) it says so and exits 0: there is no load generator.
@@ -70,14 +75,14 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float, log: str)
 
 
 def _bench(vllm_python: str, wrapper: str, port: int, name: str, args: argparse.Namespace,
-           out_dir: str, tag: str) -> dict:
+           out_dir: str, tag: str, seed: int) -> dict:
     cmd = [vllm_python, wrapper, "bench", "serve", "--backend", "openai",
            "--base-url", f"http://127.0.0.1:{port}", "--model", name,
            "--tokenizer", args.model, "--dataset-name", "random",
            "--random-prefix-len", str(args.prefix_len), "--random-input-len",
            str(args.input_len), "--random-output-len", str(args.output_len),
            "--num-prompts", str(args.num_prompts), "--max-concurrency",
-           str(args.max_concurrency), "--ignore-eos", "--seed", "0", "--save-result",
+           str(args.max_concurrency), "--ignore-eos", "--seed", str(seed), "--save-result",
            "--result-dir", out_dir, "--result-filename", f"{tag}.json"]
     proc = subprocess.run(cmd, env=vllm_env(), capture_output=True, text=True)
     if proc.returncode != 0:
@@ -98,9 +103,10 @@ def _serve(engine: str, args: argparse.Namespace, port: int, log: str) -> subpro
         env = ours_env()
         cmd = [sys.executable, "-m", "tokenspeed_jax.cli", "serve", "--model", args.model,
                "--dtype", args.dtype, "--max-context-len", "2048", "--port", str(port),
-               "--served-model-name", "model", *shlex.split(args.ours_args)]
+               "--served-model-name", "model", "--kv-cache-memory-bytes",
+               f"{args.kv_cache_gib}G", *shlex.split(args.ours_args)]
     else:
-        env = vllm_env()
+        env = vllm_env(args.kv_cache_gib)
         cmd = [args.vllm_python, args.wrapper, "serve", args.model, "--dtype", args.dtype,
                "--max-model-len", "2048", "--max-num-seqs", "32", "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", "model"]
@@ -123,6 +129,9 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--port", type=int, default=8431)
     p.add_argument("--start-timeout-s", type=float, default=1800)
+    p.add_argument("--warm-seed", type=int, default=1,
+                   help="seed of the warm-up pass's prompts (the timed pass: 0)")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache bytes of both servers")
     p.add_argument("--ours-args", default="",
                    help="more `tokenspeed-jax serve` flags, one shell-quoted string")
     args = p.parse_args()
@@ -142,10 +151,11 @@ def main() -> None:
             proc = _serve(engine, args, port, log)
             try:
                 _wait_healthy(port, proc, args.start_timeout_s, log)
-                _bench(args.vllm_python, args.wrapper, port, "model", args, d, f"{engine}-warm")
+                _bench(args.vllm_python, args.wrapper, port, "model", args, d, f"{engine}-warm",
+                       args.warm_seed)
                 before = _engine_stats(port) if engine == "ours" else {}
                 results[engine] = r = _bench(args.vllm_python, args.wrapper, port, "model", args,
-                                             d, engine)
+                                             d, engine, 0)
                 if before:
                     after = _engine_stats(port)
                     steps = after["num_engine_steps"] - before["num_engine_steps"]
@@ -160,7 +170,8 @@ def main() -> None:
                 proc.wait(timeout=120)
     print(f"\n## served vs vLLM CPU: {args.model}, {args.dtype}, {args.num_prompts} prompts of "
           f"{args.prefix_len} shared + {args.input_len} random tokens, {args.output_len} out, "
-          f"concurrency {args.max_concurrency}"
+          f"concurrency {args.max_concurrency}, warm-up seed {args.warm_seed}, "
+          f"{args.kv_cache_gib} GiB KV cache each"
           + (f", ours with `{args.ours_args}`" if args.ours_args else "")
           + f"\n\nCPU: {cpu_line()}\n")
     print("| server | " + " | ".join(label for _, label in _METRICS) + " |")

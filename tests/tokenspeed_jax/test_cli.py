@@ -27,6 +27,9 @@ def no_loading(monkeypatch):
     (["serve", "--data-parallel-size", "0"], "--data-parallel-size"),
     (["warmup", "--no-compile-cache"], "drop --no-compile-cache"),
     (["warmup", "--num-pages", "3"], "--num-pages 3"),
+    (["serve", "--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
+    (["serve", "--kv-cache-memory-bytes", "4X"], "--kv-cache-memory-bytes"),
+    (["run", "--num-pages", "64", "--kv-cache-memory-bytes", "1G"], "give one"),
 ])
 def test_bad_arguments_one_line_exit_2_before_loading(capsys, argv, needle):
     try:
@@ -65,6 +68,11 @@ SPEC_JSON = '{"num_speculative_tokens": 3}'
     (["run"], "kv_cache_dtype", "auto"),
     (["serve", "--kv-cache-dtype", "fp8_e4m3"], "kv_cache_dtype", "fp8_e4m3"),
     (["run", "--quantization", "w8a8"], "quantization", "w8a8"),
+    (["run"], "num_pages", 1024), (["serve"], "num_pages", None),
+    (["serve", "--kv-cache-memory-bytes", "4G"], "kv_cache_memory_bytes", 4 << 30),
+    (["serve", "--kv-cache-memory-bytes", "1.5g"], "kv_cache_memory_bytes", 1_500_000_000),
+    (["run", "--kv-cache-memory-bytes", "4096"], "kv_cache_memory_bytes", 4096),
+    (["run", "--kv-cache-memory-bytes", "1M"], "num_pages", None),  # the bytes size the pool
 ])
 def test_engine_flag_reaches_llm(monkeypatch, argv, key, want):
     seen = {}

@@ -139,6 +139,22 @@ def test_bad_llm_options():
         LLM("tiny-random", attention_backend="magic")
     with pytest.raises(ValueError, match="unknown LLM options"):
         LLM("tiny-random", bogus=1)
+    with pytest.raises(ValueError, match="not both"):
+        LLM("tiny-random", num_pages=64, kv_cache_memory_bytes=1 << 20)
+    for bad in (0, -5, 1.5e6, True):
+        with pytest.raises(ValueError, match="kv_cache_memory_bytes must be a positive int"):
+            LLM("tiny-random", kv_cache_memory_bytes=bad)
+
+
+def test_kv_cache_memory_bytes_sizes_the_pool():
+    """vLLM's option: the pool gets the pages that fit the given bytes, null page included."""
+    from tokenspeed_jax.runtime.state import bytes_per_page
+
+    llm = LLM("tiny-random", **SMALL, kv_cache_memory_bytes=1 << 20)
+    layout = llm.engine.runner.layout
+    per = bytes_per_page(llm.engine.runner.config, layout.layer_groups, layout.page_sizes)
+    assert llm.engine.scheduler.config.num_pages == (1 << 20) // per > 2
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids
 
 
 @pytest.mark.parametrize("honor", [True, False])

@@ -55,3 +55,6 @@ def test_pages_from_memory():
     cpu = pages_from_memory(CFG, LG, BS, device=FakeDevice(None))
     assert 2 <= cpu <= CPU_POOL_BUDGET_BYTES // per
     assert pages_from_memory(CFG, LG, BS) >= 2  # the real (CPU) device
+    # given bytes (kv_cache_memory_bytes) replace both budgets
+    for device in (dev, FakeDevice(None)):
+        assert pages_from_memory(CFG, LG, BS, device=device, budget_bytes=123 * per + 1) == 123

