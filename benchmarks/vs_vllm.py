@@ -9,10 +9,9 @@ running requests, max context 2048, the same KV cache bytes (`--kv-cache-gib`, 4
 `VLLM_CPU_KVCACHE_SPACE`, our `kv_cache_memory_bytes`). Each engine runs in its own process
 per dtype, warmed up the same way before timing (one request sharing the system prompt through
 `generate`; ours also makes its step shapes ready first, from the executable cache when warm, as
-`serve` does); then
-`--reps` timed `generate` calls, each with its own questions' order-shifted set (so only the
-system prompt is a cache hit, as in the first rep), engines alternating per dtype; best rep
-reported. Greedy agreement: sequences equal to vLLM's, per dtype.
+`serve` does); then `--reps` timed `generate` calls, each with its own questions' order-shifted
+set (so only the system prompt is a cache hit, as in the first rep), engines alternating per
+dtype; best rep reported. Greedy agreement: sequences equal to vLLM's, per dtype.
 `--workload random`: prefill-heavy instead, `--shared-len` (128) shared + `--own-len` (256)
 random ids per prompt, as `vllm bench serve --dataset-name random` sends.
 When `--vllm-python` is missing or cannot import vllm, ours runs alone and the ratio is "-".

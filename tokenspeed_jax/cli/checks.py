@@ -87,9 +87,9 @@ def _model_config(model: str, dtype: str):
 def pool_pages(args) -> int | None:
     """--num-pages; else the command's default, unless --kv-cache-memory-bytes sizes the pool
     (None: the engine sizes it)."""
-    if args.num_pages is not None or getattr(args, "kv_cache_memory_bytes", None) is not None:
+    if args.num_pages is not None or args.kv_cache_memory_bytes is not None:
         return args.num_pages
-    return getattr(args, "default_num_pages", None)
+    return args.default_num_pages
 
 
 def preflight(args, *, longest_request: int | None) -> str | None:
@@ -99,7 +99,7 @@ def preflight(args, *, longest_request: int | None) -> str | None:
     (`run` knows it from the workload); None = one request of the full context (`serve`)."""
     from tokenspeed_jax.models import registry
 
-    if args.num_pages is not None and getattr(args, "kv_cache_memory_bytes", None) is not None:
+    if args.num_pages is not None and args.kv_cache_memory_bytes is not None:
         return "--num-pages and --kv-cache-memory-bytes both size the page pool: give one"
     model = args.model
     aliases = getattr(registry, "MODEL_ALIASES", {})
