@@ -20,17 +20,21 @@ for XLA's bf16 dot; float32 at 1 / 16 / 512 rows 3.2 / 9.2 / 176 ms against XLA'
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import native
 
-__all__ = ["TARGET", "TILE", "available", "block_matmul_cpu", "block_matmul_reference",
-           "dense_matmul_cpu", "dense_matmul_reference", "pack_tiles", "tileable", "unpack_tiles",
-           "weight_shape"]
+__all__ = ["AMX_MODEL_TARGET", "TARGET", "TILE", "amx_calls", "available", "block_matmul_cpu",
+           "block_matmul_reference", "dense_matmul_amx_model", "dense_matmul_cpu",
+           "dense_matmul_reference", "pack_tiles", "tileable", "unpack_tiles", "weight_shape"]
 
 TARGET = "tokenspeed_block_matmul"
+# the same kernel built on the software model of the AMX tiles (native/amx_tiles.h)
+AMX_MODEL_TARGET = "tokenspeed_block_matmul_amx_model"
 TILE = 16  # columns per tile of the kernel (kCols in block_matmul.cc)
 
 
@@ -118,13 +122,13 @@ def block_matmul_cpu(x: jax.Array, codes: jax.Array, scales: jax.Array,
 
 
 def _native_call(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None,
-                 block: int) -> jax.Array:
+                 block: int, target: str = TARGET) -> jax.Array:
     """The custom call on x's rows flattened to [M, K]; f32[..., N]. A bfloat16 x with bfloat16
     weights tells the kernel its values are bf16 (`x_bf16`: the AVX512-BF16 dot product may take
     them, exactly)."""
     k, n = weight_shape(codes)
     rows = x.reshape(-1, k).astype(jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
     y: jax.Array = call(rows, codes, scales.astype(jnp.float32),
                         jnp.zeros((1,), jnp.float32) if mins is None else mins.astype(jnp.float32),
                         block=np.int32(block), has_mins=mins is not None,
@@ -155,3 +159,26 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
         return dense_matmul_reference(x, w)
     k, n = weight_shape(w)
     return _native_call(x, w, jnp.ones((1, n), jnp.float32), None, k)
+
+
+def amx_calls(model: bool = False) -> int:
+    """How many products ran on AMX tiles in this process: the hardware's (`block_matmul`,
+    on a CPU with AMX-BF16), or the software model's (`model`); 0 when not built."""
+    lib = native.load("block_matmul_amx_model" if model else "block_matmul")
+    if lib is None:
+        return 0
+    calls = lib.TokenspeedAmxCalls
+    calls.restype = ctypes.c_int64
+    return int(calls())
+
+
+def dense_matmul_amx_model(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`dense_matmul_cpu` on the software model of the AMX tiles: bf16 x with bf16 weights take
+    the tile product (amx_matmul.h) at every row count, on any CPU, so tests check its packing,
+    pairs, padding and edges against an oracle where no AMX exists. RuntimeError when the
+    kernel cannot be built (there is no fallback to test)."""
+    _check_dense(x, w)
+    if native.load("block_matmul_amx_model") is None:
+        raise RuntimeError(f"AMX model kernel: {native.unavailable('block_matmul_amx_model')}")
+    k, n = weight_shape(w)
+    return _native_call(x, w, jnp.ones((1, n), jnp.float32), None, k, target=AMX_MODEL_TARGET)

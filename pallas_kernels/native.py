@@ -29,14 +29,19 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SOURCE_DIR", "load", "unavailable"]
+__all__ = ["SOURCE_DIR", "compile_check", "load", "unavailable"]
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
-# name -> (source file, {FFI symbol: XLA custom-call target})
-_KERNELS = {
+# name -> (source file, {FFI symbol: XLA custom-call target}, extra compiler flags)
+_KERNELS: dict[str, tuple[str, dict[str, str], tuple[str, ...]]] = {
     "paged_attention": ("paged_attention.cc",
-                        {"TokenspeedPagedAttention": "tokenspeed_paged_attention"}),
-    "block_matmul": ("block_matmul.cc", {"TokenspeedBlockMatmul": "tokenspeed_block_matmul"}),
+                        {"TokenspeedPagedAttention": "tokenspeed_paged_attention"}, ()),
+    "block_matmul": ("block_matmul.cc", {"TokenspeedBlockMatmul": "tokenspeed_block_matmul"}, ()),
+    # the same source with its AMX tile product on the software model of the tiles
+    # (native/amx_tiles.h): the AMX path's logic checked on any CPU (tests)
+    "block_matmul_amx_model": ("block_matmul.cc", {
+        "TokenspeedBlockMatmulAmxModel": "tokenspeed_block_matmul_amx_model"},
+        ("-DTOKENSPEED_AMX_MODEL",)),
 }
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 _lock = threading.Lock()
@@ -64,14 +69,32 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(name: str) -> str:
-    """Path of the built shared object for kernel `name` (built now unless cached)."""
-    source, _ = _KERNELS[name]
-    src = os.path.join(SOURCE_DIR, source)
+def _compiler_command(extra: tuple[str, ...] = (), flags: tuple[str, ...] = _FLAGS) -> list[str]:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
-    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{SOURCE_DIR}", src]
+    return [cxx, *flags, *extra, f"-I{jax.ffi.include_dir()}", f"-I{SOURCE_DIR}"]
+
+
+def compile_check(name: str, target_flags: tuple[str, ...]) -> None:
+    """Compile kernel `name`'s source for another CPU (`target_flags`, e.g. the AMX ones:
+    ("-march=sapphirerapids",)) without loading it: the code paths this CPU cannot run at least
+    build. RuntimeError with the compiler's message when they do not."""
+    source, _, extra = _KERNELS[name]
+    flags = tuple(f for f in _FLAGS if f != "-march=native") + target_flags
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [*_compiler_command(extra, flags), os.path.join(SOURCE_DIR, source),
+               "-o", os.path.join(d, "check.so")]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+
+
+def _build(name: str) -> str:
+    """Path of the built shared object for kernel `name` (built now unless cached)."""
+    source, _, extra = _KERNELS[name]
+    src = os.path.join(SOURCE_DIR, source)
+    cmd = [*_compiler_command(extra), src]
     text = b""
     for path in [src] + sorted(os.path.join(SOURCE_DIR, h) for h in os.listdir(SOURCE_DIR)
                                if h.endswith(".h")):  # the shared headers it may include

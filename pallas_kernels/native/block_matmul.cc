@@ -26,9 +26,13 @@
 // (has_mins) or any f32 array. Attributes: block = K / G, has_mins, tiled, x_bf16 (x's values
 // are bfloat16: with AVX512-BF16, tile-major bf16 weights take the bf16 dot product,
 // Tile2<bf16>). Output f32[M, N].
+// With AMX (or built with TOKENSPEED_AMX_MODEL: the software model of the tiles, for tests),
+// bf16 weights on bf16 x with one block of all K (dense_matmul_cpu) take the tile product of
+// amx_matmul.h from amx_min_rows() rows of x on.
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -37,10 +41,24 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_matmul.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+// Which tiles run the bf16 x bf16 products, and from how many rows of x on.
+#if defined(TOKENSPEED_AMX_MODEL)
+#define TOKENSPEED_AMX_ISA tokenspeed::amx::Model
+#define TOKENSPEED_BLOCK_MATMUL_SYMBOL TokenspeedBlockMatmulAmxModel
+#elif defined(TOKENSPEED_HAVE_AMX)
+#define TOKENSPEED_AMX_ISA tokenspeed::amx::Hw
+#endif
+#ifndef TOKENSPEED_BLOCK_MATMUL_SYMBOL
+#define TOKENSPEED_BLOCK_MATMUL_SYMBOL TokenspeedBlockMatmul
+#endif
+
+extern "C" int64_t TokenspeedAmxCalls() { return tokenspeed::amx::calls().load(); }
 
 namespace {
 
@@ -477,6 +495,54 @@ void run(ffi::ThreadPool& pool, const Problem& p) {
   });
 }
 
+#ifdef TOKENSPEED_AMX_ISA
+// Rows of x from which the tiles take a product: the model takes every product (tests); the
+// hardware pads x to 16 rows a tile, so a few-row decode stays on the AVX-512 path unless
+// TOKENSPEED_JAX_AMX_MIN_ROWS says otherwise (to measure both on an AMX machine).
+int64_t amx_min_rows() {
+#if defined(TOKENSPEED_AMX_MODEL)
+  return 1;
+#else
+  static const int64_t rows = [] {
+    const char* env = std::getenv("TOKENSPEED_JAX_AMX_MIN_ROWS");
+    return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{16};
+  }();
+  return rows;
+#endif
+}
+
+// bf16 weights, bf16-exact x, no block scales (one block of all K: float weights) and a full
+// column tile: what the tile product computes.
+bool amx_eligible(const Problem& p, ffi::DataType dtype, bool x_bf16, bool has_mins) {
+  return x_bf16 && dtype == ffi::DataType::BF16 && !has_mins && p.block == p.k &&
+         p.n >= kCols && p.m >= amx_min_rows();
+}
+
+// x as bf16, zero padded to whole tiles (rows to 16, K to 32); columns past the last full tile
+// by edge_tile.
+template <class Isa>
+void run_amx(ffi::ThreadPool& pool, const Problem& p) {
+  using tokenspeed::amx::kPairK;
+  using tokenspeed::amx::kTileRows;
+  const int64_t mp = (p.m + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t kp = (p.k + kPairK - 1) / kPairK * kPairK;
+  std::vector<uint16_t> xb(mp * kp, 0);
+  for (int64_t i = 0; i < p.m; ++i) {
+    for (int64_t kk = 0; kk < p.k; ++kk) {
+      uint32_t u;
+      std::memcpy(&u, p.x + i * p.k + kk, sizeof(u));
+      xb[i * kp + kk] = static_cast<uint16_t>(u >> 16);  // exact: the low half is zero
+    }
+  }
+  const int64_t tiles = p.n / kCols;
+  if (p.n % kCols) edge_tile<bf16>(p, tiles * kCols);
+  tokenspeed::amx::Problem a{xb.data(), mp, kp, static_cast<const uint16_t*>(p.codes),
+                             p.tiled ? p.k * kCols : kCols, p.row_step(), p.k, p.scales,
+                             p.y, p.m, p.n};
+  tokenspeed::amx::matmul<Isa>(pool, a);
+}
+#endif
+
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
                            int32_t block, bool has_mins, bool tiled, bool x_bf16,
@@ -513,6 +579,12 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     }
     p.xsum = xsum.data();
   }
+#ifdef TOKENSPEED_AMX_ISA
+  if (amx_eligible(p, dtype, x_bf16, has_mins) && TOKENSPEED_AMX_ISA::usable()) {
+    run_amx<TOKENSPEED_AMX_ISA>(pool, p);
+    return ffi::Error::Success();
+  }
+#endif
   std::vector<uint16_t> xb;  // x as bf16 pairs' halves (x_bf16: its values are bf16 already)
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x_bf16 && tiled && dtype == ffi::DataType::BF16 && !has_mins && p.n >= 2 * kCols) {
@@ -538,7 +610,7 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenspeedBlockMatmul, BlockMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TOKENSPEED_BLOCK_MATMUL_SYMBOL, BlockMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
