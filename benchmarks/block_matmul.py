@@ -11,7 +11,9 @@ inputs; f32 / bf16: plain float weights), one jit per lowering: "native"
 same call on tile-major weights, `pack_tiles`: what a one-device CPU model holds), "xla" (f32 /
 bf16: XLA's own
 dot as `models.layers.matmul` ran it before, activations in the weights' dtype), "tiled bf16 x"
-(bf16: the tiled call on bf16 activations, as a bf16 model makes it), "split" (int8
+(bf16: the tiled call on bf16 activations, as a bf16 model makes it: AMX tiles from 16 rows
+on a CPU with AMX-BF16, and then "tiled bf16 x, no AMX" too, the same call with
+TOKENSPEED_JAX_AMX=0), "split" (int8
 activation rows, a batched int8 dot over the blocks), "float" (dequantize inside the step, one
 float dot) and "f32" (a float32 copy of the weights, the unquantized reference). Median of
 `--reps` after a warm call; "native rel. diff": max |tiled - f32| / max |f32| of one layer's
@@ -43,7 +45,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     args = p.parse_args()
 
+    from benchmarks._machine import cpu_line
     from pallas_kernels.block_matmul_cpu import (
+        amx_calls,
         available,
         block_matmul_cpu,
         block_matmul_reference,
@@ -87,9 +91,13 @@ def main() -> None:
             "xla": lambda x, c, s, m, w, t: cpu_dot.dot(x.astype(c.dtype), c, 0, jnp.float32),
         }
         if args.kind == "bf16":
-            # as a bf16 model calls it: bf16 activations (AVX512-BF16: the bf16 dot product)
+            # as a bf16 model calls it: bf16 activations (AMX tiles from 16 rows where the CPU
+            # has them, else AVX512-BF16's dot product)
             lowerings["tiled bf16 x"] = lambda x, c, s, m, w, t: dense_matmul_cpu(
                 x.astype(jnp.bfloat16), t)
+            if "amx_bf16" in cpu_line():  # the same call with the tiles off (read per call)
+                lowerings["tiled bf16 x, no AMX"] = lambda x, c, s, m, w, t: dense_matmul_cpu(
+                    x.astype(jnp.bfloat16), t)
             lowerings["f32"] = lambda x, c, s, m, w, t: jnp.dot(x, w)
     else:
         lowerings = {
@@ -110,7 +118,7 @@ def main() -> None:
             return x
         return jax.jit(run)
 
-    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, native kernel built: {available()}; "
+    print(f"{cpu_line()}; jax {jax.__version__}, native kernel built: {available()}; "
           f"{layers} layers of [rows, {k}] @ {args.kind} [{k}, {n}]\n")
     print("| rows | " + " | ".join(f"{name} ms" for name in lowerings) + " | best | native rel. diff |")
     print("|---|" + "---|" * (len(lowerings) + 2))
@@ -118,6 +126,7 @@ def main() -> None:
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
         ms = {}
         for name, fn in lowerings.items():
+            os.environ["TOKENSPEED_JAX_AMX"] = "0" if name.endswith("no AMX") else "1"
             f = chain(fn)
             jax.block_until_ready(f(x, codes, scales, mins, dense, tiles))  # compile
             times = []
@@ -133,6 +142,8 @@ def main() -> None:
         diff = np.abs(got - want).max() / np.abs(want).max()
         print(f"| {rows} | " + " | ".join(f"{ms[name]:.1f}" for name in lowerings)
               + f" | {best} | {diff:.1e} |", flush=True)
+    if args.kind == "bf16":
+        print(f"\nproducts on AMX tiles in this run: {amx_calls()}")
 
 
 if __name__ == "__main__":
