@@ -282,7 +282,7 @@ struct Tile2;
 // two loads and NR broadcasts for NR 16-column FMAs). Same order per column as `tile`.
 template <>
 struct Tile2<float> {
-  template <int NR>
+  template <int NR, bool MINS>
   static void run(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
                   const char* pf) {
     const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols * sizeof(float) / 64;
@@ -326,7 +326,7 @@ struct Tile2<float> {
 // float32 in another order than `tile` (pairs first): not bit-identical.
 template <>
 struct Tile2<bf16> {
-  template <int NR>
+  template <int NR, bool MINS>
   static void run(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
                   const char* pf) {
     const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols * sizeof(bf16) / 64;
@@ -381,34 +381,84 @@ struct Tile2<bf16> {
 };
 #endif
 
+// int8 codes (Q8_0 / Q4_0 / Q4_1 blocks, per-channel int8): 16 codes widened to 16 floats by
+// one vpmovsxbd + vcvtdq2ps per tile and K row (the 256-bit tile takes two of each per tile), so
+// a few-row product converts half as often per weight; the blocks' scales and Q4_1's min term
+// as `tile`: the same float32 operations in the same order per column (bit-identical).
+template <>
+struct Tile2<int8_t> {
+  template <int NR, bool MINS>
+  static void run(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
+                  const char* pf) {
+    const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols / 64;
+    const float* xr[NR];
+    for (int r = 0; r < NR; ++r) xr[r] = p.x + (m0 + r) * p.k;
+    __m512 acc[NR][2];
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t groups = p.k / p.block;
+    const int64_t step = p.row_step();
+    const int64_t span = std::min(p.block, k1 - k0);
+    for (int64_t kb = k0; kb < k1; kb += span) {
+      const int64_t g = kb / p.block;
+      __m512 part[NR][2];
+      for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+      const int8_t* c0 = p.tile_codes<int8_t>(kb, n0);
+      const int8_t* c1 = p.tile_codes<int8_t>(kb, n0 + kCols);
+      for (int64_t kk = kb; kk < kb + span; ++kk, c0 += step, c1 += step) {
+        if (kk - k0 < pf_lines) _mm_prefetch(pf + (kk - k0) * 64, _MM_HINT_T0);
+        __m512 w0 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c0))));
+        __m512 w1 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c1))));
+        for (int r = 0; r < NR; ++r) {
+          const __m512 xv = _mm512_set1_ps(xr[r][kk]);
+          part[r][0] = _mm512_fmadd_ps(xv, w0, part[r][0]);
+          part[r][1] = _mm512_fmadd_ps(xv, w1, part[r][1]);
+        }
+      }
+      fold_block2<NR>(p, g, n0, part, acc);
+      if constexpr (MINS) {  // whole groups only (chunk_rows)
+        const __m512 n0v = _mm512_loadu_ps(p.mins + g * p.n + n0);
+        const __m512 n1v = _mm512_loadu_ps(p.mins + g * p.n + n0 + kCols);
+        for (int r = 0; r < NR; ++r) {
+          const __m512 sv = _mm512_set1_ps(p.xsum[(m0 + r) * groups + g]);
+          acc[r][0] = _mm512_fmadd_ps(sv, n0v, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(sv, n1v, acc[r][1]);
+        }
+      }
+    }
+    store2<NR>(p, m0, n0, acc, add);
+  }
+};
+
 // Which weight types have a Tile2 on this build.
 template <typename T>
-constexpr bool kHasTile2 = std::is_same_v<T, float>
+constexpr bool kHasTile2 = std::is_same_v<T, float> || std::is_same_v<T, int8_t>
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
                            || std::is_same_v<T, bf16>
 #endif
     ;
 
 // Rows [m0, m1) in passes of kRows2 rows, then the 1-11 left over; the first pass prefetches.
-template <typename T>
+template <typename T, bool MINS>
 void row_passes2(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t k1,
                  const char* pf) {
   const bool add = k0 > 0;
   for (; m0 + kRows2 <= m1; m0 += kRows2, pf = nullptr) {
-    Tile2<T>::template run<kRows2>(p, m0, n0, k0, k1, add, pf);
+    Tile2<T>::template run<kRows2, MINS>(p, m0, n0, k0, k1, add, pf);
   }
   switch (m1 - m0) {
-    case 11: Tile2<T>::template run<11>(p, m0, n0, k0, k1, add, pf); break;
-    case 10: Tile2<T>::template run<10>(p, m0, n0, k0, k1, add, pf); break;
-    case 9: Tile2<T>::template run<9>(p, m0, n0, k0, k1, add, pf); break;
-    case 8: Tile2<T>::template run<8>(p, m0, n0, k0, k1, add, pf); break;
-    case 7: Tile2<T>::template run<7>(p, m0, n0, k0, k1, add, pf); break;
-    case 6: Tile2<T>::template run<6>(p, m0, n0, k0, k1, add, pf); break;
-    case 5: Tile2<T>::template run<5>(p, m0, n0, k0, k1, add, pf); break;
-    case 4: Tile2<T>::template run<4>(p, m0, n0, k0, k1, add, pf); break;
-    case 3: Tile2<T>::template run<3>(p, m0, n0, k0, k1, add, pf); break;
-    case 2: Tile2<T>::template run<2>(p, m0, n0, k0, k1, add, pf); break;
-    case 1: Tile2<T>::template run<1>(p, m0, n0, k0, k1, add, pf); break;
+    case 11: Tile2<T>::template run<11, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 10: Tile2<T>::template run<10, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 9: Tile2<T>::template run<9, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 8: Tile2<T>::template run<8, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 7: Tile2<T>::template run<7, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 6: Tile2<T>::template run<6, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 5: Tile2<T>::template run<5, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 4: Tile2<T>::template run<4, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 3: Tile2<T>::template run<3, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 2: Tile2<T>::template run<2, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 1: Tile2<T>::template run<1, MINS>(p, m0, n0, k0, k1, add, pf); break;
     default: break;
   }
 }
@@ -436,10 +486,11 @@ void tile_range(const Problem& p, int64_t t0, int64_t t1, int64_t m0, int64_t m1
     const int64_t k1 = std::min(p.k, k0 + rows);
     int64_t t = t0;
 #ifdef __AVX512F__
-    if constexpr (kHasTile2<T> && !MINS) {
-      if (p.tiled && (std::is_same_v<T, float> || p.xb != nullptr)) {
+    if constexpr (kHasTile2<T> && (!MINS || std::is_same_v<T, int8_t>)) {
+      if (p.tiled && (!std::is_same_v<T, bf16> || p.xb != nullptr)) {
         for (; t + 2 <= t1; t += 2) {
-          row_passes2<T>(p, m0, m1, t * kCols, k0, k1, next_chunk<T>(p, t + 2, t0, t1, k0, k1));
+          row_passes2<T, MINS>(p, m0, m1, t * kCols, k0, k1,
+                               next_chunk<T>(p, t + 2, t0, t1, k0, k1));
         }
       }
     }
