@@ -8,7 +8,9 @@ first 576 columns), each W random Q4_1 / Q8_0 blocks in `models.block_quant`'s l
 one scale per output channel, `models.quant`'s weight-only "int8", a single block of all K
 inputs; f32 / bf16: plain float weights), one jit per lowering: "native"
 (`pallas_kernels.block_matmul_cpu`, one C++ custom call per layer, weights [K, N]), "tiled" (the
-same call on tile-major weights, `pack_tiles`: what a one-device CPU model holds), "xla" (f32 /
+same call on tile-major weights, `pack_tiles`: what a one-device CPU model holds), "tiled q8 x"
+(the tiled call with `x_q8`: x quantized per 32 values to int8, integer dot products where the CPU
+has AVX512-VNNI, as llama.cpp's quantized products), "xla" (f32 /
 bf16: XLA's own
 dot as `models.layers.matmul` ran it before, activations in the weights' dtype), "tiled bf16 x"
 (bf16: the tiled call on bf16 activations, as a bf16 model makes it: AMX tiles from 16 rows
@@ -103,6 +105,8 @@ def main() -> None:
         lowerings = {
             "native": lambda x, c, s, m, w, t: block_matmul_cpu(x, c, s, m),
             "tiled": lambda x, c, s, m, w, t: block_matmul_cpu(x, t, s, m),
+            # x quantized per 32 values (llama.cpp's Q8 activations): AVX512-VNNI integer dots
+            "tiled q8 x": lambda x, c, s, m, w, t: block_matmul_cpu(x, t, s, m, x_q8=True),
             "split": lambda x, c, s, m, w, t: split(x, c, s, m),
             "float": lambda x, c, s, m, w, t: (jnp.dot(x, c.astype(x.dtype)) * s[0] if block == k
                                             else jnp.dot(x, dequantize_blocks(c, s, m))),

@@ -29,8 +29,9 @@ import numpy as np
 from pallas_kernels import native
 
 __all__ = ["AMX_MODEL_TARGET", "TARGET", "TILE", "amx_calls", "available", "block_matmul_cpu",
-           "block_matmul_reference", "dense_matmul_amx_model", "dense_matmul_cpu",
-           "dense_matmul_reference", "pack_tiles", "tileable", "unpack_tiles", "weight_shape"]
+           "block_matmul_q8_reference", "block_matmul_reference", "dense_matmul_amx_model",
+           "dense_matmul_cpu", "dense_matmul_reference", "pack_tiles", "q8_available",
+           "quantize_q8_reference", "tileable", "unpack_tiles", "weight_shape"]
 
 TARGET = "tokenspeed_block_matmul"
 # the same kernel built on the software model of the AMX tiles (native/amx_tiles.h)
@@ -112,17 +113,60 @@ def block_matmul_reference(x: jax.Array, codes: jax.Array, scales: jax.Array,
 
 
 def block_matmul_cpu(x: jax.Array, codes: jax.Array, scales: jax.Array,
-                     mins: jax.Array | None = None) -> jax.Array:
+                     mins: jax.Array | None = None, *, x_q8: bool = False) -> jax.Array:
     """x f[..., K] @ W -> f32[..., N] as one native call (the reference when it cannot be
-    built). x is computed in float32; codes int8[K, N]; scales / mins f32[K / B, N]."""
+    built). x is computed in float32; codes int8[K, N]; scales / mins f32[K / B, N].
+
+    `x_q8`: x quantized per 32 values to int8, as llama.cpp's quantized products do
+    (`quantize_q8_reference`), for integer dot products (AVX512-VNNI) on tile-major codes with
+    K a multiple of 32 where this CPU has them (`q8_available`): `block_matmul_q8_reference`'s
+    result up to float32 summation order. Elsewhere the float product, as without it."""
     block = _check(x, codes, scales, mins)
     if not available():
         return block_matmul_reference(x, codes, scales, mins)
-    return _native_call(x, codes, scales, mins, block)
+    return _native_call(x, codes, scales, mins, block, x_q8=x_q8)
+
+
+def q8_available() -> bool:
+    """Whether `block_matmul_cpu(..., x_q8=True)` takes integer dot products here."""
+    lib = native.load("block_matmul")
+    return lib is not None and bool(lib.TokenspeedHaveQ8())
+
+
+def quantize_q8_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x f32[M, K] (K a multiple of 32) -> (q int8[M, K], d f32[M, K / 32]): per 32 values
+    d = max|x| / 127 and q = round-half-even(x * (1 / d)) (0 where d = 0), llama.cpp's Q8 blocks
+    and the kernel's (the same float32 operations, so the same codes)."""
+    m, k = x.shape
+    xb = x.astype(jnp.float32).reshape(m, k // 32, 32)
+    d = jnp.max(jnp.abs(xb), axis=-1) / jnp.float32(127.0)
+    inv = jnp.where(d != 0, jnp.float32(1.0) / jnp.where(d != 0, d, 1.0), 0.0)
+    q = jnp.clip(jnp.round(xb * inv[..., None]), -127, 127).astype(jnp.int8)
+    return q.reshape(m, k), d
+
+
+def block_matmul_q8_reference(x: jax.Array, codes: jax.Array, scales: jax.Array,
+                              mins: jax.Array | None = None) -> jax.Array:
+    """What `block_matmul_cpu(..., x_q8=True)` computes: sum over 32-value blocks j of
+    d_x[j] * (xq . codes)[j] (exact integers), times the weight blocks' scales, plus
+    mins * sum(x) (float x, exact) for Q4_1; float64 sums here (an oracle)."""
+    block = _check(x, codes, scales, mins)
+    codes = unpack_tiles(codes)
+    k, n = codes.shape
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    q, d = (np.asarray(a) for a in quantize_q8_reference(rows))
+    c = np.asarray(codes, np.int64).reshape(k // 32, 32, n)
+    isum = np.einsum("mgk,gkn->mgn", q.reshape(-1, k // 32, 32).astype(np.int64), c)
+    part = (isum * d[..., None].astype(np.float64)).reshape(-1, k // block, block // 32, n).sum(2)
+    y = np.einsum("mgn,gn->mn", part, np.asarray(scales, np.float64))
+    if mins is not None:
+        xs = np.asarray(rows, np.float64).reshape(-1, k // block, block).sum(-1)
+        y = y + xs @ np.asarray(mins, np.float64)
+    return jnp.asarray(y.reshape(*x.shape[:-1], n), jnp.float32)
 
 
 def _native_call(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None,
-                 block: int, target: str = TARGET) -> jax.Array:
+                 block: int, target: str = TARGET, x_q8: bool = False) -> jax.Array:
     """The custom call on x's rows flattened to [M, K]; f32[..., N]. A bfloat16 x with bfloat16
     weights tells the kernel its values are bf16 (`x_bf16`: the AVX512-BF16 dot product may take
     them, exactly)."""
@@ -133,7 +177,8 @@ def _native_call(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Ar
                         jnp.zeros((1,), jnp.float32) if mins is None else mins.astype(jnp.float32),
                         block=np.int32(block), has_mins=mins is not None,
                         tiled=codes.ndim == 3,
-                        x_bf16=bool(x.dtype == jnp.bfloat16 and codes.dtype == jnp.bfloat16))
+                        x_bf16=bool(x.dtype == jnp.bfloat16 and codes.dtype == jnp.bfloat16),
+                        x_q8=bool(x_q8))
     return y.reshape(*x.shape[:-1], n)
 
 

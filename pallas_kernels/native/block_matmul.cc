@@ -31,6 +31,7 @@
 // amx_matmul.h from amx_min_rows() rows of x on.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -59,6 +60,14 @@ namespace ffi = xla::ffi;
 #endif
 
 extern "C" int64_t TokenspeedAmxCalls() { return tokenspeed::amx::calls().load(); }
+// Whether x_q8 takes the integer dot products on this build (AVX512-VNNI + VBMI), else float.
+extern "C" int32_t TokenspeedHaveQ8() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 namespace {
 
@@ -76,6 +85,10 @@ struct Problem {
   float* y;
   int64_t m, k, n, block;
   bool tiled;  // codes in tile-major order [N / kCols, K, kCols] (pack_tiles), not [K, N]
+  // x_q8 (tile_q8): x as int8 per 32 K values, llama.cpp's Q8 activations: x ~ dx * xq
+  const int8_t* xq = nullptr;    // s8[M, K]
+  const float* dx = nullptr;     // f32[M, K / 32]: the scale of each 32 values
+  const int32_t* qsum = nullptr; // s32[M, K / 32]: the sum of each 32 xq
 
   // codes of column tile [n0, n0 + kCols) from K row `kk`, and the step to the next K row
   template <typename T>
@@ -219,7 +232,8 @@ int64_t chunk_rows(const Problem& p) {
   int64_t rows = std::max<int64_t>(1, 16384 / (kCols * static_cast<int64_t>(sizeof(T))));
   if (p.block <= rows || p.mins != nullptr) return std::max(p.block, rows / p.block * p.block);
   const int64_t chunks = (p.k + rows - 1) / rows;  // even chunks: 576 = 3 x 192, not 256 + 256 + 64
-  return (p.k + chunks - 1) / chunks;
+  const int64_t even = (p.k + chunks - 1) / chunks;
+  return p.xq == nullptr ? even : (even + 31) / 32 * 32;  // tile_q8 takes whole 32s of x
 }
 
 // Rows [m0, m1) of x for columns [n0, n0 + kCols) and K rows [k0, k1): passes of kRows rows,
@@ -431,6 +445,108 @@ struct Tile2<int8_t> {
   }
 };
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define TOKENSPEED_HAVE_Q8 1
+// int8 codes times Q8 activations (x_q8: p.xq, p.dx, p.qsum) with the AVX512-VNNI dot product:
+// vpdpbusd adds four u8 x s8 products into each int32 lane, 64 multiply-adds an instruction.
+// A tile's K rows kk .. kk + 3 are 64 contiguous bytes; one vpermb turns them into 16 columns'
+// (kk .. kk + 3) quads, and xor 0x80 makes the codes unsigned (c + 128), corrected by
+// 128 * sum(xq) per 32 values. Each 32 values' exact int32 sum is scaled by dx in float32, then
+// the weight block's scale folded as in Tile2 (Q4_1's min term on the float sum of x, exact).
+// Up to 24 int32 / float accumulators: 4 rows a pass.
+constexpr int kRowsQ8 = 4;
+
+// NR rows x NT (1 or 2) column tiles from n0: a lone last tile takes NT = 1, so every column
+// of a product gets the same integer arithmetic however the work was split.
+template <int NR, int NT, bool MINS>
+void tile_q8(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
+             const char* pf) {
+  const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * NT * kCols / 64;
+  alignas(64) static const uint8_t kQuads[64] = {
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21,
+      37, 53, 6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58,
+      11, 27, 43, 59, 12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+  const __m512i quads = _mm512_load_si512(kQuads);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t groups = p.k / p.block, q8_groups = p.k / 32;
+  __m512 acc[NR][NT];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  const int64_t span = std::min(p.block, k1 - k0);
+  for (int64_t kb = k0; kb < k1; kb += span) {
+    __m512 part[NR][NT];
+    for (int r = 0; r < NR; ++r) {
+      for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_ps();
+    }
+    for (int64_t j = kb; j < kb + span; j += 32) {
+      __m512i isum[NR][NT];
+      for (int r = 0; r < NR; ++r) {
+        for (int t = 0; t < NT; ++t) isum[r][t] = _mm512_setzero_si512();
+      }
+      const int8_t* c[NT];
+      for (int t = 0; t < NT; ++t) c[t] = p.tile_codes<int8_t>(j, n0 + t * kCols);
+      for (int64_t kk = j; kk < j + 32; kk += 4) {
+        if (kk - k0 < pf_lines) _mm_prefetch(pf + (kk - k0) * 16, _MM_HINT_T0);
+        __m512i w[NT];
+        for (int t = 0; t < NT; ++t) {
+          w[t] = _mm512_xor_si512(
+              _mm512_permutexvar_epi8(quads, _mm512_loadu_si512(c[t] + (kk - j) * kCols)), flip);
+        }
+        for (int r = 0; r < NR; ++r) {
+          int32_t four;
+          std::memcpy(&four, p.xq + (m0 + r) * p.k + kk, sizeof(four));
+          const __m512i xv = _mm512_set1_epi32(four);
+          for (int t = 0; t < NT; ++t) isum[r][t] = _mm512_dpbusd_epi32(isum[r][t], w[t], xv);
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        const int64_t q = (m0 + r) * q8_groups + j / 32;
+        const __m512i corr = _mm512_set1_epi32(128 * p.qsum[q]);
+        const __m512 d = _mm512_set1_ps(p.dx[q]);
+        for (int t = 0; t < NT; ++t) {
+          part[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][t], corr)), d,
+                                       part[r][t]);
+        }
+      }
+    }
+    const int64_t g = kb / p.block;
+    for (int t = 0; t < NT; ++t) {
+      const __m512 dw = _mm512_loadu_ps(p.scales + g * p.n + n0 + t * kCols);
+      for (int r = 0; r < NR; ++r) acc[r][t] = _mm512_fmadd_ps(part[r][t], dw, acc[r][t]);
+      if constexpr (MINS) {
+        const __m512 mv = _mm512_loadu_ps(p.mins + g * p.n + n0 + t * kCols);
+        for (int r = 0; r < NR; ++r) {
+          acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(p.xsum[(m0 + r) * groups + g]), mv, acc[r][t]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      float* y = p.y + (m0 + r) * p.n + n0 + t * kCols;
+      _mm512_storeu_ps(y, add ? _mm512_add_ps(acc[r][t], _mm512_loadu_ps(y)) : acc[r][t]);
+    }
+  }
+}
+
+// Rows [m0, m1) in passes of kRowsQ8, then the 1-3 left over; the first pass prefetches.
+template <int NT, bool MINS>
+void row_passes_q8(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t k1,
+                   const char* pf) {
+  const bool add = k0 > 0;
+  for (; m0 + kRowsQ8 <= m1; m0 += kRowsQ8, pf = nullptr) {
+    tile_q8<kRowsQ8, NT, MINS>(p, m0, n0, k0, k1, add, pf);
+  }
+  switch (m1 - m0) {
+    case 3: tile_q8<3, NT, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 2: tile_q8<2, NT, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    case 1: tile_q8<1, NT, MINS>(p, m0, n0, k0, k1, add, pf); break;
+    default: break;
+  }
+}
+#endif
+
 // Which weight types have a Tile2 on this build.
 template <typename T>
 constexpr bool kHasTile2 = std::is_same_v<T, float> || std::is_same_v<T, int8_t>
@@ -486,6 +602,21 @@ void tile_range(const Problem& p, int64_t t0, int64_t t1, int64_t m0, int64_t m1
     const int64_t k1 = std::min(p.k, k0 + rows);
     int64_t t = t0;
 #ifdef __AVX512F__
+#ifdef TOKENSPEED_HAVE_Q8
+    if constexpr (std::is_same_v<T, int8_t>) {
+      if (p.xq != nullptr) {  // x_q8 (tile-major, K a multiple of 32: BlockMatmulImpl)
+        for (; t + 2 <= t1; t += 2) {
+          row_passes_q8<2, MINS>(p, m0, m1, t * kCols, k0, k1,
+                                 next_chunk<T>(p, t + 2, t0, t1, k0, k1));
+        }
+        if (t < t1) {
+          row_passes_q8<1, MINS>(p, m0, m1, t * kCols, k0, k1,
+                                 next_chunk<T>(p, t + 1, t0, t1, k0, k1));
+          ++t;
+        }
+      }
+    }
+#endif
     if constexpr (kHasTile2<T> && (!MINS || std::is_same_v<T, int8_t>)) {
       if (p.tiled && (!std::is_same_v<T, bf16> || p.xb != nullptr)) {
         for (; t + 2 <= t1; t += 2) {
@@ -594,9 +725,40 @@ void run_amx(ffi::ThreadPool& pool, const Problem& p) {
 }
 #endif
 
+#ifdef TOKENSPEED_HAVE_Q8
+// x -> Q8 blocks of 32 values, as llama.cpp's quantize_row_q8: d = max|x| / 127, q =
+// round-half-even(x * (1 / d)) (0 when d = 0); plus each block's sum of q. The same float32
+// operations as pallas_kernels/block_matmul_cpu.quantize_q8_reference, so the same codes.
+void quantize_q8(Problem& p, std::vector<int8_t>& xq, std::vector<float>& dx,
+                 std::vector<int32_t>& qsum) {
+  const int64_t groups = p.k / 32;
+  xq.resize(p.m * p.k);
+  dx.resize(p.m * groups);
+  qsum.resize(p.m * groups);
+  for (int64_t i = 0; i < p.m * groups; ++i) {
+    const float* x = p.x + i * 32;  // rows are K = 32 * groups long: blocks run on
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const float q = std::clamp(std::nearbyint(x[j] * id), -127.0f, 127.0f);
+      xq[i * 32 + j] = static_cast<int8_t>(q);
+      sum += static_cast<int32_t>(q);
+    }
+    dx[i] = d;
+    qsum[i] = sum;
+  }
+  p.xq = xq.data();
+  p.dx = dx.data();
+  p.qsum = qsum.data();
+}
+#endif
+
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
-                           int32_t block, bool has_mins, bool tiled, bool x_bf16,
+                           int32_t block, bool has_mins, bool tiled, bool x_bf16, bool x_q8,
                            ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto cd = codes.dimensions();
@@ -636,6 +798,15 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     return ffi::Error::Success();
   }
 #endif
+  std::vector<int8_t> xq;  // x_q8: x as Q8 blocks (tile_q8)
+  std::vector<float> dx;
+  std::vector<int32_t> qsum;
+#ifdef TOKENSPEED_HAVE_Q8
+  if (x_q8 && tiled && dtype == ffi::DataType::S8 && p.k % 32 == 0) {
+    quantize_q8(p, xq, dx, qsum);
+  }
+#endif
+  (void)x_q8;
   std::vector<uint16_t> xb;  // x as bf16 pairs' halves (x_bf16: its values are bf16 already)
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x_bf16 && tiled && dtype == ffi::DataType::BF16 && !has_mins && p.n >= 2 * kCols) {
@@ -672,4 +843,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TOKENSPEED_BLOCK_MATMUL_SYMBOL, BlockMatmulImpl,
                                   .Attr<bool>("has_mins")
                                   .Attr<bool>("tiled")
                                   .Attr<bool>("x_bf16")
+                                  .Attr<bool>("x_q8")
                                   .Ret<ffi::Buffer<ffi::F32>>());
