@@ -10,30 +10,45 @@ import numpy as np
 import pytest
 
 from pallas_kernels import block_matmul_cpu
-from pallas_kernels.block_matmul_cpu import block_matmul_reference
+from pallas_kernels.block_matmul_cpu import TILE, block_matmul_reference
+from tests.native_kernels import need_native
 
 IMPLS = {"reference": block_matmul_reference, "native": block_matmul_cpu.block_matmul_cpu}
+LAYOUTS = ("kn", "tiled")
+IMPL_IDS = [f"{name}-{layout}" for name in sorted(IMPLS) for layout in LAYOUTS]
 
 
 def _tiled(fn):
-    """`fn` taking its weight [K, N] tile-major (`pack_tiles`); N not a multiple of 16: skip.
-    A weight of a dtype no kernel takes goes as it is (its ValueError is under test)."""
+    """`fn` taking its weight [K, N] tile-major (`pack_tiles`). A weight of a dtype no kernel
+    takes goes as it is (its ValueError is under test); one of N not a multiple of TILE is never
+    generated here (`_with_impls`), so pack_tiles' own ValueError would fail the test."""
     def call(x, w, *rest):
         if w.dtype not in (jnp.int8, jnp.float32, jnp.bfloat16):
             return fn(x, w, *rest)
-        if not block_matmul_cpu.tileable(w):
-            pytest.skip(f"{w.shape=}: not tileable")
         return fn(x, block_matmul_cpu.pack_tiles(w), *rest)
     return call
 
 
-@pytest.fixture(params=[f"{name}-{layout}" for name in sorted(IMPLS)
-                        for layout in ("kn", "tiled")])
+def _with_impls(cases, n_of) -> list:
+    """(impl id, *case) for every implementation id and case, but tile-major ids only for cases
+    whose weight has N (`n_of(case)`) a multiple of TILE: a tile-major weight of another N does
+    not exist, so such a pair is not a test (it used to be generated and skipped)."""
+    return [(ident, *(case if isinstance(case, tuple) else (case,)))
+            for ident in IMPL_IDS for case in cases
+            if ident.endswith("-kn") or n_of(case) % TILE == 0]
+
+
+def _impl(table, ident: str):
+    name, layout = ident.split("-")
+    if name == "native":
+        need_native("block_matmul")  # fails in CI ($TOKENSPEED_JAX_REQUIRE_NATIVE) if unbuilt
+    return table[name] if layout == "kn" else _tiled(table[name])
+
+
+@pytest.fixture
 def impl(request):
-    name, layout = request.param.split("-")
-    if name == "native" and not block_matmul_cpu.available():
-        pytest.skip("no C++ compiler here")
-    return IMPLS[name] if layout == "kn" else _tiled(IMPLS[name])
+    """The implementation named by the test's (indirect) parameter "<name>-<layout>"."""
+    return _impl(IMPLS, request.param)
 
 
 def _blocks(k: int, n: int, block: int, mins: bool, seed: int):
@@ -59,7 +74,8 @@ CASES = {  # (lead shape, K, N, block, mins)
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("impl,case", _with_impls(sorted(CASES), lambda c: CASES[c][2]),
+                         indirect=["impl"])
 def test_matches_float64_oracle(impl, case):
     lead, k, n, block, mins = CASES[case]
     codes, scales, m = _blocks(k, n, block, mins, seed=len(case))
@@ -77,6 +93,7 @@ def test_matches_float64_oracle(impl, case):
     assert (err <= bound).all(), err.max()
 
 
+@pytest.mark.parametrize("impl", IMPL_IDS, indirect=True)
 def test_bfloat16_activations(impl):
     codes, scales, m = _blocks(64, 32, 32, True, seed=3)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 64)), jnp.bfloat16)
@@ -86,24 +103,25 @@ def test_bfloat16_activations(impl):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+# N = 16 (one tile): the tile-major layout takes every case too
+@pytest.mark.parametrize("impl", IMPL_IDS, indirect=True)
 @pytest.mark.parametrize("bad,match", [
-    (dict(codes=np.zeros((64, 8), np.int32)), "codes must be int8"),
+    (dict(codes=np.zeros((64, 16), np.int32)), "codes must be int8"),
     (dict(x=np.zeros((2, 32), np.float32)), "last axis must be K"),
-    (dict(scales=np.zeros((3, 8), np.float32)), "expected \\[K / B, N\\]"),
+    (dict(scales=np.zeros((3, 16), np.float32)), "expected \\[K / B, N\\]"),
     (dict(scales=np.zeros((2, 4), np.float32)), "expected \\[K / B, N\\]"),
-    (dict(mins=np.zeros((1, 8), np.float32)), "mins.shape"),
+    (dict(mins=np.zeros((1, 16), np.float32)), "mins.shape"),
 ])
 def test_invalid_inputs_raise(impl, bad, match):
-    args = dict(x=np.zeros((2, 64), np.float32), codes=np.zeros((64, 8), np.int8),
-                scales=np.zeros((2, 8), np.float32), mins=None)
+    args = dict(x=np.zeros((2, 64), np.float32), codes=np.zeros((64, 16), np.int8),
+                scales=np.zeros((2, 16), np.float32), mins=None)
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         impl(*(None if v is None else jnp.asarray(v) for v in args.values()))
 
 
 def test_lowers_to_one_custom_call_without_a_float_weight_copy():
-    if not block_matmul_cpu.available():
-        pytest.skip("no C++ compiler here")
+    need_native("block_matmul")
     codes, scales, m = (jnp.asarray(a) for a in _blocks(576, 1536, 32, True, seed=0))
     hlo = jax.jit(block_matmul_cpu.block_matmul_cpu).lower(
         jnp.zeros((4, 576), jnp.float32), codes, scales, m).compile().as_text()
@@ -115,20 +133,18 @@ DENSE_IMPLS = {"reference": block_matmul_cpu.dense_matmul_reference,
                "native": block_matmul_cpu.dense_matmul_cpu}
 
 
-@pytest.fixture(params=[f"{name}-{layout}" for name in sorted(DENSE_IMPLS)
-                        for layout in ("kn", "tiled")])
+@pytest.fixture
 def dense_impl(request):
-    name, layout = request.param.split("-")
-    if name == "native" and not block_matmul_cpu.available():
-        pytest.skip("no C++ compiler here")
-    return DENSE_IMPLS[name] if layout == "kn" else _tiled(DENSE_IMPLS[name])
+    """The dense implementation named by the test's (indirect) parameter "<name>-<layout>"."""
+    return _impl(DENSE_IMPLS, request.param)
 
 
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("lead,k,n", [((1,), 64, 48), ((7,), 96, 37), ((2, 3), 128, 64),
-                                      ((70,), 64, 16), ((0,), 32, 16),
-                                      ((7,), 600, 48),  # K in 3 (f32) / 2 (bf16) chunks
-                                      ((25,), 600, 512)])  # AVX-512: 12-row passes of tile pairs
+@pytest.mark.parametrize("dense_impl,lead,k,n", _with_impls(
+    [((1,), 64, 48), ((7,), 96, 37), ((2, 3), 128, 64), ((70,), 64, 16), ((0,), 32, 16),
+     ((7,), 600, 48),  # K in 3 (f32) / 2 (bf16) chunks
+     ((25,), 600, 512)],  # AVX-512: 12-row passes of tile pairs
+    lambda c: c[2]), indirect=["dense_impl"])
 def test_dense_matches_float64_oracle(dense_impl, wdtype, lead, k, n):
     """Float weights through the same kernel (one block, scale 1): every row count's pass
     (6 rows, then 1-5 left over; with AVX-512, float32 tile pairs: 12 rows, then 1-11),
@@ -143,8 +159,9 @@ def test_dense_matches_float64_oracle(dense_impl, wdtype, lead, k, n):
     assert (np.abs(np.asarray(got, np.float64) - x.astype(np.float64) @ w64) <= bound).all()
 
 
-@pytest.mark.parametrize("lead,k,n", [((1,), 64, 512), ((25,), 600, 512), ((13,), 601, 512),
-                                      ((3,), 7, 512), ((7,), 96, 48)])
+@pytest.mark.parametrize("dense_impl,lead,k,n", _with_impls(
+    [((1,), 64, 512), ((25,), 600, 512), ((13,), 601, 512), ((3,), 7, 512), ((7,), 96, 48)],
+    lambda c: c[2]), indirect=["dense_impl"])
 def test_dense_bf16_activations_match_float64_oracle(dense_impl, lead, k, n):
     """bf16 x and bf16 weights (a bf16 model's products): with AVX512-BF16 the tile pairs take
     the bf16 dot product (odd K: the last row paired with zeros), still float32 sums."""
@@ -158,8 +175,10 @@ def test_dense_bf16_activations_match_float64_oracle(dense_impl, lead, k, n):
     assert (np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound).all()
 
 
-@pytest.mark.parametrize("w,match", [(np.zeros((64, 8), np.float16), "float32 or bfloat16"),
-                                     (np.zeros((32, 8), np.float32), "last axis must be K")])
+# N = 16 (one tile): the tile-major layout takes every case too
+@pytest.mark.parametrize("dense_impl", IMPL_IDS, indirect=True)
+@pytest.mark.parametrize("w,match", [(np.zeros((64, 16), np.float16), "float32 or bfloat16"),
+                                     (np.zeros((32, 16), np.float32), "last axis must be K")])
 def test_dense_invalid_inputs_raise(dense_impl, w, match):
     with pytest.raises(ValueError, match=match):
         dense_impl(jnp.zeros((2, 64), jnp.float32), jnp.asarray(w))
@@ -181,8 +200,7 @@ def test_pack_tiles_round_trip_and_layout():
 
 def test_tiled_codes_lower_to_one_custom_call_without_a_relayout():
     """Tile-major codes go to the kernel as they are: no transpose back to [K, N] in the step."""
-    if not block_matmul_cpu.available():
-        pytest.skip("no C++ compiler here")
+    need_native("block_matmul")
     codes, scales, m = (jnp.asarray(a) for a in _blocks(576, 1536, 32, True, seed=0))
     hlo = jax.jit(block_matmul_cpu.block_matmul_cpu).lower(
         jnp.zeros((4, 576), jnp.float32), block_matmul_cpu.pack_tiles(codes), scales,

@@ -14,10 +14,15 @@ import numpy as np
 import pytest
 
 from pallas_kernels import native, paged_attention_cpu, paged_attention_reference
+from tests.native_kernels import need_native
 from tests.pallas_kernels.test_paged_attention import CASES, build
 
-pytestmark = pytest.mark.skipif(not paged_attention_cpu.available(),
-                                reason="no C++ compiler here: the native kernel falls back")
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    """Every test here needs the built kernel: fails under $TOKENSPEED_JAX_REQUIRE_NATIVE (CI)
+    when it does not build, skips otherwise (`tests.native_kernels`)."""
+    need_native("paged_attention")
 
 
 def _jnp(args, kwargs):

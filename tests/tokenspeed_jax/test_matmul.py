@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.native_kernels import need_native
 from tokenspeed_jax.models.layers import matmul
 
 
@@ -43,9 +44,7 @@ def test_bf16_weights_are_not_converted_per_call(rows):
 def test_bf16_weights_take_the_native_kernel():
     """bf16 [K, N] weights run as one custom call of the native block kernel (faster than XLA's
     bf16 dot on CPU); a transposed (tied) table and float32 weights stay on XLA's dot."""
-    from tokenspeed_jax.models.quant import use_native
-    if not use_native():
-        pytest.skip("no C++ compiler here")
+    need_native("block_matmul")  # fails in CI ($TOKENSPEED_JAX_REQUIRE_NATIVE) if unbuilt
 
     def calls(x, w, **kw) -> int:
         hlo = jax.jit(lambda a, b: matmul(a, b, **kw)).lower(x, w).compile().as_text()

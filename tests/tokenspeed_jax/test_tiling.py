@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.native_kernels import need_native
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.models import build_model, tiny_random_config
 from tokenspeed_jax.models.layers import Linear, tile_linears
-from tokenspeed_jax.models.quant import quantize_model, use_native
+from tokenspeed_jax.models.quant import quantize_model
 
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 256, 24), jnp.int32)
 
@@ -68,8 +69,7 @@ def test_w8a8_and_odd_widths_stay_in_kn_layout():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's native kernel")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_tiles_a_one_device_model(dtype):
-    if not use_native():
-        pytest.skip("no C++ compiler here")
+    need_native("block_matmul")  # fails in CI ($TOKENSPEED_JAX_REQUIRE_NATIVE) if unbuilt
     llm = LLM("tiny-random", dtype=dtype, page_size=4, num_pages=64, max_batch_requests=2,
               max_scheduled_tokens=32, max_context_len=64, compile_cache_dir=False)
     kernels = {jax.tree_util.keystr(p): x for p, x in
