@@ -68,6 +68,31 @@ def test_environment_covers_versions_devices_and_source():
     assert len(executables.source_digest()) == 64
 
 
+AVX2 = "flags\t\t: fpu sse2 avx avx2 fma bmi2\n"
+AVX512 = "flags\t\t: fpu sse2 avx avx2 fma bmi2 avx512f avx512bw avx512_bf16\n"
+
+
+def test_key_on_cpu_includes_the_cpu_features(monkeypatch):
+    """An executable compiled for an AVX-512 host must not be offered to an AVX2 host sharing
+    the cache directory: different feature flags, different keys; the same flags (in any order),
+    the same key."""
+    assert executables.cpu_features(AVX2) != executables.cpu_features(AVX512)
+    assert executables.cpu_features(AVX2) == executables.cpu_features(
+        "flags\t\t: bmi2 fma avx2 avx sse2 fpu\n")
+    # this host: its own /proc/cpuinfo flags line is in the environment of every key
+    assert executables.environment()["cpu_features"] == executables.cpu_features(
+        executables._cpu_flags_line())
+    program = {"config": "tiny", "shape": "16x0"}
+    keys = {}
+    monkeypatch.setitem(executables._memo, "cpu", "")  # undone after the test: the real memo
+    for name, line in (("avx2", AVX2), ("avx512", AVX512), ("avx2 again", AVX2)):
+        monkeypatch.setattr(executables, "_cpu_flags_line", lambda line=line: line)
+        del executables._memo["cpu"]  # read the (faked) host's flags afresh, as a new process
+        keys[name] = executables.program_key(program)
+    assert keys["avx2"] != keys["avx512"]
+    assert keys["avx2"] == keys["avx2 again"]
+
+
 def test_warm_llm_loads_every_shape_and_generates_the_same(tmp_path):
     sp = SamplingParams(max_tokens=5, logprobs=True)
     cold = LLM("tiny-random", num_pages=32, compile_cache_dir=str(tmp_path), **SMALL)

@@ -12,6 +12,9 @@ The key (`program_key`) is a SHA-256 over everything that changes the program:
   platform and version, the device kinds and ids, `XLA_FLAGS` and the jax options that change
   lowering (x64, default matmul precision), and a digest of the source of our three packages
   (`scheduler`, `pallas_kernels`, `tokenspeed_jax`: any edit of a kernel or a model misses);
+  on CPU also the host's instruction-set flags (`cpu_features()`): XLA:CPU compiles for the
+  host it runs on, so without them a program compiled on an AVX-512 host could be offered to
+  an AVX2 host sharing the cache directory and execute instructions that host lacks;
 * what the runner passes: the model config, the cache layout, the step's input layout, the
   attention backend and the argument signature (tree structure, shape, dtype and sharding of
   every parameter and state array; so dtype, pool size and mesh are in it).
@@ -28,6 +31,7 @@ import hashlib
 import logging
 import os
 import pickle
+import platform
 import tempfile
 import threading
 from typing import Any
@@ -36,7 +40,7 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the entry layout or the key recipe changes
+FORMAT = 2  # bump when the entry layout or the key recipe changes
 _PACKAGES = ("scheduler", "pallas_kernels", "tokenspeed_jax")
 # jax options that change what a traced step lowers to
 _JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion")
@@ -66,13 +70,41 @@ def source_digest() -> str:
         return _memo["source"]
 
 
+def _cpu_flags_line() -> str:
+    """The host's feature line of /proc/cpuinfo ("flags" on x86, "Features" on arm64), else
+    what `platform` knows (no /proc: another OS)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cpu_features(flags_line: str | None = None) -> str:
+    """Digest of the CPU's feature flags (`flags_line`, default this host's) and architecture.
+    The whole flags line, not a chosen few ISA flags: a flag we did not think of (a new AMX or
+    AVX10 variant LLVM targets) then still separates two hosts; the cost of a flag that does not
+    matter is a recompile, never a wrong program. Order-insensitive (the flags as a sorted set)."""
+    if flags_line is None:
+        with _lock:
+            if "cpu" not in _memo:
+                _memo["cpu"] = cpu_features(_cpu_flags_line())
+            return _memo["cpu"]
+    _, _, values = flags_line.partition(":")
+    flags = " ".join(sorted(set((values or flags_line).split())))
+    return hashlib.sha256(f"{platform.machine()}\0{flags}".encode()).hexdigest()[:20]
+
+
 def environment(devices: list[Any] | None = None) -> dict[str, Any]:
     """What outside the runner changes a compiled program (see the module docstring)."""
     import jaxlib
 
     devices = list(devices) if devices is not None else jax.devices()[:1]
     client = devices[0].client
-    return {
+    env: dict[str, Any] = {
         "format": FORMAT,
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
@@ -84,6 +116,9 @@ def environment(devices: list[Any] | None = None) -> dict[str, Any]:
         **{flag: str(getattr(jax.config, flag)) for flag in _JAX_FLAGS},
         "source": source_digest(),
     }
+    if client.platform == "cpu":  # a CPU program is machine code for this host's ISA
+        env["cpu_features"] = cpu_features()
+    return env
 
 
 _watch = threading.local()  # per compiling thread: whether JAX's persistent cache served it
