@@ -13,8 +13,9 @@ calls. Steps:
 4. the tokenizer and chat template from `tokenizer.*` metadata (`hf/gguf_tokenizer.py`);
 5. keep_quantized (`LLM(..., quantization="gguf")`): every Linear stored as Q8_0 / Q4_0 / Q4_1
    then holds the file's blocks (`read_blocks` -> `Linear.set_blocks`, `models/block_quant.py`)
-   in place of its float kernel. Other types (F16/F32, K-quants), the embedding table and an
-   lm_head stay float (the lm_head's grouped product would need [K/32, 2T, vocab] in int32).
+   in place of its float kernel, and a tied embedding table stored so keeps them too
+   (`CausalLM.set_table_blocks`: the lm_head through the native block kernel). Other types
+   (F16/F32, K-quants) and an untied lm_head stay float.
    The float model is still built first, so loading peaks at the float size once.
 Only Llama-family files (`general.architecture == "llama"`) are mapped; others are a ValueError.
 """
@@ -194,6 +195,12 @@ def _keep_blocks(model, reader, hf: dict[str, Any]) -> int:
     n = 0
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
+        if tensor.name == "token_embd.weight" and kind in _BLOCK_BYTES and model.lm_head is None:
+            # a tied table: the lm_head's weight too, read every decode step
+            codes, scales, mins = read_blocks(tensor.data, kind)
+            model.set_table_blocks(jnp.asarray(codes), jnp.asarray(scales),
+                                   jnp.asarray(mins) if mins is not None else None)
+            continue
         path, _ = generic_path(hf_name(tensor.name))
         if kind not in _BLOCK_BYTES or path[-1] != "kernel" or path[0] == "lm_head":
             continue  # dequantized (F16/F32, K-quants), or the embedding table / lm_head

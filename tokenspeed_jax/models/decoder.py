@@ -22,6 +22,7 @@ from flax import nnx
 from pallas_kernels import kv_quant, pool_bits
 from pallas_kernels.block_matmul_cpu import TILE
 from tokenspeed_jax.models.batch import PagedBatch
+from tokenspeed_jax.models.block_quant import block_matmul, check_blocks
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.conv import ShortConv
 from tokenspeed_jax.models.dense_attention import dense_attention
@@ -214,8 +215,26 @@ class CausalLM(nnx.Module):
         self.final_softcap = cfg.final_logit_softcapping
         self.dtype = cfg.dtype
         # quantized weights (`models.quant`): a tied table as int8 rows with a scale per row
+        # (quant_mode "int8": f32[V]), or a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks (quant_mode
+        # "gguf", `set_table_blocks`: scales f32[H / 32, V], Q4_1 mins in embed_min_q)
         self.embed_scale_q: nnx.Param | None = None
+        self.embed_min_q: nnx.Param | None = None
         self.quant_mode: str | None = None
+
+    def set_table_blocks(self, codes: jax.Array, scales: jax.Array, mins: jax.Array | None) -> None:
+        """Hold a tied table as GGUF blocks: codes int8[V, H] (a row per token), scales and mins
+        f32[V, H / 32] as the file stores them. The lm_head multiplies the blocks in the native
+        kernel (`models.block_quant.block_matmul`, [K = H, N = V] blocks) and the embedding
+        dequantizes only the gathered rows: SmolLM2's Q8_0 table is 31 MB read per decode step
+        instead of a 113 MB float32 copy."""
+        v, h = self.embed_tokens.get_value().shape
+        if tuple(codes.shape) != (v, h) or codes.dtype != jnp.int8:
+            raise ValueError(f"{codes.shape=} {codes.dtype=}: expected int8[{v}, {h}]")
+        check_blocks(codes.T, scales.T, None if mins is None else mins.T)
+        self.embed_tokens = nnx.Param(codes)
+        self.embed_scale_q = nnx.data(nnx.Param(scales.T))  # were None: static attributes
+        self.embed_min_q = nnx.data(nnx.Param(mins.T)) if mins is not None else None
+        self.quant_mode = "gguf"
 
     def tile_table(self) -> bool:
         """A tied table as the tile-major lm_head weight (`layers.Linear.tile`): [V, H] ->
@@ -226,7 +245,7 @@ class CausalLM(nnx.Module):
         if table.ndim != 2:
             return False  # tiled already
         v, h = table.shape
-        kind_ok = (self.quant_mode == "int8" if self.embed_scale_q is not None
+        kind_ok = (self.quant_mode in ("int8", "gguf") if self.embed_scale_q is not None
                    else table.dtype in (jnp.bfloat16, jnp.float32))
         if self.lm_head is not None or not kind_ok or v % TILE:
             return False
@@ -240,14 +259,26 @@ class CausalLM(nnx.Module):
             x = table[token_ids // TILE, :, token_ids % TILE]
         else:
             x = table[token_ids]
-        if self.embed_scale_q is not None:  # int8 rows: dequantize only the gathered ones
+        if self.quant_mode == "gguf" and self.embed_scale_q is not None:  # blocks of 32 inputs
+            t, h = x.shape
+            w = x.astype(jnp.float32).reshape(t, h // 32, 32)
+            w = w * self.embed_scale_q[...][:, token_ids].T[..., None]
+            if self.embed_min_q is not None:
+                w = w + self.embed_min_q[...][:, token_ids].T[..., None]
+            x = w.reshape(t, h).astype(self.dtype)
+        elif self.embed_scale_q is not None:  # int8 rows: dequantize only the gathered ones
             x = (x.astype(jnp.float32) * self.embed_scale_q[...][token_ids][:, None]
                  ).astype(self.dtype)
         return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden f[..., H] -> float32 logits f32[..., V] (soft-capped for Gemma 2)."""
-        if self.lm_head is None and self.embed_scale_q is not None and self.quant_mode:
+        if self.lm_head is None and self.quant_mode == "gguf" and self.embed_scale_q is not None:
+            table = self.embed_tokens[...]  # [V, H] rows, or tile-major [V / 16, H, 16]
+            out = block_matmul(hidden, table if table.ndim == 3 else table.T,
+                               self.embed_scale_q[...],
+                               None if self.embed_min_q is None else self.embed_min_q[...])
+        elif self.lm_head is None and self.embed_scale_q is not None and self.quant_mode:
             table = self.embed_tokens[...]
             out = qmatmul(hidden, table, self.embed_scale_q[...], self.quant_mode,
                           q_transposed=table.ndim == 2)
