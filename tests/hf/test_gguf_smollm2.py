@@ -209,10 +209,11 @@ def test_int8_kv_cache_prompt_logprobs_near_transformers(oracle):
 
 def test_gguf_blocks_match_transformers_dequantized_file(oracle):
     """issue 26: quantization="gguf" keeps the file's Q4_1 blocks (models/block_quant.py), and
-    its Q8_0 tied table (issue 44: the lm_head's product in the block kernel), and computes the product of the weights transformers dequantizes from the same file: prompt
-    logprobs (32-token chunks: the float lowering) and the logprobs of 8 greedy tokens decoded
-    one row at a time (min_token_bucket=1: the split lowering) against transformers run on the
-    prompt plus those tokens. Native attention, as `serve` runs such a file."""
+    its Q8_0 tied table (issue 44: the lm_head's product in the block kernel), and computes the
+    product of the weights transformers dequantizes from the same file: prompt logprobs
+    (32-token chunks: the float lowering) and the logprobs of 8 greedy tokens decoded one row
+    at a time (min_token_bucket=1: the split lowering) against transformers run on the prompt
+    plus those tokens. Native attention, as `serve` runs such a file."""
     llm = _native_llm(page_size=16, num_pages=64, max_batch_requests=4, max_scheduled_tokens=32,
                       max_context_len=160, quantization="gguf", min_token_bucket=1)
     leaves = jax.tree.leaves(llm.engine.runner.params)
