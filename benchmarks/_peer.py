@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -126,14 +127,15 @@ def commands():
 class EngineChild:
     """One engine in its own long-lived process: `script` (CHILD_IO + a body that loads the
     engine, warms it, sends READY, then answers each command) run by `python` with argv[1] the
-    path of `kw` as JSON, its stderr (and, through CHILD_IO, its stdout) in `<name>.log` under
-    `workdir`. The constructor returns once READY came (`info`); `ask` sends one command and
-    returns its RESULT. A child that dies raises RuntimeError with the end of its log."""
+    path of `kw` as JSON, its stderr (and, through CHILD_IO, its stdout) in `child_<name>.log`
+    under `workdir`. The constructor returns once READY came (`info`); `ask` sends one command
+    and returns its RESULT. A child that dies raises RuntimeError with the end of its log."""
 
     def __init__(self, name: str, python: str, script: str, kw: dict[str, Any],
                  env: dict[str, str], workdir: str) -> None:
         self.name = name
-        stem = os.path.join(workdir, name.replace(":", "_"))
+        # a prefix: a script named like a package (vllm.py) would shadow it in the child
+        stem = os.path.join(workdir, "child_" + "".join(c if c.isalnum() else "_" for c in name))
         self.log_path = stem + ".log"
         with open(stem + ".json", "w") as f:
             json.dump(kw, f)
@@ -296,7 +298,9 @@ def vllm_logged_binding(log_path: str) -> str:
         with open(log_path, errors="replace") as f:
             for line in f:
                 if any(k in line for k in keys):
-                    found.append(line.rpartition("]")[2].strip())
+                    # after vLLM's "[file.py:123]" source marker
+                    m = re.search(r"\[[\w.]+:\d+\]\s*(.*)", line)
+                    found.append((m.group(1) if m else line).strip())
     except OSError:
         return ""
     return "; ".join(dict.fromkeys(found))  # the API server and the engine log it alike

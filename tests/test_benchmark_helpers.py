@@ -37,7 +37,7 @@ def test_engine_child_protocol(tmp_path) -> None:
         assert _peer.process_tree(c.pid)[0] == c.pid
         with pytest.raises(RuntimeError, match="exited with 3"):
             c.ask({"die": True})
-    with open(tmp_path / "echo.log") as f:
+    with open(tmp_path / "child_echo.log") as f:
         assert "noise on stdout" in f.read()
 
 
@@ -99,3 +99,17 @@ def test_over_bound_and_bandwidth() -> None:
     assert batch1.over_bound({"a": [0.5, 0.99]}) == []
     assert batch1.over_bound({"a": [0.5, 1.2]}) == ["a: 120% of the bound"]
     assert batch1.read_bandwidth(8 << 20, 2, rounds=2) > 1e8
+
+
+def test_vllm_logged_binding(tmp_path) -> None:
+    log = tmp_path / "v.log"
+    log.write_text(
+        "(EngineCore pid=1) INFO 12-05 11:36:21 [ompmultiprocessing.py:185] OpenMP thread "
+        "binding info: \n"
+        "(EngineCore pid=1) INFO 12-05 11:36:21 [ompmultiprocessing.py:185] \tlocal_world_size=1,"
+        " reserve_cpu_num=1\n"
+        "(EngineCore pid=1) INFO 12-05 11:36:21 [ompmultiprocessing.py:185] \tlocal_rank=0, "
+        "core ids=[0]\n"
+        "(EngineCore pid=1) INFO 12-05 11:36:21 [ompmultiprocessing.py:185] \treserved_cpus=[1]\n")
+    assert _peer.vllm_logged_binding(str(log)) == (
+        "local_world_size=1, reserve_cpu_num=1; local_rank=0, core ids=[0]; reserved_cpus=[1]")
