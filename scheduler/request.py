@@ -52,7 +52,8 @@ class Request:
                  "hasher", "status", "tables", "slot", "num_computed", "reserved",
                  "prefill_done", "num_decode_rows", "needs_refresh", "num_cached_tokens",
                  "num_retractions", "finish_reason", "published_base_pages", "admitted_once",
-                 "num_inflight", "num_pending", "epoch", "speculate", "drafts")
+                 "num_inflight", "num_pending", "epoch", "speculate", "drafts", "proposal",
+                 "spec_run")
 
     def __init__(self, request_id: str, prompt: list[int], max_new_tokens: int, *,
                  sampling: SamplingOptions, arrival: int, hash_base: int,
@@ -84,6 +85,10 @@ class Request:
         self.epoch = 0  # bumped by every release; a step row whose epoch differs is stale
         self.speculate = speculate  # may propose drafts (speculative decoding)
         self.drafts: list[int] = []  # the drafts of its row in the step in flight
+        # the n-gram proposal made when its decode row was planned (drafted or not; None: none
+        # made), which `update` checks against the tokens the row got
+        self.proposal: list[int] | None = None
+        self.spec_run = 0  # its newest tokens that its proposals predicted, in a row
 
     @property
     def num_generated(self) -> int:

@@ -29,7 +29,7 @@ from scheduler.mirror_check import MirrorChecker
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.sampling_options import SamplingOptions
-from scheduler.speculative import draft_budget, propose_ngram
+from scheduler.speculative import AcceptanceModel, StepCosts, choose_drafts, propose_ngram
 from scheduler.step_ops import PLACEHOLDER_TOKEN, StepOps
 from scheduler.step_plan import StepPlan
 
@@ -69,9 +69,15 @@ class Scheduler:
                        "num_full_refresh_rows": 0, "num_dropped_tokens": 0,
                        "spec_num_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self._spec = config.speculative
-        # the runner's token buckets (ascending), set by the engine: speculation's
-        # `padding_only` budget (() = unknown: no limit)
+        # the runner's token buckets (ascending), set by the engine: speculation's draft
+        # policy picks among them (() = unknown: every row drafts its whole proposal)
         self.token_buckets: tuple[int, ...] = ()
+        # the "cost" draft policy's estimates (`speculative.choose_drafts`): how often a row's
+        # proposals are right, learnt in `update`; step seconds per bucket, fed by the engine
+        # (`note_step_seconds`), or set by hand (tests)
+        cost_policy = self._spec is not None and self._spec.draft_policy == "cost"
+        self.spec_model = AcceptanceModel() if cost_policy else None
+        self.step_costs = StepCosts() if cost_policy else None
         # steps scheduled but not yet fed back: (ops, [(request, epoch) per row]), oldest first
         self._flights: collections.deque[tuple[StepOps, list[tuple[Request, int]]]] = (
             collections.deque())
@@ -178,9 +184,7 @@ class Scheduler:
         requests, admissions while rows, budget and slots last; emit the StepOps."""
         plan = StepPlan(budget=self.config.max_scheduled_tokens, ending=self._release_ending())
         if self._spec is not None:
-            plan.drafts_left, plan.draft_cap = draft_budget(
-                self._spec, len(self._running), self.token_buckets,
-                self.config.max_batch_requests)
+            self._plan_drafts(plan)
         self._plan_running(plan)
         self._plan_waiting(plan)
         ops = self._emit(plan)
@@ -231,9 +235,9 @@ class Scheduler:
                 # prefix hits do not lag a step. Whoever hits them runs later.
                 self._publish(req, extent)
                 room = pool.num_free >= adm.reserved_total  # adoption frees private copies
-            drafts = (self._propose(req, plan) if req.speculate and not pending
-                      and not req.num_inflight and req.prefill_done and plan.drafts_left
-                      else None)
+            drafts = plan.drafts.get(req) if plan.drafts else None
+            if drafts:  # the step's budget may have run short of what `_plan_drafts` assumed
+                drafts = drafts[:plan.budget - 1] or None
             # Decode fast path: one token, no refresh, room in every tail, nothing to reclaim
             # and no reservation shortfall. Exactly what the general path below would decide.
             if (fast and room and not drafts and req.num_decode_rows and not req.needs_refresh
@@ -311,23 +315,59 @@ class Scheduler:
             self._stats["num_full_refresh_rows"] += int(ops.full_refresh.sum())
         return ops
 
-    def _propose(self, req: Request, plan: StepPlan) -> list[int] | None:
-        """Drafts for `req`'s next decode row (synchronous: its tokens are all known), at most
-        what its max_tokens, max_context_len, the step's token budget and its draft budget
-        (`speculative.draft_budget`) leave after its own token."""
+    def _plan_drafts(self, plan: StepPlan) -> None:
+        """Every speculating decode row's proposal, then how many of its drafts the step carries
+        (`speculative.choose_drafts`): known before any row is planned, so the step's token
+        bucket follows the proposals (no proposal: no drafts, the smallest bucket). A row may
+        propose when its tokens are all known (synchronous loop) and its prefill is done; its
+        proposal is capped by max_tokens, max_context_len and the chunk cap after its own
+        token, and kept whole in `Request.proposal` for `update` to check (the acceptance model
+        learns from rows that drafted nothing too)."""
         spec = self._spec
-        assert spec is not None  # `speculate` is only set with a speculative config
-        tokens = req.tokens
-        if len(tokens) - req.num_computed != 1:
-            return None
-        k = min(plan.draft_cap, plan.drafts_left, req.max_new_tokens - req.num_generated - 1,
-                self.config.max_context_len - len(tokens) - 1, plan.budget - 1,
-                self._admission.chunk_cap - 1)
-        if k < 1:
-            return None
-        drafts = propose_ngram(tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        plan.drafts_left -= len(drafts)
-        return drafts or None
+        assert spec is not None
+        k, ctx, cap = (spec.num_speculative_tokens, self.config.max_context_len,
+                       self._admission.chunk_cap)
+        max_rows, ending = self.config.max_batch_requests, plan.ending
+        reqs: list[Request] = []
+        proposals: list[tuple[int, int]] = []
+        num_rows = 0
+        for req in self._running:
+            if num_rows == max_rows:
+                break
+            req.proposal = None
+            if ending and req in ending:
+                continue
+            num_rows += 1
+            tokens = req.tokens
+            if not (req.speculate and not req.num_pending and not req.num_inflight
+                    and req.prefill_done and len(tokens) - req.num_computed == 1):
+                continue
+            n = min(k, req.max_new_tokens - req.num_generated - 1, ctx - len(tokens) - 1,
+                    cap - 1)
+            proposal = (propose_ngram(tokens, n, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                        if n >= 1 else [])
+            req.proposal = proposal
+            if proposal:
+                reqs.append(req)
+                proposals.append((len(proposal), req.spec_run))
+        if not reqs:
+            return
+        counts = choose_drafts(spec, proposals, num_rows, self.token_buckets, max_rows,
+                               self.step_costs, self.spec_model)
+        plan.drafts = {req: cast("list[int]", req.proposal)[:d]
+                       for req, d in zip(reqs, counts) if d}
+
+    def note_step_seconds(self, ops: StepOps, bucket: int, seconds: float) -> None:
+        """The engine's wall time of one synchronous step (plan, device, update) that ran in
+        token bucket `bucket`: a decode step (every row samples, one token plus its drafts)
+        times its bucket for the "cost" draft policy (`speculative.StepCosts`); other steps are
+        ignored (a prefill chunk's attention is not a decode's)."""
+        costs = self.step_costs
+        n = ops.num_seqs
+        if costs is None or n == 0 or not ops.sample_mask[:n].all():
+            return
+        if int(ops.num_tokens) == n + int(ops.draft_lens[:n].sum()):
+            costs.observe(bucket, seconds)
 
     def _schedule_running(self, req: Request, budget: int, extent: int,
                           drafts: list[int] | None = None) -> ScheduledRow | None:
@@ -398,8 +438,22 @@ class Scheduler:
             req.needs_refresh = True
             self._stats["adopted_pages"] += sum(len(m) for m in moved)
 
+    def _check_proposal(self, req: Request, proposal: list[int], new: list[int]) -> None:
+        """The tokens a decode row appended against the proposal its request made for them
+        (drafted or not): the run of tokens proposals predicted (`Request.spec_run`) grows by
+        the matches, or restarts at 0 on a miss; the acceptance model learns both."""
+        seen = min(len(new), len(proposal))
+        m = 0
+        while m < seen and new[m] == proposal[m]:
+            m += 1
+        missed = m < seen or not proposal  # no proposal: nothing predicted the token
+        if self.spec_model is not None and proposal:
+            self.spec_model.observe(req.spec_run, m, missed)
+        req.spec_run = 0 if missed else req.spec_run + m
+
     def _release(self, req: Request) -> None:
         self.coord.free(cast("list[BlockTable]", req.tables))
+        req.proposal = None
         req.tables = None
         self._free_slots.append(req.slot)
         req.slot = -1
@@ -470,6 +524,9 @@ class Scheduler:
                 self._stats["spec_num_rows"] += 1
                 self._stats["spec_draft_tokens"] += d
                 self._stats["spec_accepted_tokens"] += a
+            proposal, req.proposal = req.proposal, None
+            if proposal is not None and live and new:
+                self._check_proposal(req, proposal, new)
             if live:
                 k = qs[i + 1] - qs[i]
                 req.num_inflight -= k

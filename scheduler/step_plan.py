@@ -28,8 +28,8 @@ class StepPlan:
     toks: list[int] = dataclasses.field(default_factory=list)
     busy: list[tuple[int, ScheduledRow]] = dataclasses.field(default_factory=list)  # with deltas
     general: bool = False  # some row is no one-token decode: `OpsBuilder.build` emits the step
-    drafts_left: int = 0  # speculative draft tokens the step may still carry
-    draft_cap: int = 0  # the most drafts one row may carry
+    # speculative drafts per request, chosen before any row is planned (`_plan_drafts`)
+    drafts: dict[Request, list[int]] = dataclasses.field(default_factory=dict)
     extras: bool = False  # some row needs the extra sampling fields
 
     def add_decode(self, row: ScheduledRow | Request, req: Request, start: int, tok: int) -> None:

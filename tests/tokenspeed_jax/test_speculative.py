@@ -19,7 +19,7 @@ import pytest
 
 from scheduler import SchedulerConfig
 from scheduler.group_spec import PagedCacheGroupSpec
-from scheduler.speculative import SpeculativeConfig, propose_ngram
+from scheduler.speculative import SpeculativeConfig, choose_drafts, propose_ngram
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.runtime.spec_verify import verify_drafts
 
@@ -274,16 +274,82 @@ def test_cli_bad_speculative_config(capsys, argv):
     assert e.value.code == 2 and len(err) == 1 and "--speculative-config" in err[0], err
 
 
-def test_draft_budget_fills_bucket_padding():
-    from scheduler.speculative import draft_budget
-
-    cfg = SpeculativeConfig(num_speculative_tokens=4)
+def test_padding_policy_fills_bucket_padding():
+    """draft_policy "padding" (the older `padding_only=True`): the padding of the bucket the
+    one-token rows occupy, shared evenly, at least one per row while any is left."""
+    cfg = SpeculativeConfig.parse({"num_speculative_tokens": 4, "padding_only": True})
+    assert cfg.draft_policy == "padding"
     buckets = (16, 32, 64)
-    assert draft_budget(cfg, 1, buckets, 64) == (15, 4)  # batch 1: k drafts, all in padding
-    assert draft_budget(cfg, 8, buckets, 64) == (8, 1)  # 8 rows in bucket 16: one each
-    assert draft_budget(cfg, 5, buckets, 64) == (11, 2)
-    assert draft_budget(cfg, 16, buckets, 64) == (0, 1)  # bucket full: no drafts
-    assert draft_budget(cfg, 40, buckets, 32) == (0, 1)  # 32 rows at most, bucket 32 full
-    assert draft_budget(cfg, 3, (), 64) == (12, 4)  # buckets unknown: k per row
-    free = SpeculativeConfig(num_speculative_tokens=4, padding_only=False)
-    assert draft_budget(free, 16, buckets, 64) == (64, 4)
+
+    def drafts(rows, max_rows=64, lengths=None):
+        lengths = lengths or [4] * min(rows, max_rows)
+        return choose_drafts(cfg, [(n, 0) for n in lengths], rows, buckets, max_rows)
+
+    assert drafts(1) == [4]  # batch 1: k drafts, all in padding
+    assert drafts(8) == [1] * 8  # 8 rows in bucket 16: one each
+    assert drafts(5) == [2] * 5  # 11 padding tokens: 2 each
+    assert drafts(16) == [0] * 16  # bucket full: no drafts
+    assert drafts(40, max_rows=32) == [0] * 32  # 32 rows at most, bucket 32 full
+    assert drafts(3, lengths=[1, 4, 4]) == [1, 4, 4]  # short proposals keep theirs
+    assert choose_drafts(cfg, [(4, 0)] * 3, 3, (), 64) == [4] * 3  # buckets unknown: all
+    always = SpeculativeConfig.parse({"num_speculative_tokens": 4, "padding_only": False})
+    assert always.draft_policy == "always"
+    assert choose_drafts(always, [(4, 0)] * 16, 16, buckets, 64) == [4] * 16
+    with pytest.raises(ValueError, match="not both"):
+        SpeculativeConfig.parse({"padding_only": True, "draft_policy": "cost"})
+    with pytest.raises(ValueError, match="draft_policy"):
+        SpeculativeConfig.parse({"draft_policy": "sometimes"})
+
+
+def _bucket_log(llm):
+    """Record the token bucket of every dispatched step (the one its shape asks for: a lazily
+    compiled shape may run as a covering one meanwhile), with its drafts: [(bucket, drafts,
+    decode only)]."""
+    runner = llm.engine.runner
+    log = []
+    dispatch = runner.dispatch
+
+    def logged(ops, *a):
+        n = ops.num_seqs
+        drafts = int(ops.draft_lens[:n].sum())
+        log.append((runner.shapes.step_shape(ops).bucket, drafts, bool(ops.sample_mask[:n].all())
+                    and int(ops.num_tokens) == n + drafts))
+        return dispatch(ops, *a)
+
+    runner.dispatch = logged
+    return log
+
+
+def test_lone_decode_bucket_with_speculation():
+    """The CPU ladder keeps its 1-token bucket with speculation ("cost", the default): a lone
+    decode whose row proposes nothing runs in it, a row whose drafts pay runs in 16, and the
+    outputs are those of the engine without speculation; one compile per shape met. "padding"
+    keeps the old ladder (no 1-token bucket: every decode of it pays for 16 rows)."""
+    kw = dict(KW, max_batch_requests=2, lazy_compile="sync")  # every step in its own shape
+    base = LLM("tiny-random", **kw)
+    spec = LLM("tiny-random", speculative_config=SPEC, **kw)
+    pad = LLM("tiny-random", speculative_config=dict(SPEC, draft_policy="padding"), **kw)
+    assert base.engine.runner.buckets == spec.engine.runner.buckets == (1, 16, 32)
+    assert pad.engine.runner.buckets == (16, 32)
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    # random weights: few proposals, so most lone decodes have none; then the cycling weights,
+    # where the proposals are right and drafts pay for the 16 bucket
+    log = _bucket_log(spec)
+    for cycling in (False, True):
+        for e in (base, spec):
+            _cycling(e, on=cycling)
+        log.clear()
+        for p in prompts:  # batch 1
+            _check_equal(base.generate([p], params), spec.generate([p], params))
+        decodes = [(b, d) for b, d, only in log if only]
+        assert all(b == 1 for b, d in decodes if d == 0), decodes
+        assert any(b == 1 for b, d in decodes)
+        if cycling:
+            assert any(b == 16 and d > 0 for b, d in decodes), decodes
+    runner = spec.engine.runner
+    assert runner.num_compiles + runner.num_loaded <= len(runner.shape_keys)
+    assert spec.engine.scheduler.step_costs.measured().keys() >= {1, 16}
+    log = _bucket_log(_cycling(pad))
+    _check_equal(base.generate(prompts[:2], params), pad.generate(prompts[:2], params))
+    assert all(b >= 16 for b, _, _ in log)

@@ -137,7 +137,7 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), tokenizer: Any = None,
                  async_scheduling: bool = False) -> None:
         self.scheduler = Scheduler(scheduler_config)
-        # speculation's padding_only draft budget follows the runner's token buckets
+        # speculation's draft policy picks among the runner's token buckets
         self.scheduler.token_buckets = tuple(getattr(runner, "buckets", ()))
         self.runner = runner
         # speculation proposes from the newest token: the synchronous loop (module docstring)
@@ -276,6 +276,7 @@ class Engine:
 
     def _step(self) -> list[CompletionOutput]:
         t0 = time.perf_counter()
+        compiles = self.runner.num_compiles
         clock = self.clock
         clock.probe()
         ops = self.scheduler.schedule()
@@ -292,6 +293,13 @@ class Engine:
             prev = None if handle is None else (ops, handle)
         if prev is not None:
             outs += self._finish(*prev)
+            if not self.async_scheduling and self.runner.num_compiles == compiles:
+                # the step's whole cost (plan, device, update) in the bucket it ran (a lazily
+                # compiled shape may run as a covering one): what the "cost" draft policy
+                # weighs a bigger bucket by (`Scheduler.note_step_seconds`); never a step
+                # that waited for a compile
+                self.scheduler.note_step_seconds(prev[0], prev[1].bucket,
+                                                 time.perf_counter() - t0)
             if handle is None and self.async_scheduling and self.scheduler.has_unfinished():
                 # nothing could be planned behind the step in flight (its requests all end in
                 # it): now that it has freed their slots and pages, refill the device at once,

@@ -168,10 +168,10 @@ class ModelRunner:
       backend: "auto" | "pallas" | "reference" | "native" attention (`runtime.backends`).
       min_token_bucket, min_kv_bucket: the shortest token bucket and kv bucket (in tokens).
         min_token_bucket None (the default): 16, plus a 1-token bucket for a lone decode when
-        the devices are CPUs and no speculative decoding is configured (`shapes.token_buckets`:
-        there a padded row costs what a real one does, so a lone decode on 16 rows reads ~3x
-        longer; drafts ride in a bucket's padding, which a 1-token bucket has none of); an int:
-        powers of two from it.
+        the devices are CPUs (`shapes.token_buckets`: there a padded row costs what a real one
+        does, so a lone decode on 16 rows reads ~3x longer), speculation included unless its
+        draft_policy is "padding" (drafts only in a bucket's padding, which a 1-token bucket
+        has none of); an int: powers of two from it.
       mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.runtime.sharding`);
         None = the default device, unsharded (the single-device path, unchanged).
       scan_layers: stack each run of identical layers (params and pools) and apply it with
@@ -217,9 +217,11 @@ class ModelRunner:
             layout.widths, layout.page_sizes, self.max_scheduled_tokens, backend=self.backend,
             min_token_bucket=DEFAULT_MIN_TOKEN_BUCKET if min_token_bucket is None
             else min_token_bucket, min_kv_bucket=min_kv_bucket,
-            # not with speculation: a decode row carries its drafts, 1 + k tokens
+            # with speculation too: a step whose rows propose nothing (or whose drafts would not
+            # pay for a bigger bucket) runs a lone decode in it (`speculative.choose_drafts`);
+            # not with "padding", whose drafts only ride in the padding the 1-token bucket lacks
             lone_decode=min_token_bucket is None and platform == "cpu"
-            and self.num_speculative == 0)
+            and (spec is None or spec.draft_policy != "padding"))
         self.num_compiles = 0
         self._layouts: dict[StepShape, StepLayout] = {}
         if lazy_compile not in ("background", "sync"):
