@@ -318,8 +318,8 @@ def interleave(names: Sequence[str], reps: int, run: Callable[[str, int], dict[s
     engine r mod n (rotated so no engine always runs right after the same other one). Each
     result gets `wall_s` (the driver's clock around it), `busy_cores` (CPU seconds of the
     engine's process tree over `wall_s`: vLLM's default shows about 1 on 2 cores) and
-    `others_cpu_s` (CPU seconds the waiting engines used meanwhile: about 0 when only one engine
-    computes at a time)."""
+    `waiting_cpu_s` (per other engine, the CPU seconds it used meanwhile: about 0 when only one
+    engine computes at a time; an idle engine that polls shows here)."""
     out: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     n = len(names)
     for r in range(reps):
@@ -331,11 +331,20 @@ def interleave(names: Sequence[str], reps: int, run: Callable[[str, int], dict[s
             wall = time.perf_counter() - t
             used = {x: cpu_seconds(trees[x]) - before[x] for x in names}
             res.update(wall_s=wall, busy_cores=used[name] / wall,
-                       others_cpu_s=sum(v for x, v in used.items() if x != name))
+                       waiting_cpu_s={x: v for x, v in used.items() if x != name})
             out[name].append(res)
             print(f"rep {r + 1}/{reps} {name}: {wall:.2f} s, {res['busy_cores']:.2f} cores "
-                  f"busy, waiting engines {res['others_cpu_s']:.2f} CPU-s", flush=True)
+                  f"busy; waiting engines' CPU-s: {waiting_line([res])}", flush=True)
     return out
+
+
+def waiting_line(results: Sequence[dict[str, Any]]) -> str:
+    """Per waiting engine, the most CPU seconds it used during one of `results` (interleave's)."""
+    most: dict[str, float] = {}
+    for res in results:
+        for x, v in res["waiting_cpu_s"].items():
+            most[x] = max(most.get(x, 0.0), v)
+    return ", ".join(f"{x} {v:.2f}" for x, v in most.items()) or "-"
 
 
 def med_range(xs: Sequence[float], fmt: str = ".1f") -> str:

@@ -55,6 +55,7 @@ from _peer import (  # noqa: E402
     paired_ratio,
     vllm_env,
     vllm_importable,
+    waiting_line,
 )
 
 # One engine per process (_peer.CHILD_IO's protocol): argv[1] = JSON {engine, model, dtype, warm,
@@ -236,7 +237,7 @@ def main() -> None:
         notes += [f"- {dtype} {b}" for b in bindings]
         notes += [f"- {dtype} {name}: rep s {_seconds(rs)}; cores busy "
                   f"{med_range([r['busy_cores'] for r in rs], '.2f')}; waiting engines' CPU-s "
-                  f"during its reps, max {max(r['others_cpu_s'] for r in rs):.2f}"
+                  f"during one of its reps, at most: {waiting_line(rs)}"
                   for name, rs in res.items()]
     n_prompt = sum(len(x) for x in reps[0])
     print(f"\n## offline vs vLLM CPU: {args.model}, {args.prompts} prompts ({n_prompt} prompt "

@@ -59,6 +59,7 @@ from _peer import (  # noqa: E402
     paired_ratio,
     vllm_env,
     vllm_importable,
+    waiting_line,
 )
 
 _WRAPPER = r"""
@@ -257,9 +258,8 @@ def _report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]],
         print(f"ours: engine steps per timed pass {med_range(steps, '.0f')}, ms per step "
               f"{med_range(ms)}")
     print("\n".join(f"- {b}" for b in bindings))
-    waiting = {e: max(r["others_cpu_s"] for r in rs) for e, rs in results.items()}
-    print("- waiting servers' CPU-s during each server's passes, max: "
-          + ", ".join(f"{e} {v:.2f}" for e, v in waiting.items()))
+    for e, rs in results.items():
+        print(f"- while {e} ran, the waiting servers' CPU-s, at most: {waiting_line(rs)}")
     if not any(is_vllm(e) for e in results):
         print("(no vLLM server ran: no ratio)")
 
