@@ -51,27 +51,33 @@ def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
     idx = jnp.clip(first[:, None] + jnp.minimum(j[None, :], d[:, None]), 0, t - 1)
     if t <= n * (k + 1):
         # a small token bucket (decode with drafts): the LM head over every token of the step
-        # costs less than over the [n, k + 1] grid of positions
+        # costs less than over the [n, k + 1] grid of positions, and so does the greedy argmax
+        # (t rows, then gathered as ids: the [n, k + 1, V] grid of logits is only gathered on
+        # steps that sample, inside the cond below)
         every = lm_head(hidden)
         if gather_logits is not None:
             every = gather_logits(every)
-        logits = every[idx.reshape(-1)]
+        greedy = jnp.argmax(every, axis=-1).astype(jnp.int32)[idx]
+
+        def grid() -> jax.Array:
+            return every[idx.reshape(-1)]
     else:
-        logits = lm_head(hidden[idx.reshape(-1)])
+        rows = lm_head(hidden[idx.reshape(-1)])
         if gather_logits is not None:
-            logits = gather_logits(logits)
-    v = logits.shape[-1]
-    logits = logits.astype(jnp.float32).reshape(n, k + 1, v)
+            rows = gather_logits(rows)
+        greedy = jnp.argmax(rows, axis=-1).astype(jnp.int32).reshape(n, k + 1)
+
+        def grid() -> jax.Array:
+            return rows
     drafts = ops["token_ids"][jnp.clip(idx + 1, 0, t - 1)]  # the draft after position j
     is_draft = j[None, :] < d[:, None]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temperature = ops["temperature"][:n]
 
     def sampled(_):
         def per_row(x):
             return jnp.repeat(x[:n], k + 1)
 
-        flat = filtered_logits(logits.reshape(n * (k + 1), v), per_row(temperature),
+        flat = filtered_logits(grid().astype(jnp.float32), per_row(temperature),
                                per_row(ops["top_k"]), per_row(ops["top_p"]))
         # position j draws with the key an ordinary row sampling output index sample_index + j
         # would use (`sampling.sample`), so the drawn token is the one decoding without drafts
