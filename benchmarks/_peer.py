@@ -317,7 +317,9 @@ def interleave(names: Sequence[str], reps: int, run: Callable[[str, int], dict[s
     """`reps` rounds; round r runs `run(name, r)` for every engine, one at a time, starting at
     engine r mod n (rotated so no engine always runs right after the same other one). Each
     result gets `wall_s` (the driver's clock around it), `busy_cores` (CPU seconds of the
-    engine's process tree over `wall_s`: vLLM's default shows about 1 on 2 cores) and
+    engine's process tree over the seconds it worked: the result's own `busy_s` when it has one,
+    e.g. a served pass's duration without the load generator's start, else `wall_s`; vLLM's
+    default shows about 1 on 2 cores) and
     `waiting_cpu_s` (per other engine, the CPU seconds it used meanwhile: about 0 when only one
     engine computes at a time; an idle engine that polls shows here)."""
     out: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -330,7 +332,7 @@ def interleave(names: Sequence[str], reps: int, run: Callable[[str, int], dict[s
             res = run(name, r)
             wall = time.perf_counter() - t
             used = {x: cpu_seconds(trees[x]) - before[x] for x in names}
-            res.update(wall_s=wall, busy_cores=used[name] / wall,
+            res.update(wall_s=wall, busy_cores=used[name] / res.get("busy_s", wall),
                        waiting_cpu_s={x: v for x, v in used.items() if x != name})
             out[name].append(res)
             print(f"rep {r + 1}/{reps} {name}: {wall:.2f} s, {res['busy_cores']:.2f} cores "

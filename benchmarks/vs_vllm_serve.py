@@ -217,6 +217,7 @@ def main() -> None:
                 port = up[engine][1]
                 before = _engine_steps(port) if engine == "ours" else 0
                 res = _bench(args, port, d, f"{engine}-{r}", args.seed + r)
+                res["busy_s"] = res["duration"]  # the load generator's own start excluded
                 if engine == "ours":
                     res["steps"] = _engine_steps(port) - before
                 return res
