@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import block_matmul_cpu, native
+from tests.native_kernels import need_native
 
 
 def _has_amx() -> bool:
@@ -20,8 +21,7 @@ def _has_amx() -> bool:
 
 
 def _require(kernel: str) -> None:
-    if native.load(kernel) is None:
-        pytest.skip(f"{kernel} not built here: {native.unavailable(kernel)}")
+    need_native(kernel)  # fails in CI ($TOKENSPEED_JAX_REQUIRE_NATIVE) if unbuilt, else skips
 
 
 @pytest.fixture(params=["model", "hardware"])

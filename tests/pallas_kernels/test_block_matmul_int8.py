@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels import block_matmul_cpu as bm
-from pallas_kernels import native
+from tests.native_kernels import need_native
 
 
 def _require_kernel() -> None:
-    if native.load("block_matmul") is None:
-        pytest.skip(f"block_matmul not built here: {native.unavailable('block_matmul')}")
+    need_native("block_matmul")  # fails in CI ($TOKENSPEED_JAX_REQUIRE_NATIVE) if unbuilt, else skips
 
 
 def _blocks(k: int, n: int, block: int, mins: bool, seed: int):
