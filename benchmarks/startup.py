@@ -154,7 +154,7 @@ def _round(r: int, engines: list[str], args: argparse.Namespace, kw: dict[str, A
     starts = []
     for engine in [engines[(r + i) % len(engines)] for i in range(len(engines))]:
         given = args.cache_dir if not is_vllm(engine) else None
-        cache = given or tempfile.mkdtemp(prefix=f"{engine}-startup-")
+        cache = given or tempfile.mkdtemp(prefix=f"{engine}-startup-", dir=args.scratch)
         for i in range(1 + args.warm):
             kind = "warm" if i else ("start" if given else "cold")
             res = _start(engine, cache, args, kw, vkw, log_dir)
@@ -187,8 +187,10 @@ def main() -> None:
                max_scheduled_tokens=args.max_scheduled_tokens, answer_tokens=ANSWER_TOKENS,
                prompt=PROMPT)
     engines = ["ours"] + (args.vllm_engines.split(",") if args.vllm_python else [])
-    log_dir = tempfile.mkdtemp(prefix="tokenspeed-startup-logs-")
-    starts = [s for r in range(args.reps) for s in _round(r, engines, args, kw, vkw, log_dir)]
+    # every cache and log this run makes, removed at the end (hundreds of MB per vLLM start)
+    with tempfile.TemporaryDirectory(prefix="tokenspeed-startup-") as args.scratch:
+        starts = [s for r in range(args.reps)
+                  for s in _round(r, engines, args, kw, vkw, args.scratch)]
     _report(args, engines, starts)
 
 
