@@ -5,8 +5,8 @@ interleaved across engines, what each engine's threads are bound to and how many
 busy, median and range, and the output-length check.
 
 Fairness rules these helpers carry out (issue 44):
-- each engine in its own process, only one computing at a time (the others wait on a pipe or a
-  socket; `interleave` measures the CPU they burn meanwhile and reports it);
+- each engine in its own process, only one computing at a time (`interleave` stops the waiting
+  engines' processes, since an idle vLLM polls, and reports the CPU they used meanwhile);
 - reps interleaved engine by engine (rotated each rep), >= 3 each, reported as median and range;
 - vLLM CPU both ways: by default it reserves one core per rank for its scheduler process
   (vllm/utils/ompmultiprocessing.py: on x86 `reserve_cpu_num = local_world_size`), so on a
@@ -312,31 +312,53 @@ def binding_line(name: str, pid: int, log_path: str | None = None) -> str:
     return f"{name}: " + (f"vLLM log: {logged}; " if logged else "") + thread_binding(pid)
 
 
+def signal_tree(pid: int, sig: int) -> None:
+    """Send `sig` to `pid` and every process below it."""
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            os.kill(p, sig)
+
+
 def interleave(names: Sequence[str], reps: int, run: Callable[[str, int], dict[str, Any]],
-               pid_of: Callable[[str], int]) -> dict[str, list[dict[str, Any]]]:
+               pid_of: Callable[[str], int], *, freeze: bool = True
+               ) -> dict[str, list[dict[str, Any]]]:
     """`reps` rounds; round r runs `run(name, r)` for every engine, one at a time, starting at
-    engine r mod n (rotated so no engine always runs right after the same other one). Each
-    result gets `wall_s` (the driver's clock around it), `busy_cores` (CPU seconds of the
+    engine r mod n (rotated so no engine always runs right after the same other one).
+
+    `freeze`: the waiting engines' process trees are stopped (SIGSTOP) while one engine runs and
+    continued (SIGCONT) before their own turn. An idle vLLM polls: on the 2-core VM an idle
+    default-binding vLLM beside a running vLLM with both cores used ~0.15 core and made it 4x
+    slower (its OpenMP threads are pinned one per core and wait for each other), and an idle
+    vLLM took up to 0.6 core from ours. Everything is continued before this returns or raises.
+
+    Each result gets `wall_s` (the driver's clock around it), `busy_cores` (CPU seconds of the
     engine's process tree over the seconds it worked: the result's own `busy_s` when it has one,
     e.g. a served pass's duration without the load generator's start, else `wall_s`; vLLM's
-    default shows about 1 on 2 cores) and
-    `waiting_cpu_s` (per other engine, the CPU seconds it used meanwhile: about 0 when only one
-    engine computes at a time; an idle engine that polls shows here)."""
+    default shows about 1 on 2 cores) and `waiting_cpu_s` (per other engine, the CPU seconds it
+    used meanwhile: 0 when frozen, and what it polls otherwise)."""
     out: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     n = len(names)
-    for r in range(reps):
-        for name in [names[(r + i) % n] for i in range(n)]:
-            trees = {x: process_tree(pid_of(x)) for x in names}
-            before = {x: cpu_seconds(trees[x]) for x in names}
-            t = time.perf_counter()
-            res = run(name, r)
-            wall = time.perf_counter() - t
-            used = {x: cpu_seconds(trees[x]) - before[x] for x in names}
-            res.update(wall_s=wall, busy_cores=used[name] / res.get("busy_s", wall),
-                       waiting_cpu_s={x: v for x, v in used.items() if x != name})
-            out[name].append(res)
-            print(f"rep {r + 1}/{reps} {name}: {wall:.2f} s, {res['busy_cores']:.2f} cores "
-                  f"busy; waiting engines' CPU-s: {waiting_line([res])}", flush=True)
+    try:
+        for r in range(reps):
+            for name in [names[(r + i) % n] for i in range(n)]:
+                trees = {x: process_tree(pid_of(x)) for x in names}
+                if freeze:
+                    for x in names:
+                        signal_tree(pid_of(x), signal.SIGCONT if x == name else signal.SIGSTOP)
+                before = {x: cpu_seconds(trees[x]) for x in names}
+                t = time.perf_counter()
+                res = run(name, r)
+                wall = time.perf_counter() - t
+                used = {x: cpu_seconds(trees[x]) - before[x] for x in names}
+                res.update(wall_s=wall, busy_cores=used[name] / res.get("busy_s", wall),
+                           waiting_cpu_s={x: v for x, v in used.items() if x != name})
+                out[name].append(res)
+                print(f"rep {r + 1}/{reps} {name}: {wall:.2f} s, {res['busy_cores']:.2f} cores "
+                      f"busy; waiting engines' CPU-s: {waiting_line([res])}", flush=True)
+    finally:
+        if freeze:
+            for x in names:
+                signal_tree(pid_of(x), signal.SIGCONT)
     return out
 
 

@@ -16,7 +16,8 @@ has a 1-token bucket for a lone decode; 16: a lone decode runs the model on 16 r
 its own long-lived process (benchmarks/_peer.py): `--prompts` chat prompts, their first
 prefills, then one untimed pass (a cached prompt's last partial page is a short prefill of
 another token bucket; a shape compiled lazily on a background thread must be done before
-timing). Then `--reps` (3) rounds, every configuration one timed pass per round, one at a time:
+timing). Then `--reps` (3) rounds, every configuration one timed pass per round, one at a time
+(the others' processes stopped):
 the prompts one at a time (`--max-tokens` greedy tokens each, EOS ignored, every output checked
 to have exactly that many), decode time = each request's time minus that of a one-token request
 of the same prompt. Prints decode tok/s median (min-max), the bound and the share of it

@@ -16,8 +16,9 @@ graphs), and stay up; each then gets one untimed warm-up pass with `--warm-seed`
 (1). The load: vLLM's own `vllm bench serve --backend openai` (random dataset: `--prefix-len`
 shared + `--input-len` random tokens per prompt, `--output-len` tokens with EOS ignored,
 `--num-prompts` at `--max-concurrency`). Then `--reps` (3) rounds: each round drives every
-server once, one at a time (the others idle), the starting server rotated per round, with that
-round's prompts (seed `--seed` + round: new to every prefix cache, the same for every server).
+server once, one at a time (the others' processes stopped: an idle vLLM polls), the starting
+server rotated per round, with that round's prompts (seed `--seed` + round: new to every prefix
+cache, the same for every server).
 Every request must complete with exactly `--output-len` tokens or the run fails (exit status 1).
 Prints each server's thread binding, per-metric median (min-max) (out / total tok/s, TTFT and
 TPOT p50 / p99, duration, cores busy), and ours / vLLM's better config (higher median out

@@ -51,11 +51,34 @@ def test_interleave_rotates_and_measures() -> None:
             pass
         return {}
 
-    res = _peer.interleave(["a", "b", "c"], 3, run, lambda name: os.getpid())
+    res = _peer.interleave(["a", "b", "c"], 3, run, lambda name: os.getpid(), freeze=False)
     assert order == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1),
                      ("c", 2), ("a", 2), ("b", 2)]
     assert all(len(v) == 3 for v in res.values())
     assert all(r["busy_cores"] > 0 and r["wall_s"] > 0 for v in res.values() for r in v)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+def test_interleave_freezes_the_waiting_engines(tmp_path) -> None:
+    with _peer.EngineChild("a", sys.executable, _ECHO, {"name": "a"}, dict(os.environ),
+                           str(tmp_path)) as a, \
+            _peer.EngineChild("b", sys.executable, _ECHO, {"name": "b"}, dict(os.environ),
+                              str(tmp_path)) as b:
+        kids = {"a": a, "b": b}
+        seen = []
+
+        def run(name: str, r: int) -> dict:
+            other = kids["b" if name == "a" else "a"]
+            seen.append((_state(other.pid), kids[name].ask({"x": r})["twice"]))
+            return {}
+
+        _peer.interleave(["a", "b"], 2, run, lambda name: kids[name].pid)
+        assert seen == [("T", 0), ("T", 0), ("T", 2), ("T", 2)]  # T: stopped
+        assert _state(a.pid) != "T" and _state(b.pid) != "T"  # continued at the end
 
 
 def test_stats_and_ratios() -> None:
