@@ -326,10 +326,9 @@ def interleave(names: Sequence[str], reps: int, run: Callable[[str, int], dict[s
     engine r mod n (rotated so no engine always runs right after the same other one).
 
     `freeze`: the waiting engines' process trees are stopped (SIGSTOP) while one engine runs and
-    continued (SIGCONT) before their own turn. An idle vLLM polls: on the 2-core VM an idle
-    default-binding vLLM beside a running vLLM with both cores used ~0.15 core and made it 4x
-    slower (its OpenMP threads are pinned one per core and wait for each other), and an idle
-    vLLM took up to 0.6 core from ours. Everything is continued before this returns or raises.
+    continued (SIGCONT) before their own turn. An idle vLLM polls: in smoke runs on the 2-core
+    VM, unfrozen, an idle vLLM used up to 1.0 CPU-s during another vLLM's 5-7 s rep and 0.98
+    CPU-s during a 1.55 s rep of ours. Everything is continued before this returns or raises.
 
     Each result gets `wall_s` (the driver's clock around it), `busy_cores` (CPU seconds of the
     engine's process tree over the seconds it worked: the result's own `busy_s` when it has one,

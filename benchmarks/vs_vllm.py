@@ -20,8 +20,8 @@ that loads the model once and warms up (one request sharing the system prompt; o
 its step shapes ready first, as `serve` does), printing where its threads are bound. Then
 `--reps` (3) rounds: each round every engine runs one timed `generate` over that round's own
 questions (only the system prompt is a cache hit), one engine at a time (the others' processes
-stopped: an idle vLLM polls, and on 2 cores that made a running vLLM with both cores 4x slower),
-the starting engine rotated per round. Reported: out tok/s median (min-max) per engine, the
+stopped: an idle vLLM polls, up to ~0.6 core in smoke runs), the starting engine rotated per
+round. Reported: out tok/s median (min-max) per engine, the
 cores each kept busy, ours / vLLM's better config (ratio of medians, and the range of per-round
 ratios), greedy sequences equal to each vLLM config's. Every output must have exactly
 `--max-tokens` tokens, in every engine, or the run fails (exit status 1).
