@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -375,7 +375,7 @@ def med_range(xs: Sequence[float], fmt: str = ".1f") -> str:
     return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
 
 
-def better_vllm(tok_s: dict[str, Sequence[float]]) -> str | None:
+def better_vllm(tok_s: Mapping[str, Sequence[float]]) -> str | None:
     """Of the vLLM configs in `tok_s` (engine -> per-rep throughputs), the one with the higher
     median; None when there is none."""
     cands = [k for k in tok_s if is_vllm(k)]
