@@ -200,6 +200,11 @@ def main() -> None:
                   f"{f'{accepted / max(drafted, 1):.0%}' if spec else '-'} | "
                   f"{f'{(accepted + rows) / max(rows, 1):.2f}' if spec else '-'} | "
                   f"{steps:.0f} | {ident} |")
+    for name, llm in engines.items():  # what the "cost" policy weighed its buckets by, at the end
+        costs = llm.engines[0].scheduler.step_costs
+        if costs is not None:
+            ms = ", ".join(f"{b}: {1e3 * s:.1f}" for b, s in sorted(costs.measured().items()))
+            print(f"\n{name}: decode step ms by token bucket (median of the last timed) {ms}")
 
 if __name__ == "__main__":
     main()

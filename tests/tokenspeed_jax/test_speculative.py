@@ -232,6 +232,10 @@ def test_verify_greedy_counts():
     got, accepted = _verify(hidden, ops, 4, k, _identity)
     assert accepted.tolist() == [2, 0, 0, 3]
     assert got.tolist() == [5, 2, 6, 0]
+    # the argmax ids of every token given (`sample_rows` on a small bucket): the same counts
+    ids = jnp.argmax(hidden, axis=-1).astype(jnp.int32)
+    got, accepted = _verify(hidden, ops, 4, k, _identity, None, ids)
+    assert accepted.tolist() == [2, 0, 0, 3] and got.tolist() == [5, 2, 6, 0]
 
 
 def test_verify_sampling_keeps_the_target_distribution():

@@ -232,9 +232,28 @@ def sample_rows(
     n = min(max_rows, t)
     rows = {k: ops[k][:n] for k in _ROW_FIELDS}
     last = jnp.clip(ops["cu_q_lens"][1 : n + 1] - 1, 0, t - 1)  # each row's last token
-    logits = lm_head(hidden[last])
-    if gather_logits is not None:
-        logits = gather_logits(logits)
+
+    def row_logits(h: jax.Array) -> jax.Array:
+        out = lm_head(h[last])
+        return out if gather_logits is None else gather_logits(out)
+
+    greedy_ids = None
+    if num_speculative and t <= n * (num_speculative + 1):
+        # A small bucket that carries drafts: verification needs the LM head over every token
+        # of the step (`spec_verify`), the rows' own logits are among them, so the head runs
+        # once, over the t tokens, not over t + n rows; the drafts' greedy check then reads
+        # argmax ids (i32[t]). Steps without drafts keep the head over their n rows.
+        def every_token(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+            every = lm_head(h)
+            if gather_logits is not None:
+                every = gather_logits(every)
+            return every[last], jnp.argmax(every, axis=-1).astype(jnp.int32)
+
+        logits, greedy_ids = jax.lax.cond(
+            jnp.any(ops["draft_lens"][:n] > 0), every_token,
+            lambda h: (row_logits(h), jnp.zeros((t,), jnp.int32)), hidden)
+    else:
+        logits = row_logits(hidden)
     penalties, processed = penalize_step(penalties, logits, ops)
     if token_mask is not None:
         words = token_mask[:n]
@@ -249,7 +268,8 @@ def sample_rows(
         spec = rows["draft_lens"] > 0
         verified, got = jax.lax.cond(
             jnp.any(spec),
-            lambda h: verify_drafts(h, ops, n, num_speculative, lm_head, gather_logits),
+            lambda h: verify_drafts(h, ops, n, num_speculative, lm_head, gather_logits,
+                                    greedy_ids),
             lambda h: (tokens, accepted), hidden)
         tokens = jnp.where(spec, verified, tokens)
         accepted = jnp.where(spec, got, 0)

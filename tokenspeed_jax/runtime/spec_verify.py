@@ -35,13 +35,16 @@ __all__ = ["verify_drafts"]
 def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
                   lm_head: Callable[[jax.Array], jax.Array],
                   gather_logits: Callable[[jax.Array], jax.Array] | None = None,
-                  ) -> tuple[jax.Array, jax.Array]:
+                  greedy_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Verify the drafts of the first n rows (k = the most drafts a row may carry, static).
 
     hidden f[T, H] the model's last hidden states; ops: the step's unpacked StepOps arrays
     (`draft_lens`, `cu_q_lens`, `token_ids` resolved, sampling columns). Returns (tokens i32[n]:
     each row's token after its accepted drafts, accepted i32[n]: its accepted draft count);
-    rows without drafts get their ordinary sample (greedy or drawn at sample_index)."""
+    rows without drafts get their ordinary sample (greedy or drawn at sample_index).
+    greedy_ids i32[T] (optional): the argmax of every token's logits, already computed by the
+    caller (`sampling.sample_rows` on a small bucket); the LM head then runs here only on steps
+    that sample."""
     t = hidden.shape[0]
     d = ops["draft_lens"][:n]
     j = jnp.arange(k + 1, dtype=jnp.int32)
@@ -49,7 +52,13 @@ def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
     # (those columns are never used)
     first = ops["cu_q_lens"][1:n + 1] - 1 - d
     idx = jnp.clip(first[:, None] + jnp.minimum(j[None, :], d[:, None]), 0, t - 1)
-    if t <= n * (k + 1):
+    if greedy_ids is not None:
+        greedy = greedy_ids[idx]
+
+        def grid() -> jax.Array:
+            rows = lm_head(hidden[idx.reshape(-1)])
+            return rows if gather_logits is None else gather_logits(rows)
+    elif t <= n * (k + 1):
         # a small token bucket (decode with drafts): the LM head over every token of the step
         # costs less than over the [n, k + 1] grid of positions, and so does the greedy argmax
         # (t rows, then gathered as ids: the [n, k + 1, V] grid of logits is only gathered on
