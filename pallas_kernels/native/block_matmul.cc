@@ -207,14 +207,7 @@ void run_amx(ffi::ThreadPool& pool, const Problem& p) {
   using tokenspeed::amx::kTileRows;
   const int64_t mp = (p.m + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t kp = (p.k + kPairK - 1) / kPairK * kPairK;
-  std::vector<uint16_t> xb(mp * kp, 0);
-  for (int64_t i = 0; i < p.m; ++i) {
-    for (int64_t kk = 0; kk < p.k; ++kk) {
-      uint32_t u;
-      std::memcpy(&u, p.x + i * p.k + kk, sizeof(u));
-      xb[i * kp + kk] = static_cast<uint16_t>(u >> 16);  // exact: the low half is zero
-    }
-  }
+  const std::vector<uint16_t> xb = bf16_rows(p, mp, kp);
   const int64_t tiles = p.n / kCols;
   if (p.n % kCols) edge_tile<bf16>(p, tiles * kCols);
   tokenspeed::amx::Problem a{xb.data(), mp, kp, static_cast<const uint16_t*>(p.codes),
@@ -278,12 +271,7 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   std::vector<uint16_t> xb;  // x as bf16 pairs' halves (x_bf16: its values are bf16 already)
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x_bf16 && tiled && dtype == ffi::DataType::BF16 && !has_mins && p.n >= 2 * kCols) {
-    xb.resize(p.m * p.k);
-    for (int64_t i = 0; i < p.m * p.k; ++i) {
-      uint32_t u;
-      std::memcpy(&u, p.x + i, sizeof(u));
-      xb[i] = static_cast<uint16_t>(u >> 16);  // exact: the low half is zero
-    }
+    xb = bf16_rows(p, p.m, p.k);
     p.xb = xb.data();
   }
 #endif

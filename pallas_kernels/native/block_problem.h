@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace tokenspeed::blockmm {
 
@@ -59,6 +60,20 @@ int64_t chunk_rows(const Problem& p) {
   const int64_t chunks = (p.k + rows - 1) / rows;  // even chunks: 576 = 3 x 192, not 256 + 256 + 64
   const int64_t even = (p.k + chunks - 1) / chunks;
   return p.xq == nullptr ? even : (even + 31) / 32 * 32;  // tile_q8 takes whole 32s of x
+}
+
+// x's values as bf16 (x_bf16: exact, the low halves are zero) in mp rows of kp, zero padded
+// past [m, k): the bf16 dot products' and the AMX tiles' operand.
+inline std::vector<uint16_t> bf16_rows(const Problem& p, int64_t mp, int64_t kp) {
+  std::vector<uint16_t> xb(mp * kp, 0);
+  for (int64_t i = 0; i < p.m; ++i) {
+    for (int64_t kk = 0; kk < p.k; ++kk) {
+      uint32_t u;
+      std::memcpy(&u, p.x + i * p.k + kk, sizeof(u));
+      xb[i * kp + kk] = static_cast<uint16_t>(u >> 16);
+    }
+  }
+  return xb;
 }
 
 }  // namespace tokenspeed::blockmm

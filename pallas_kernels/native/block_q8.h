@@ -42,7 +42,7 @@ void tile_q8(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, b
       11, 27, 43, 59, 12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
   const __m512i quads = _mm512_load_si512(kQuads);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int64_t groups = p.k / p.block, q8_groups = p.k / 32;
+  const int64_t q8_groups = p.k / 32;
   __m512 acc[NR][NT];
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -84,24 +84,10 @@ void tile_q8(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, b
         }
       }
     }
-    const int64_t g = kb / p.block;
-    for (int t = 0; t < NT; ++t) {
-      const __m512 dw = _mm512_loadu_ps(p.scales + g * p.n + n0 + t * kCols);
-      for (int r = 0; r < NR; ++r) acc[r][t] = _mm512_fmadd_ps(part[r][t], dw, acc[r][t]);
-      if constexpr (MINS) {
-        const __m512 mv = _mm512_loadu_ps(p.mins + g * p.n + n0 + t * kCols);
-        for (int r = 0; r < NR; ++r) {
-          acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(p.xsum[(m0 + r) * groups + g]), mv, acc[r][t]);
-        }
-      }
-    }
+    fold_block2<NR, NT>(p, kb / p.block, n0, part, acc);
+    if constexpr (MINS) add_mins2<NR, NT>(p, kb / p.block, m0, n0, acc);
   }
-  for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NT; ++t) {
-      float* y = p.y + (m0 + r) * p.n + n0 + t * kCols;
-      _mm512_storeu_ps(y, add ? _mm512_add_ps(acc[r][t], _mm512_loadu_ps(y)) : acc[r][t]);
-    }
-  }
+  store2<NR, NT>(p, m0, n0, acc, add);
 }
 
 // Rows [m0, m1) in passes of kRowsQ8, then the 1-3 left over; the first pass prefetches.

@@ -19,47 +19,67 @@ namespace tokenspeed::blockmm {
 
 #ifdef __AVX512F__
 // Two column tiles [n0, n0 + 2 kCols) (tiles n0 / kCols and the next) x NR rows in 512-bit
-// registers: Tile2<float> (float32 weights) and, with AVX512-BF16, Tile2<bf16> (bf16 weights on
-// bf16-exact x); the K loop differs, the blocks' scales and the store are shared.
+// registers: Tile2<float> / Tile2<int8_t> (weights widened to float32) and, with AVX512-BF16,
+// Tile2<bf16> (bf16 weights on bf16-exact x); the K loops differ, the blocks' scales, Q4_1's
+// min term and the store are shared (with block_q8.h's tile_q8 too).
 constexpr int kRows2 = 12;  // rows per pass: 24 accumulators of the 32 registers
 
-// acc[r] += part[r] * the scales of block g (columns n0 .. n0 + 2 kCols)
-template <int NR>
-inline void fold_block2(const Problem& p, int64_t g, int64_t n0, __m512 (&part)[NR][2],
-                        __m512 (&acc)[NR][2]) {
-  const __m512 d0 = _mm512_loadu_ps(p.scales + g * p.n + n0);
-  const __m512 d1 = _mm512_loadu_ps(p.scales + g * p.n + n0 + kCols);
-  for (int r = 0; r < NR; ++r) {
-    acc[r][0] = _mm512_fmadd_ps(part[r][0], d0, acc[r][0]);
-    acc[r][1] = _mm512_fmadd_ps(part[r][1], d1, acc[r][1]);
+// acc[r] += part[r] * the scales of block g (NT column tiles from n0: 2, or a lone last tile)
+template <int NR, int NT = 2>
+inline void fold_block2(const Problem& p, int64_t g, int64_t n0, __m512 (&part)[NR][NT],
+                        __m512 (&acc)[NR][NT]) {
+  for (int t = 0; t < NT; ++t) {
+    const __m512 d = _mm512_loadu_ps(p.scales + g * p.n + n0 + t * kCols);
+    for (int r = 0; r < NR; ++r) acc[r][t] = _mm512_fmadd_ps(part[r][t], d, acc[r][t]);
   }
 }
 
-// y rows m0 .. m0 + NR, columns n0 .. n0 + 2 kCols = acc (+ y when `add`: a later K chunk)
-template <int NR>
-inline void store2(const Problem& p, int64_t m0, int64_t n0, __m512 (&acc)[NR][2], bool add) {
+// Q4_1's min term of block g: acc[r] += sum(x of row r over the block) * mins (whole blocks
+// only: chunk_rows)
+template <int NR, int NT = 2>
+inline void add_mins2(const Problem& p, int64_t g, int64_t m0, int64_t n0, __m512 (&acc)[NR][NT]) {
+  const int64_t groups = p.k / p.block;
+  for (int t = 0; t < NT; ++t) {
+    const __m512 mv = _mm512_loadu_ps(p.mins + g * p.n + n0 + t * kCols);
+    for (int r = 0; r < NR; ++r) {
+      acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(p.xsum[(m0 + r) * groups + g]), mv, acc[r][t]);
+    }
+  }
+}
+
+// y rows m0 .. m0 + NR, NT column tiles from n0 = acc (+ y when `add`: a later K chunk)
+template <int NR, int NT = 2>
+inline void store2(const Problem& p, int64_t m0, int64_t n0, __m512 (&acc)[NR][NT], bool add) {
   for (int r = 0; r < NR; ++r) {
     float* y = p.y + (m0 + r) * p.n + n0;
-    if (add) {
-      acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(y));
-      acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(y + kCols));
+    for (int t = 0; t < NT; ++t) {
+      if (add) acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_loadu_ps(y + t * kCols));
+      _mm512_storeu_ps(y + t * kCols, acc[r][t]);
     }
-    _mm512_storeu_ps(y, acc[r][0]);
-    _mm512_storeu_ps(y + kCols, acc[r][1]);
   }
 }
 
 template <typename T>
 struct Tile2;
 
-// float32: per K row two weight loads and NR broadcasts feed 2 NR FMAs (the 256-bit tile:
-// two loads and NR broadcasts for NR 16-column FMAs). Same order per column as `tile`.
-template <>
-struct Tile2<float> {
+// 16 weights of a tile's K row as 16 floats: float32 loaded, int8 codes widened by one
+// vpmovsxbd + vcvtdq2ps (the 256-bit tile takes two of each per tile)
+inline __m512 widen16(const float* c) { return _mm512_loadu_ps(c); }
+inline __m512 widen16(const int8_t* c) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+}
+
+// Float32 weights and int8 codes (Q8_0 / Q4_0 / Q4_1 blocks, per-channel int8): per K row two
+// tiles' weights as floats and NR broadcasts feed 2 NR FMAs (the 256-bit tile: NR 16-column
+// FMAs), so a few-row product loads / converts half as often per weight. The blocks' scales and
+// Q4_1's min term as `tile`: the same float32 operations in the same order per column
+// (bit-identical).
+template <typename T>
+struct Tile2Widened {
   template <int NR, bool MINS>
   static void run(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
                   const char* pf) {
-    const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols * sizeof(float) / 64;
+    const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols * sizeof(T) / 64;
     const float* xr[NR];
     for (int r = 0; r < NR; ++r) xr[r] = p.x + (m0 + r) * p.k;
     __m512 acc[NR][2];
@@ -69,16 +89,21 @@ struct Tile2<float> {
     for (int64_t kb = k0; kb < k1; kb += span) {
       __m512 part[NR][2];
       for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
-      const float* c0 = p.tile_codes<float>(kb, n0);
-      const float* c1 = p.tile_codes<float>(kb, n0 + kCols);
+      const T* c0 = p.tile_codes<T>(kb, n0);
+      const T* c1 = p.tile_codes<T>(kb, n0 + kCols);
       for (int64_t kk = kb; kk < kb + span; ++kk, c0 += step, c1 += step) {
-        const int64_t i = 2 * (kk - k0);
-        if (i < pf_lines) {
-          _mm_prefetch(pf + i * 64, _MM_HINT_T0);
-          _mm_prefetch(pf + i * 64 + 64, _MM_HINT_T0);
+        if constexpr (sizeof(T) == 4) {  // a K row of the pair: two cache lines
+          const int64_t i = 2 * (kk - k0);
+          if (i < pf_lines) {
+            _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+            _mm_prefetch(pf + i * 64 + 64, _MM_HINT_T0);
+          }
+        } else if (kk - k0 < pf_lines) {
+          _mm_prefetch(pf + (kk - k0) * 64, _MM_HINT_T0);
         }
-        __m512 w0 = _mm512_loadu_ps(c0), w1 = _mm512_loadu_ps(c1);
-        asm volatile("" : "+v"(w0), "+v"(w1));
+        __m512 w0 = widen16(c0), w1 = widen16(c1);
+        // float32: in registers, else the compiler folds the loads into every row's FMA
+        if constexpr (sizeof(T) == 4) asm volatile("" : "+v"(w0), "+v"(w1));
         for (int r = 0; r < NR; ++r) {
           const __m512 xv = _mm512_set1_ps(xr[r][kk]);
           part[r][0] = _mm512_fmadd_ps(xv, w0, part[r][0]);
@@ -86,10 +111,16 @@ struct Tile2<float> {
         }
       }
       fold_block2<NR>(p, kb / p.block, n0, part, acc);
+      if constexpr (MINS) add_mins2<NR>(p, kb / p.block, m0, n0, acc);
     }
     store2<NR>(p, m0, n0, acc, add);
   }
 };
+
+template <>
+struct Tile2<float> : Tile2Widened<float> {};
+template <>
+struct Tile2<int8_t> : Tile2Widened<int8_t> {};
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // bfloat16 weights and bfloat16-exact x (a bf16 model's activations, p.xb) with the AVX512-BF16
@@ -154,57 +185,6 @@ struct Tile2<bf16> {
   }
 };
 #endif
-
-// int8 codes (Q8_0 / Q4_0 / Q4_1 blocks, per-channel int8): 16 codes widened to 16 floats by
-// one vpmovsxbd + vcvtdq2ps per tile and K row (the 256-bit tile takes two of each per tile), so
-// a few-row product converts half as often per weight; the blocks' scales and Q4_1's min term
-// as `tile`: the same float32 operations in the same order per column (bit-identical).
-template <>
-struct Tile2<int8_t> {
-  template <int NR, bool MINS>
-  static void run(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1, bool add,
-                  const char* pf) {
-    const int64_t pf_lines = pf == nullptr ? 0 : (k1 - k0) * 2 * kCols / 64;
-    const float* xr[NR];
-    for (int r = 0; r < NR; ++r) xr[r] = p.x + (m0 + r) * p.k;
-    __m512 acc[NR][2];
-    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int64_t groups = p.k / p.block;
-    const int64_t step = p.row_step();
-    const int64_t span = std::min(p.block, k1 - k0);
-    for (int64_t kb = k0; kb < k1; kb += span) {
-      const int64_t g = kb / p.block;
-      __m512 part[NR][2];
-      for (int r = 0; r < NR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
-      const int8_t* c0 = p.tile_codes<int8_t>(kb, n0);
-      const int8_t* c1 = p.tile_codes<int8_t>(kb, n0 + kCols);
-      for (int64_t kk = kb; kk < kb + span; ++kk, c0 += step, c1 += step) {
-        if (kk - k0 < pf_lines) _mm_prefetch(pf + (kk - k0) * 64, _MM_HINT_T0);
-        __m512 w0 = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c0))));
-        __m512 w1 = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c1))));
-        for (int r = 0; r < NR; ++r) {
-          const __m512 xv = _mm512_set1_ps(xr[r][kk]);
-          part[r][0] = _mm512_fmadd_ps(xv, w0, part[r][0]);
-          part[r][1] = _mm512_fmadd_ps(xv, w1, part[r][1]);
-        }
-      }
-      fold_block2<NR>(p, g, n0, part, acc);
-      if constexpr (MINS) {  // whole groups only (chunk_rows)
-        const __m512 n0v = _mm512_loadu_ps(p.mins + g * p.n + n0);
-        const __m512 n1v = _mm512_loadu_ps(p.mins + g * p.n + n0 + kCols);
-        for (int r = 0; r < NR; ++r) {
-          const __m512 sv = _mm512_set1_ps(p.xsum[(m0 + r) * groups + g]);
-          acc[r][0] = _mm512_fmadd_ps(sv, n0v, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(sv, n1v, acc[r][1]);
-        }
-      }
-    }
-    store2<NR>(p, m0, n0, acc, add);
-  }
-};
-
 
 // Which weight types have a Tile2 on this build.
 template <typename T>
