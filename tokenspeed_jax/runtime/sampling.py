@@ -233,9 +233,12 @@ def sample_rows(
     rows = {k: ops[k][:n] for k in _ROW_FIELDS}
     last = jnp.clip(ops["cu_q_lens"][1 : n + 1] - 1, 0, t - 1)  # each row's last token
 
-    def row_logits(h: jax.Array) -> jax.Array:
-        out = lm_head(h[last])
+    def head(h: jax.Array) -> jax.Array:  # whole-vocabulary logits of hidden rows h
+        out = lm_head(h)
         return out if gather_logits is None else gather_logits(out)
+
+    def row_logits(h: jax.Array) -> jax.Array:
+        return head(h[last])
 
     greedy_ids = None
     if num_speculative and t <= n * (num_speculative + 1):
@@ -244,9 +247,7 @@ def sample_rows(
         # once, over the t tokens, not over t + n rows; the drafts' greedy check then reads
         # argmax ids (i32[t]). Steps without drafts keep the head over their n rows.
         def every_token(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-            every = lm_head(h)
-            if gather_logits is not None:
-                every = gather_logits(every)
+            every = head(h)
             return every[last], jnp.argmax(every, axis=-1).astype(jnp.int32)
 
         logits, greedy_ids = jax.lax.cond(

@@ -52,32 +52,19 @@ def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
     # (those columns are never used)
     first = ops["cu_q_lens"][1:n + 1] - 1 - d
     idx = jnp.clip(first[:, None] + jnp.minimum(j[None, :], d[:, None]), 0, t - 1)
-    if greedy_ids is not None:
-        greedy = greedy_ids[idx]
 
-        def grid() -> jax.Array:
-            rows = lm_head(hidden[idx.reshape(-1)])
-            return rows if gather_logits is None else gather_logits(rows)
-    elif t <= n * (k + 1):
-        # a small token bucket (decode with drafts): the LM head over every token of the step
-        # costs less than over the [n, k + 1] grid of positions, and so does the greedy argmax
-        # (t rows, then gathered as ids: the [n, k + 1, V] grid of logits is only gathered on
-        # steps that sample, inside the cond below)
-        every = lm_head(hidden)
-        if gather_logits is not None:
-            every = gather_logits(every)
-        greedy = jnp.argmax(every, axis=-1).astype(jnp.int32)[idx]
-
-        def grid() -> jax.Array:
-            return every[idx.reshape(-1)]
-    else:
+    def head_at_idx() -> jax.Array:  # the logits at idx: [n (k + 1), V]
         rows = lm_head(hidden[idx.reshape(-1)])
-        if gather_logits is not None:
-            rows = gather_logits(rows)
-        greedy = jnp.argmax(rows, axis=-1).astype(jnp.int32).reshape(n, k + 1)
+        return rows if gather_logits is None else gather_logits(rows)
 
-        def grid() -> jax.Array:
-            return rows
+    grid: Callable[[], jax.Array]
+    if greedy_ids is not None:  # a small bucket: the caller ran the head over every token
+        greedy = greedy_ids[idx]
+        grid = head_at_idx  # the logits only on steps that sample (the cond below)
+    else:  # a bigger bucket: the head over the [n, k + 1] grid of positions only
+        every = head_at_idx()
+        greedy = jnp.argmax(every, axis=-1).astype(jnp.int32).reshape(n, k + 1)
+        grid = lambda: every
     drafts = ops["token_ids"][jnp.clip(idx + 1, 0, t - 1)]  # the draft after position j
     is_draft = j[None, :] < d[:, None]
     temperature = ops["temperature"][:n]
