@@ -12,6 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# the script's own dir first on sys.path would let benchmarks/kernels.py shadow the `kernels`
+# package transformers imports
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))  # tokenspeed_jax of this checkout
 
 
 def default_dir() -> str:
