@@ -166,8 +166,6 @@ def _round(r: int, engines: list[str], args: argparse.Namespace, kw: dict[str, A
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(p)
-    p.add_argument("--scan-layers", action="store_true",
-                   help="LLM(scan_layers=True): one layer body per run of identical layers")
     p.add_argument("--reps", type=int, default=3, help="rounds: a cold start of every engine")
     p.add_argument("--warm", type=int, default=1, help="warm restarts after each cold one")
     p.add_argument("--cache-dir", default=None, help="ours: this compile cache dir for every "
@@ -179,8 +177,6 @@ def main() -> None:
     args = p.parse_args()
     print(f"CPU: {cpu_line()}", flush=True)
     kw = llm_kwargs(args, model=args.model, answer_tokens=ANSWER_TOKENS, prompt=PROMPT)
-    if args.scan_layers:
-        kw["scan_layers"] = True
     vkw = dict(model=os.path.abspath(args.model), dtype=args.dtype,
                max_context_len=args.max_context_len or 2048,
                max_batch_requests=args.max_batch_requests,

@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import reduce
-from typing import cast
 
 from scheduler.block_pool import NULL_PAGE, BlockPool
 from scheduler.block_table import BlockTable, ceil_div
 from scheduler.full_history import CacheGroupManager, FullHistoryManager
 from scheduler.group_spec import PagedCacheGroupSpec
-from scheduler.sliding_window import SlidingWindowManager, StateManager
+from scheduler.sliding_window import SlidingWindowManager, StateManager, window_tokens
 
 
 class CacheCoordinator:
@@ -41,7 +40,7 @@ class CacheCoordinator:
             return StateManager(b)
         if spec.retention == "full_history":
             return FullHistoryManager(b)
-        return SlidingWindowManager(b, cast(int, spec.sliding_window_tokens),
+        return SlidingWindowManager(b, window_tokens(spec),
                                     live_tail_alignment=self.lcm if spec.live_tail_alloc else 0)
 
     # ------------------------------------------------------------------ growth
@@ -87,17 +86,8 @@ class CacheCoordinator:
         return True
 
     def solo_peak_pages(self, total_tokens: int, max_chunk_tokens: int) -> int:
-        """Upper bound on the pages one request of `total_tokens` pins at once when it runs
-        alone with chunks of at most `max_chunk_tokens` (sliding groups: window + chunk)."""
-        need = 0
-        for m, spec in zip(self.managers, self.specs):
-            b = spec.page_size
-            full = ceil_div(total_tokens, b)
-            if spec.retention == "full_history":
-                need += full
-            else:
-                need += min(full, m.resume_pages + ceil_div(min(max_chunk_tokens, total_tokens), b) + 2)
-        return need
+        """`solo_peak_pages` of this coordinator's groups."""
+        return solo_peak_pages(self.specs, total_tokens, max_chunk_tokens)
 
     def truncate(self, tables: list[BlockTable], num_tokens: int) -> bool:
         """Roll every group back to `num_tokens` tokens (speculative decoding: positions a step
@@ -215,3 +205,20 @@ class CacheCoordinator:
             t.num_published = max(t.num_published, complete)
             changed.append(moved)
         return changed
+
+
+def solo_peak_pages(specs: list[PagedCacheGroupSpec], total_tokens: int,
+                    max_chunk_tokens: int) -> int:
+    """Upper bound on the pages one request of `total_tokens` pins at once when it runs alone
+    with chunks of at most `max_chunk_tokens` (sliding groups: window + chunk). From the specs
+    alone, so a preflight check needs no Scheduler."""
+    need = 0
+    for spec in specs:
+        b = spec.page_size
+        full = ceil_div(total_tokens, b)
+        if spec.retention == "full_history":
+            need += full
+        else:  # the pages to resume behind a boundary (`resume_pages`), the chunk, two edges
+            resume = ceil_div(window_tokens(spec) - 1, b)
+            need += min(full, resume + ceil_div(min(max_chunk_tokens, total_tokens), b) + 2)
+    return need

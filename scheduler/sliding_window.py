@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from scheduler.block_pool import NULL_PAGE, BlockPool
 from scheduler.block_table import BlockTable, ceil_div
 from scheduler.full_history import CacheGroupManager, SlotLookup
+from scheduler.group_spec import PagedCacheGroupSpec
 
 
 class SlidingWindowManager(CacheGroupManager):
@@ -121,10 +124,18 @@ class SlidingWindowManager(CacheGroupManager):
         return 0, []
 
 
+STATE_WINDOW = 2  # a state group keeps the live state and the one before it
+
+
+def window_tokens(spec: PagedCacheGroupSpec) -> int:
+    """W of a sliding or state group (`SlidingWindowManager.window`)."""
+    return STATE_WINDOW if spec.family == "state" else cast(int, spec.sliding_window_tokens)
+
+
 class StateManager(SlidingWindowManager):
     """Recurrent-state (Mamba-like) group: a sliding group with W = 2, one snapshot per page.
 
     Snapshots are only registered at page-aligned chunk ends (see the coordinator's publish)."""
 
     def __init__(self, block_size: int) -> None:
-        super().__init__(block_size, window=2)
+        super().__init__(block_size, window=STATE_WINDOW)

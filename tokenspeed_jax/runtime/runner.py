@@ -46,11 +46,8 @@ from scheduler.cache_layout import CacheLayout
 from scheduler.page_table_oracle import clamped_rows
 from scheduler.step_ops import StepOps
 from tokenspeed_jax.models.batch import make_paged_batch
-from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.models.layer_scan import ScannedGraph
-from tokenspeed_jax.models.layers import tile_linears
-from tokenspeed_jax.models.quant import check_quantization, quantize_model, use_native
 from tokenspeed_jax.page_table import update_rows
 from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import (
@@ -60,6 +57,7 @@ from tokenspeed_jax.runtime.backends import (
     resolve_backend,
 )
 from tokenspeed_jax.runtime.executables import ExecutableStore
+from tokenspeed_jax.runtime.prepare import PreparedModel
 from tokenspeed_jax.runtime.sampling import PenaltyState, init_penalty_state, sample_rows
 from tokenspeed_jax.runtime.shapes import (
     DEFAULT_MIN_KV_BUCKET,
@@ -67,7 +65,7 @@ from tokenspeed_jax.runtime.shapes import (
     ShapePolicy,
     StepShape,
 )
-from tokenspeed_jax.runtime.sharding import TensorParallel, place, prepare_model
+from tokenspeed_jax.runtime.sharding import TensorParallel, place
 from tokenspeed_jax.runtime.state import DeviceState, init_state
 from tokenspeed_jax.runtime.step_inputs import StepLayout, layout_for, pack, unpack
 from tokenspeed_jax.runtime.step_programs import StepPrograms
@@ -160,8 +158,9 @@ class ModelRunner:
     """Owns the device state and the jitted step of one model.
 
     Args:
-      model_config: the model's `ModelConfig`.
-      model: the `CausalLM` (split once into a static graphdef + a params pytree argument).
+      prepared: the model after `runtime.prepare.prepare` (KV heads, TP re-layouts,
+        quantization and tiling done once, before any replica): split once into a static
+        graphdef + a params pytree argument; the runner never changes its layout.
       layout: the `scheduler.CacheLayout` the Scheduler was built from (`scheduler.cache_layout`):
         group page sizes and widths, pool size, mirror slots, layer -> group map, R and T of
         the StepOps, honor_full_refresh.
@@ -172,14 +171,15 @@ class ModelRunner:
         does, so a lone decode on 16 rows reads ~3x longer), speculation included unless its
         draft_policy is "padding" (drafts only in a bucket's padding, which a 1-token bucket
         has none of); an int: powers of two from it.
-      mesh: a 1-D "tp" `jax.sharding.Mesh` to run tensor-parallel on (`tokenspeed_jax.runtime.sharding`);
-        None = the default device, unsharded (the single-device path, unchanged).
+      mesh: a 1-D "tp" `jax.sharding.Mesh` of `prepared.tensor_parallel_size` devices to run
+        tensor-parallel on (`tokenspeed_jax.runtime.sharding`); None = the default device,
+        unsharded (the single-device path).
+      executable_store, lazy_compile: where compiled step shapes persist, and how a shape that
+        is not ready yet runs ("background": a ready covering shape meanwhile; "sync").
       scan_layers: stack each run of identical layers (params and pools) and apply it with
         `lax.scan` (`models.layer_scan`): one layer body traced and compiled per run.
       kv_cache_dtype: "auto" (K/V pools in the model dtype), "int8" or "fp8_e4m3" (quantized
         values + f16 per-token-head scales, `pallas_kernels.kv_quant`).
-      quantization: None, "int8" (weight-only) or "w8a8" (int8 weights and dynamic int8
-        activations): Linear kernels and a tied embedding as int8 (`models.quant`), in place.
 
     Attributes: `layout` (as given), `shapes` (the `ShapePolicy`), `num_compiles` (step traces),
     `params` (nnx.State) and `state` / `penalties` (device state, advanced by every step).
@@ -187,8 +187,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model_config: ModelConfig,
-        model: CausalLM,
+        prepared: PreparedModel,
         layout: CacheLayout,
         *,
         backend: str = "auto",
@@ -199,20 +198,35 @@ class ModelRunner:
         lazy_compile: str = "background",
         scan_layers: bool = False,
         kv_cache_dtype: str = "auto",
-        quantization: str | None = None,
     ) -> None:
-        self.config = model_config
+        self.config = prepared.config
+        self.quantization = prepared.quantization
         kv_quant.quantized_dtype(kv_cache_dtype)  # ValueError naming it when unknown
         self.kv_cache_dtype = kv_cache_dtype
         self.layout = layout
+        if lazy_compile not in ("background", "sync"):
+            raise ValueError(f"lazy_compile must be 'background' or 'sync', got {lazy_compile!r}")
+        self.lazy_compile = lazy_compile
+        self._tp = None if mesh is None else TensorParallel(mesh, prepared.config)
+        if (1 if self._tp is None else self._tp.tp) != prepared.tensor_parallel_size:
+            raise ValueError(f"the model was prepared for tensor_parallel_size="
+                             f"{prepared.tensor_parallel_size}; the mesh has "
+                             f"{1 if self._tp is None else self._tp.tp} devices")
+        self._init_shapes(backend, mesh, min_token_bucket, min_kv_bucket)
+        self._init_state(prepared.net, scan_layers)
+        self._init_programs(executable_store, _devices_of(mesh))
+
+    def _init_shapes(self, backend: str, mesh: Mesh | None, min_token_bucket: int | None,
+                     min_kv_bucket: int) -> None:
+        """The step shapes: backend, row / token caps, the token and kv bucket ladders."""
+        layout = self.layout
         self.max_batch_requests = layout.scheduler_config.max_batch_requests
         self.max_scheduled_tokens = layout.scheduler_config.max_scheduled_tokens
         spec = layout.scheduler_config.speculative
         self.num_speculative = 0 if spec is None else spec.num_speculative_tokens  # static
         self.backend = resolve_backend(backend)
-        devices = _devices_of(mesh)
-        _check_fp8_support(kv_cache_dtype, self.backend, mesh)
-        platform = devices[0].platform
+        _check_fp8_support(self.kv_cache_dtype, self.backend, mesh)
+        platform = _devices_of(mesh)[0].platform
         self.shapes = ShapePolicy.build(
             layout.widths, layout.page_sizes, self.max_scheduled_tokens, backend=self.backend,
             min_token_bucket=DEFAULT_MIN_TOKEN_BUCKET if min_token_bucket is None
@@ -224,22 +238,11 @@ class ModelRunner:
             and (spec is None or spec.draft_policy != "padding"))
         self.num_compiles = 0
         self._layouts: dict[StepShape, StepLayout] = {}
-        if lazy_compile not in ("background", "sync"):
-            raise ValueError(f"lazy_compile must be 'background' or 'sync', got {lazy_compile!r}")
-        self.lazy_compile = lazy_compile
 
-        tp = self._tp = None if mesh is None else TensorParallel(mesh, model_config)
-        if tp is not None:
-            prepare_model(model, tp.tp)  # conv in_proj re-layout (before the split)
-        check_quantization(quantization)
-        self.quantization = quantization
-        if quantization is not None:  # after any re-layout: scales follow the final columns
-            quantize_model(model, quantization)
-        # the native matmul's custom call registered before an executable loads (XLA:CPU); on
-        # one device the Linears it takes laid out tile-major for it (models.layers.
-        # tile_linears; not under TP, whose rules split [in, out])
-        if use_native() and tp is None:
-            tile_linears(model)
+    def _init_state(self, model: CausalLM, scan_layers: bool) -> None:
+        """The params argument and the device state (pools, mirrors, penalties), sharded under
+        tensor parallelism; the kernels the step calls."""
+        layout, config, tp = self.layout, self.config, self._tp
         # scan_layers: the layers' params and pools stacked per run of identical layers, applied
         # by lax.scan (models/layer_scan.py): one layer body to trace and compile, not L
         self._scan: ScannedGraph | None = None
@@ -249,19 +252,19 @@ class ModelRunner:
         else:
             self._graphdef, params = nnx.split(model)
         make_state = functools.partial(
-            init_state, model_config, layout.layer_groups, layout.page_sizes, layout.widths,
+            init_state, config, layout.layer_groups, layout.page_sizes, layout.widths,
             num_pages=layout.num_pages, max_live_requests=layout.max_live_requests,
             runs=None if self._scan is None else self._scan.runs,
             bits_pools=jnp_layout(self.backend),  # bf16 / fp8 as bits (pool_bits)
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
         )  # fmt: skip
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
         make_penalties = functools.partial(init_penalty_state, layout.max_live_requests,
-                                           model_config.vocab_size)
+                                           config.vocab_size)
         self._attn = get_paged_attention(self.backend)
         self._conv: Callable[..., jax.Array] | None = get_short_conv(self.backend)
         self._gather_logits: Callable[[jax.Array], jax.Array] | None = None
-        shardings: dict[str, Any] = {}  # the jitted step's in / out shardings (TP only)
+        self._shardings: dict[str, Any] = {}  # the jitted step's in / out shardings (TP only)
         if tp is None:
             self.state, self.penalties = make_state(), make_penalties()
         else:
@@ -274,19 +277,23 @@ class ModelRunner:
             self.penalties = jax.jit(make_penalties, out_shardings=rep)()
             self._attn, self._conv = tp.wrap_attention(self._attn), tp.wrap_conv(self._conv)
             self._gather_logits = tp.gather_logits  # vocab-sharded: the sampler wants whole rows
-            shardings = dict(in_shardings=(jax.tree.leaves(param_sh), state_sh, rep, rep, rep, rep),
-                             out_shardings=(state_sh, rep, rep, rep, rep, rep, rep))
+            self._shardings = dict(
+                in_shardings=(jax.tree.leaves(param_sh), state_sh, rep, rep, rep, rep),
+                out_shardings=(state_sh, rep, rep, rep, rep, rep, rep))
         self.params = params
         # The jitted step takes the params as their flat list of arrays: flattening the nnx.State
         # (a Python callback per Variable) on every call cost ~0.1 ms of host time per step.
         self.param_leaves, self._param_def = jax.tree.flatten(self.params)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnums=(6,),
-                             **shardings)
         # every bit set: the token mask of steps with no constrained row (never transferred)
-        words = (model_config.vocab_size + 31) // 32
+        words = (config.vocab_size + 31) // 32
         self._no_mask = jnp.full((self.max_batch_requests, words), -1, jnp.int32)
         if tp is not None:
             self._no_mask = jax.device_put(self._no_mask, tp.replicated)
+
+    def _init_programs(self, executable_store: ExecutableStore | None, devices: list[Any]) -> None:
+        """The jitted step and the per-shape executables (`StepPrograms`)."""
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnums=(6,),
+                             **self._shardings)
         # what the step is compiled for, fixed at construction: lowering never reads the live
         # (donated) state arrays, so a background compile runs beside the step loop
         self._abstract = jax.tree.map(
@@ -294,7 +301,7 @@ class ModelRunner:
             (self.param_leaves, self.state, self.penalties))
         self._mask_abstract = jax.ShapeDtypeStruct(self._no_mask.shape, jnp.int32,
                                                    sharding=self._no_mask.sharding)
-        self._input_sharding = None if tp is None else tp.replicated
+        self._input_sharding = None if self._tp is None else self._tp.replicated
         # Stored executables load onto `devices` by name: left to itself, deserialization would
         # spread a one-device program over every local device (4 virtual CPUs, 8 GPUs) and its
         # first call would fail

@@ -21,8 +21,8 @@ import dataclasses
 from typing import NamedTuple
 
 from scheduler.step_ops import StepOps
+from tokenspeed_jax.engine_args import DEFAULT_MIN_KV_BUCKET
 
-DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fewer compiles)
 DEFAULT_MIN_TOKEN_BUCKET = 16  # tokens: the shortest power-of-two token bucket
 
 KvLevel = tuple[int, tuple[int, ...]]  # (tokens covered, kv columns per group)

@@ -228,7 +228,7 @@ def _gate_perm(h: int, n: int) -> np.ndarray:
     return np.concatenate([g * h + s * c + np.arange(c) for s in range(n) for g in range(3)])
 
 
-def prepare_model(model, tp: int) -> None:
+def relayout_conv(model, tp: int) -> None:
     """Re-lays in_proj of every conv block for `tp` channel shards (in place, idempotent).
 
     The forward is unchanged mathematically: `ShortConv._gates` reads the layout back through the

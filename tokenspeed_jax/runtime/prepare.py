@@ -1,0 +1,60 @@
+"""Model preparation, once per `LLM` (issue 45): every in-place transform a model needs before
+any `ModelRunner` sees it, done before the data-parallel replicas are built (they all share the
+one model): KV-head replication and the conv re-layout for tensor parallelism, weight
+quantization, the native matmul's tile-major layout."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.models.decoder import CausalLM
+from tokenspeed_jax.models.layers import tile_linears
+from tokenspeed_jax.models.quant import check_quantization, quantize_model, use_native
+from tokenspeed_jax.runtime import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedModel:
+    """A model ready for `ModelRunner` (which never changes its weights' layout).
+
+    config: the runtime config (num_key_value_heads widened to tensor_parallel_size when that
+        exceeds the checkpoint's KV heads; the pools are sized from it).
+    net: the model, transformed in place.
+    tensor_parallel_size: the shards its layouts are made for (1: one device per replica).
+    quantization: None or the `models.quant` mode its Linears hold.
+    tiled: Linears laid out tile-major for the native CPU matmul (one device per replica).
+    """
+
+    config: ModelConfig
+    net: CausalLM
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+    tiled: bool = False
+
+
+def prepare(model_config: ModelConfig, net: CausalLM, *, tensor_parallel_size: int = 1,
+            quantization: str | None = None, host_staging: bool = False) -> PreparedModel:
+    """Check `tensor_parallel_size` against the model (ValueError naming the size it does not
+    divide), then transform `net` in place: KV heads replicated up to the shard count (under
+    `sharding.host_staging` when `host_staging`: lazy multi-process parameters stay on the
+    host), conv in_proj re-laid for the channel shards, Linears quantized (after the re-layouts:
+    scales follow the final columns) and, on one CPU device with the native kernels built,
+    tiled for them (tensor parallel rules split [in, out] kernels, so not under TP)."""
+    tp = tensor_parallel_size
+    check_quantization(quantization)
+    with sharding.host_staging() if host_staging else contextlib.nullcontext():
+        sharding.validate(model_config, tp)
+        config = sharding.replicate_kv_heads(net, model_config, tp)
+    if tp > 1:
+        sharding.relayout_conv(net, tp)
+    if quantization is not None:
+        quantize_model(net, quantization)
+    # use_native() also builds and registers the native custom calls, which must be known
+    # before a stored executable that calls them loads (any tp)
+    tiled = use_native() and tp == 1
+    if tiled:
+        tile_linears(net)
+    return PreparedModel(config=config, net=net, tensor_parallel_size=tp,
+                         quantization=quantization, tiled=tiled)
