@@ -12,6 +12,8 @@ keeps the target distribution.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from scheduler import SchedulerConfig
 from scheduler.group_spec import PagedCacheGroupSpec
 from scheduler.speculative import SpeculativeConfig, StepCosts, choose_drafts, propose_ngram
 from tokenspeed_jax import LLM, SamplingParams
+from tokenspeed_jax.runtime.device_ops import DeviceOps
 from tokenspeed_jax.runtime.spec_verify import verify_drafts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -210,12 +213,15 @@ def _ops(rows_tokens, drafts_per_row, temperature=0.0, seeds=None):
     logits rows, see `_verify`)."""
     n = len(rows_tokens)
     cu = np.concatenate([[0], np.cumsum([len(t) for t in rows_tokens])]).astype(np.int32)
-    return {"draft_lens": jnp.asarray(drafts_per_row, jnp.int32), "cu_q_lens": jnp.asarray(cu),
-            "token_ids": jnp.asarray(np.concatenate(rows_tokens), jnp.int32),
-            "temperature": jnp.full((n,), temperature, jnp.float32),
-            "top_k": jnp.full((n,), -1, jnp.int32), "top_p": jnp.ones((n,), jnp.float32),
-            "seeds": jnp.asarray(np.arange(n) if seeds is None else seeds, jnp.uint32),
-            "sample_index": jnp.zeros((n,), jnp.int32)}
+    given = {"draft_lens": jnp.asarray(drafts_per_row, jnp.int32), "cu_q_lens": jnp.asarray(cu),
+             "token_ids": jnp.asarray(np.concatenate(rows_tokens), jnp.int32),
+             "temperature": jnp.full((n,), temperature, jnp.float32),
+             "top_k": jnp.full((n,), -1, jnp.int32), "top_p": jnp.ones((n,), jnp.float32),
+             "seeds": jnp.asarray(np.arange(n) if seeds is None else seeds, jnp.uint32),
+             "sample_index": jnp.zeros((n,), jnp.int32)}
+    unused = {f.name: jnp.zeros((n,), jnp.int32) for f in dataclasses.fields(DeviceOps)
+              if f.name not in given and f.name != "groups"}  # verify_drafts never reads them
+    return DeviceOps(**given, **unused, groups=())
 
 
 def test_verify_greedy_counts():

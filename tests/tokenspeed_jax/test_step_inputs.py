@@ -54,14 +54,25 @@ def test_pack_unpack_roundtrip_exact(bucket, cols):
     got = jax.jit(unpack, static_argnums=2)(i32, f32, layout)
     for name, axis, _ in device_schema(StepOps):
         want = getattr(ops, name)[:bucket] if axis == "token" else getattr(ops, name)
-        np.testing.assert_array_equal(np.asarray(got[name]), want, err_msg=name)
-        assert np.asarray(got[name]).dtype == want.dtype, name
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), want, err_msg=name)
+        assert np.asarray(getattr(got, name)).dtype == want.dtype, name
     for g, grp in enumerate(ops.groups):
         for name, axis, _ in device_schema(GroupStepOps):
             want = getattr(grp, name)
             if axis == "row,width":
                 want = want[:, : cols[g]]
-            np.testing.assert_array_equal(np.asarray(got["groups"][g][name]), want, err_msg=name)
+            np.testing.assert_array_equal(np.asarray(getattr(got.groups[g], name)), want,
+                                          err_msg=name)
+
+
+def test_device_ops_fields_are_the_schema():
+    """The typed device view names exactly the schema's device fields, in order."""
+    from tokenspeed_jax.runtime.device_ops import DeviceGroupOps, DeviceOps
+
+    names = [f.name for f in dataclasses.fields(DeviceOps)]
+    assert names == [n for n, _, _ in device_schema(StepOps)] + ["groups"]
+    assert [f.name for f in dataclasses.fields(DeviceGroupOps)] == [
+        n for n, _, _ in device_schema(GroupStepOps)]
 
 
 def test_kv_levels_ladder():

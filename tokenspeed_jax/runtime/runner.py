@@ -56,6 +56,7 @@ from tokenspeed_jax.runtime.backends import (
     jnp_layout,
     resolve_backend,
 )
+from tokenspeed_jax.runtime.device_ops import DeviceOps
 from tokenspeed_jax.runtime.executables import ExecutableStore
 from tokenspeed_jax.runtime.prepare import PreparedModel
 from tokenspeed_jax.runtime.sampling import PenaltyState, init_penalty_state, sample_rows
@@ -115,25 +116,25 @@ class StepHandle:
         return self.tokens is None or self.tokens.is_ready()  # type: ignore[attr-defined]
 
 
-def _update_mirrors(mirrors: tuple[jax.Array, ...], ops: dict, honor_full_refresh: bool
+def _update_mirrors(mirrors: tuple[jax.Array, ...], ops: DeviceOps, honor_full_refresh: bool
                     ) -> tuple[jax.Array, ...]:
     """Every group's device page-table mirror after the step's row updates."""
     return tuple(
         update_rows(
-            mirror, ops["req_slots"], g["begins"], g["sizes"], g["new_pages"],
-            ops["full_refresh"], g["rows"], g["row_lens"],
-            honor_full_refresh=honor_full_refresh, hole_slots=g["hole_slots"],
+            mirror, ops.req_slots, g.begins, g.sizes, g.new_pages,
+            ops.full_refresh, g.rows, g.row_lens,
+            honor_full_refresh=honor_full_refresh, hole_slots=g.hole_slots,
         )
-        for mirror, g in zip(mirrors, ops["groups"], strict=True)
+        for mirror, g in zip(mirrors, ops.groups, strict=True)
     )  # fmt: skip
 
 
-def _input_tokens(ops: dict, last_tokens: jax.Array) -> jax.Array:
+def _input_tokens(ops: DeviceOps, last_tokens: jax.Array) -> jax.Array:
     """The step's input ids i32[T]: a token flagged `token_from_prev` is the one the previous
     step sampled for its row's slot (overlapped scheduling: it never travelled to the host)."""
-    token_slots = jnp.take(ops["req_slots"], ops["token_rows"], mode="clip")
+    token_slots = jnp.take(ops.req_slots, ops.token_rows, mode="clip")
     prev_tokens = jnp.take(last_tokens, token_slots, mode="clip")
-    return jnp.where(ops["token_from_prev"], prev_tokens, ops["token_ids"])
+    return jnp.where(ops.token_from_prev, prev_tokens, ops.token_ids)
 
 
 def _devices_of(mesh: Mesh | None) -> list[Any]:
@@ -318,18 +319,18 @@ class ModelRunner:
         params = jax.tree.unflatten(self._param_def, param_leaves)
         mirrors = _update_mirrors(state.mirrors, ops, self.layout.honor_full_refresh)
         batch = make_paged_batch(
-            mirrors, ops["req_slots"], ops["cu_q_lens"], ops["kv_lens"], ops["positions"],
-            ops["token_rows"], page_sizes=self.layout.page_sizes, num_pages=self.layout.num_pages,
+            mirrors, ops.req_slots, ops.cu_q_lens, ops.kv_lens, ops.positions,
+            ops.token_rows, page_sizes=self.layout.page_sizes, num_pages=self.layout.num_pages,
             layer_groups=self.layout.layer_groups, kv_cols=layout.cols,
         )  # fmt: skip
         # resolved in place: everything below that reads the input ids sees the real tokens
-        ops["token_ids"] = _input_tokens(ops, state.last_tokens)
+        ops = ops.replace(token_ids=_input_tokens(ops, state.last_tokens))
         if self._scan is not None:
-            hidden, caches, model = self._scan.forward(params, ops["token_ids"], state.caches,
+            hidden, caches, model = self._scan.forward(params, ops.token_ids, state.caches,
                                                        batch, self._attn, self._conv)
         else:
             model = nnx.merge(self._graphdef, params)
-            hidden, caches = model(ops["token_ids"], state.caches, batch, self._attn, self._conv)
+            hidden, caches = model(ops.token_ids, state.caches, batch, self._attn, self._conv)
         penalties, last_tokens, tokens, logprobs, plp, top, accepted = sample_rows(
             hidden, ops, penalties, state.last_tokens, lm_head=model.logits,
             max_rows=self.max_batch_requests, gather_logits=self._gather_logits,

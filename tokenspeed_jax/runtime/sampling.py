@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from scheduler.step_ops import StepOps, device_schema
+from tokenspeed_jax.runtime.device_ops import DeviceOps
 from tokenspeed_jax.runtime.draw import draw, row_keys
 from tokenspeed_jax.runtime.filtering import filtered_logits
 from tokenspeed_jax.runtime.spec_verify import verify_drafts
@@ -36,8 +36,6 @@ __all__ = [
 ]
 
 MAX_TOP_LOGPROBS = 20  # K of the on-device top-k logprobs (OpenAI's top_logprobs limit)
-# per-row StepOps fields (schema axis "row"): what the LM head / sampler slice to the used rows
-_ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
 
 
 def sample(
@@ -154,19 +152,19 @@ def apply_penalties(logits, counts, seen, presence, frequency, repetition, bias_
     return logits - frequency[:, None] * counts - presence[:, None] * occurred
 
 
-def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: dict):
+def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: DeviceOps):
     """One step's penalty work: (state after this step's inputs, logits f32[n, V] after bias and
     penalties; logits are the first n <= R rows). `ops` holds the step's StepOps arrays
     (req_slots, kv_lens, cu_q_lens, prompt_lens, token_ids, positions, token_rows and the
     penalty / logit_bias fields). Both
     parts run under lax.cond, so steps without penalties or logit_bias pay nothing for them."""
-    use = ((ops["presence_penalty"] != 0) | (ops["frequency_penalty"] != 0)
-           | (ops["repetition_penalty"] != 1))
+    use = ((ops.presence_penalty != 0) | (ops.frequency_penalty != 0)
+           | (ops.repetition_penalty != 1))
     penalties = jax.lax.cond(
         jnp.any(use),
         lambda p: update_penalty_state(
-            p, ops["req_slots"], ops["kv_lens"], ops["cu_q_lens"], ops["prompt_lens"],
-            ops["token_ids"], ops["positions"], ops["token_rows"]),
+            p, ops.req_slots, ops.kv_lens, ops.cu_q_lens, ops.prompt_lens,
+            ops.token_ids, ops.positions, ops.token_rows),
         lambda p: p, penalties,
     )
     if penalties.counts.shape[-1] != logits.shape[-1]:
@@ -176,14 +174,14 @@ def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: dict):
     n = logits.shape[0]  # the runner may run the LM head on the first n <= R rows only
 
     def modify(x):
-        slots = jnp.maximum(ops["req_slots"][:n], 0)
+        slots = jnp.maximum(ops.req_slots[:n], 0)
         counts = jnp.where(use[:n, None], penalties.counts[slots], 0)
         seen = use[:n, None] & penalties.seen[slots]
         return apply_penalties(
-            x, counts, seen, ops["presence_penalty"][:n], ops["frequency_penalty"][:n],
-            ops["repetition_penalty"][:n], ops["logit_bias_ids"][:n], ops["logit_bias_values"][:n])
+            x, counts, seen, ops.presence_penalty[:n], ops.frequency_penalty[:n],
+            ops.repetition_penalty[:n], ops.logit_bias_ids[:n], ops.logit_bias_values[:n])
 
-    active = jnp.any(use) | jnp.any(ops["logit_bias_ids"] >= 0)
+    active = jnp.any(use) | jnp.any(ops.logit_bias_ids >= 0)
     return penalties, jax.lax.cond(active, modify, lambda x: x.astype(jnp.float32), logits)
 
 
@@ -199,7 +197,7 @@ def apply_token_mask(logits: jax.Array, words: jax.Array) -> jax.Array:
 
 def sample_rows(
     hidden: jax.Array,
-    ops: dict,
+    ops: DeviceOps,
     penalties: PenaltyState,
     last_tokens: jax.Array,
     *,
@@ -230,8 +228,8 @@ def sample_rows(
     # A step has at most one row per token, so rows >= min(R, T) are padding: the LM head and
     # the sampler only run on the first n rows (a 16-token decode bucket pays for 16, not R).
     n = min(max_rows, t)
-    rows = {k: ops[k][:n] for k in _ROW_FIELDS}
-    last = jnp.clip(ops["cu_q_lens"][1 : n + 1] - 1, 0, t - 1)  # each row's last token
+    rows = ops.first_rows(n)
+    last = jnp.clip(ops.cu_q_lens[1 : n + 1] - 1, 0, t - 1)  # each row's last token
 
     def head(h: jax.Array) -> jax.Array:  # whole-vocabulary logits of hidden rows h
         out = lm_head(h)
@@ -251,7 +249,7 @@ def sample_rows(
             return every[last], jnp.argmax(every, axis=-1).astype(jnp.int32)
 
         logits, greedy_ids = jax.lax.cond(
-            jnp.any(ops["draft_lens"][:n] > 0), every_token,
+            jnp.any(ops.draft_lens[:n] > 0), every_token,
             lambda h: (row_logits(h), jnp.zeros((t,), jnp.int32)), hidden)
     else:
         logits = row_logits(hidden)
@@ -261,12 +259,12 @@ def sample_rows(
         processed = jax.lax.cond(jnp.any(words != -1), apply_token_mask,
                                  lambda x, _: x, processed, words)
     tokens, logprobs = sample(
-        processed, rows["temperature"], rows["top_k"], rows["top_p"],
-        rows["seeds"], rows["sample_index"], raw_logits=logits,
+        processed, rows.temperature, rows.top_k, rows.top_p,
+        rows.seeds, rows.sample_index, raw_logits=logits,
     )  # fmt: skip
     accepted = jnp.zeros((n,), jnp.int32)
     if num_speculative:
-        spec = rows["draft_lens"] > 0
+        spec = rows.draft_lens > 0
         verified, got = jax.lax.cond(
             jnp.any(spec),
             lambda h: verify_drafts(h, ops, n, num_speculative, lm_head, gather_logits,
@@ -275,14 +273,14 @@ def sample_rows(
         tokens = jnp.where(spec, verified, tokens)
         accepted = jnp.where(spec, got, 0)
     pad = max_rows - n
-    mask = rows["sample_mask"]
-    keep = jnp.where(mask, ops["req_slots"][:n], last_tokens.shape[0])  # others dropped
+    mask = rows.sample_mask
+    keep = jnp.where(mask, ops.req_slots[:n], last_tokens.shape[0])  # others dropped
     last_tokens = last_tokens.at[keep].set(tokens, mode="drop")
     tokens = jnp.pad(jnp.where(mask, tokens, -1), (0, pad), constant_values=-1)
     logprobs = jnp.pad(jnp.where(mask, logprobs, jnp.nan), (0, pad), constant_values=jnp.nan)
     k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
     top_ids, top_lp = jax.lax.cond(  # the [n, V] top-k only on steps that report it
-        jnp.any(rows["top_logprobs"] > 0), top_logprobs,
+        jnp.any(rows.top_logprobs > 0), top_logprobs,
         lambda _: (jnp.full((n, k), -1, jnp.int32), jnp.full((n, k), jnp.nan, jnp.float32)),
         logits,
     )  # fmt: skip
@@ -290,7 +288,7 @@ def sample_rows(
                       constant_values=-1)
     top_lp = jnp.pad(jnp.where(mask[:, None], top_lp, jnp.nan), ((0, pad), (0, 0)),
                      constant_values=jnp.nan)
-    targets = ops["prompt_targets"]
+    targets = ops.prompt_targets
     # Full [T, V] logits only on steps that want prompt logprobs (lax.cond skips them else).
     plp = jax.lax.cond(
         jnp.any(targets >= 0),

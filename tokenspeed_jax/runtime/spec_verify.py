@@ -26,13 +26,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from tokenspeed_jax.runtime.device_ops import DeviceOps
 from tokenspeed_jax.runtime.draw import draw, row_keys
 from tokenspeed_jax.runtime.filtering import filtered_logits
 
 __all__ = ["verify_drafts"]
 
 
-def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
+def verify_drafts(hidden: jax.Array, ops: DeviceOps, n: int, k: int,
                   lm_head: Callable[[jax.Array], jax.Array],
                   gather_logits: Callable[[jax.Array], jax.Array] | None = None,
                   greedy_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -46,11 +47,11 @@ def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
     caller (`sampling.sample_rows` on a small bucket); the LM head then runs here only on steps
     that sample."""
     t = hidden.shape[0]
-    d = ops["draft_lens"][:n]
+    d = ops.draft_lens[:n]
     j = jnp.arange(k + 1, dtype=jnp.int32)
     # positions of the row's last known token (j = 0) and its drafts; clipped past the row's end
     # (those columns are never used)
-    first = ops["cu_q_lens"][1:n + 1] - 1 - d
+    first = ops.cu_q_lens[1:n + 1] - 1 - d
     idx = jnp.clip(first[:, None] + jnp.minimum(j[None, :], d[:, None]), 0, t - 1)
 
     def head_at_idx() -> jax.Array:  # the logits at idx: [n (k + 1), V]
@@ -65,21 +66,21 @@ def verify_drafts(hidden: jax.Array, ops: dict, n: int, k: int,
         every = head_at_idx()
         greedy = jnp.argmax(every, axis=-1).astype(jnp.int32).reshape(n, k + 1)
         grid = lambda: every
-    drafts = ops["token_ids"][jnp.clip(idx + 1, 0, t - 1)]  # the draft after position j
+    drafts = ops.token_ids[jnp.clip(idx + 1, 0, t - 1)]  # the draft after position j
     is_draft = j[None, :] < d[:, None]
-    temperature = ops["temperature"][:n]
+    temperature = ops.temperature[:n]
 
     def sampled(_):
         def per_row(x):
             return jnp.repeat(x[:n], k + 1)
 
         flat = filtered_logits(grid().astype(jnp.float32), per_row(temperature),
-                               per_row(ops["top_k"]), per_row(ops["top_p"]))
+                               per_row(ops.top_k), per_row(ops.top_p))
         # position j draws with the key an ordinary row sampling output index sample_index + j
         # would use (`sampling.sample`), so the drawn token is the one decoding without drafts
         # would have drawn there
-        index = (ops["sample_index"][:n, None] + j[None, :]).reshape(-1)
-        drawn = draw(row_keys(per_row(ops["seeds"]), index), flat).reshape(n, k + 1)
+        index = (ops.sample_index[:n, None] + j[None, :]).reshape(-1)
+        drawn = draw(row_keys(per_row(ops.seeds), index), flat).reshape(n, k + 1)
         return jnp.where(temperature[:, None] > 0, drawn, greedy)
 
     out = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)

@@ -5,8 +5,8 @@ Every device field of `StepOps` / `GroupStepOps` is tagged with its axis and wir
 each group) `layout_for` turns the schema into a static `StepLayout`: where each field sits in
 one int32 buffer (i32, bool and u32 fields, bit-exact) or one float32 buffer (f32 fields).
 `pack` fills the two numpy buffers (host: one copy per field, then two transfers instead of one
-per array), `unpack` cuts them back into named arrays inside the jitted step (free views).
-A new StepOps field only needs its schema tag: nothing here or in the runner lists field names.
+per array), `unpack` cuts them back into a typed `DeviceOps` inside the jitted step (free views).
+A new StepOps field needs its schema tag and its `DeviceOps` field (a test checks they agree).
 
 Cuts applied while packing (shapes depend only on the shape key):
   "token" fields keep the first `bucket` entries (the rest is padding by construction);
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduler.step_ops import LOGIT_BIAS_WIDTH, GroupStepOps, StepOps, device_schema
+from tokenspeed_jax.runtime.device_ops import DeviceGroupOps, DeviceOps
 
 _STEP_SCHEMA = device_schema(StepOps)
 _GROUP_SCHEMA = device_schema(GroupStepOps)
@@ -93,9 +94,10 @@ def pack(ops: StepOps, layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
             np.concatenate(floats, dtype=np.float32))
 
 
-def unpack(i32: jax.Array, f32: jax.Array, layout: StepLayout) -> dict:
-    """Inside the jit: {field: array, ..., "groups": [{field: array}, ...]} from the buffers."""
-    out: dict = {"groups": [{} for _ in layout.cols]}
+def unpack(i32: jax.Array, f32: jax.Array, layout: StepLayout) -> DeviceOps:
+    """Inside the jit: the step's `DeviceOps`, cut from the buffers (free views)."""
+    fields: dict[str, jax.Array] = {}
+    groups: list[dict[str, jax.Array]] = [{} for _ in layout.cols]
     for s in layout.slots:
         src = f32 if s.dtype == "f32" else i32
         x = src[s.offset : s.offset + s.size].reshape(s.shape)
@@ -103,6 +105,5 @@ def unpack(i32: jax.Array, f32: jax.Array, layout: StepLayout) -> dict:
             x = x != 0
         elif s.dtype == "u32":
             x = jax.lax.bitcast_convert_type(x, jnp.uint32)
-        (out if s.group < 0 else out["groups"][s.group])[s.name] = x
-    return out
-
+        (fields if s.group < 0 else groups[s.group])[s.name] = x
+    return DeviceOps(**fields, groups=tuple(DeviceGroupOps(**g) for g in groups))
