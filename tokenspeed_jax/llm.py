@@ -16,8 +16,9 @@ import numpy as np
 
 from scheduler import CacheLayout, SchedulerConfig, cache_layout
 from tokenspeed_jax.distributed import launch as dist
-from tokenspeed_jax.engine.engine import Engine, Runner
+from tokenspeed_jax.engine.engine import Engine
 from tokenspeed_jax.engine.replicas import Replicas
+from tokenspeed_jax.engine.runner_protocol import Runner
 from tokenspeed_jax.engine_args import EngineArgs, default_context_len
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -356,7 +357,7 @@ class LLM:
         out["load_s"] = self.load_s
         out["shapes"] = []
         for e in self.engines:
-            programs = getattr(e.runner, "programs", None)  # None: the multi-process runner
+            programs = e.runner.programs  # None: the multi-process runner
             out["shapes"] += [] if programs is None else [
                 dict(bucket=r.shape.bucket, level=r.shape.level, source=r.source,
                      trace_s=r.trace_s, compile_s=r.compile_s, load_s=r.load_s,

@@ -43,10 +43,11 @@ from jax.sharding import NamedSharding
 from scheduler import StepOps
 from scheduler.cache_layout import CacheLayout
 from tokenspeed_jax.distributed.launch import DistributedConfig, Liveness
-from tokenspeed_jax.runtime.runner import ModelRunner, StepHandle, StepOutputs, StepResult
+from tokenspeed_jax.runtime.runner import ModelRunner
 from tokenspeed_jax.runtime.shapes import ShapePolicy, StepShape
 from tokenspeed_jax.runtime.state import DeviceState
 from tokenspeed_jax.runtime.step_inputs import pack
+from tokenspeed_jax.runtime.step_outputs import StepHandle, StepOutputs, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +294,7 @@ class DistributedRunner:
     # structured outputs' token masks are not broadcast to the followers (yet): the engine
     # refuses constrained requests on this runtime instead of running them unconstrained
     supports_token_mask = False
+    programs = None  # the executables live in the wrapped runner; no per-shape record here
 
     def dispatch(self, ops: StepOps, token_mask: np.ndarray | None = None) -> StepHandle:
         """Leader: broadcast `ops` and run it everywhere (blocks until every process ran it, so a

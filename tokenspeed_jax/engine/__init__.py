@@ -4,7 +4,9 @@ turns sampled ids into outputs and streams; `replicas` routes requests over data
 
 from __future__ import annotations
 
-from tokenspeed_jax.engine.engine import CheckedPrompt, Engine, Runner, StreamState
+from tokenspeed_jax.engine.engine import Engine
 from tokenspeed_jax.engine.replicas import Replicas
+from tokenspeed_jax.engine.runner_protocol import Runner
+from tokenspeed_jax.engine.tracks import CheckedPrompt, StreamState
 
 __all__ = ["CheckedPrompt", "Engine", "Replicas", "Runner", "StreamState"]

@@ -28,100 +28,24 @@ speculate (their per-token work is not done per draft).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from scheduler import Scheduler, SchedulerConfig, StepOps
+from tokenspeed_jax.engine.runner_protocol import Runner
 from tokenspeed_jax.engine.step_clock import StepClock
-from tokenspeed_jax.outputs import CompletionOutput, RequestMetrics
+from tokenspeed_jax.engine.tracks import CheckedPrompt, StreamState, Track, route_results
+from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.structured.book import GrammarBook
 
 if TYPE_CHECKING:  # the runner module imports jax; the engine itself does not need it
-    from scheduler.cache_layout import CacheLayout
-    from tokenspeed_jax.runtime.runner import StepHandle, StepResult
-
-
-class Runner(Protocol):
-    """What an `Engine` drives: `runtime.runner.ModelRunner`, or
-    `distributed.runner.DistributedRunner` on the leader of a multi-process run."""
-
-    @property
-    def num_compiles(self) -> int:
-        """jit traces so far (one per step shape key)."""
-
-    @property
-    def layout(self) -> CacheLayout:
-        """The setup value the runner was built from (honor_full_refresh)."""
-
-    def dispatch(self, ops: StepOps, token_mask: np.ndarray | None = None) -> StepHandle:
-        """Enqueue one step on the device and return at once (token_mask: structured outputs'
-        i32[R, ceil(V / 32)] allowed tokens, or None; runners with `supports_token_mask`)."""
-
-    def collect(self, handle: StepHandle) -> StepResult:
-        """Block until a dispatched step is done; its host results."""
-
-    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None, *,
-               progress: bool = False, workers: int = 2) -> int:
-        """Make the step shapes ready; returns how many it made ready."""
-
-    def host_mirrors(self) -> list[np.ndarray]:
-        """The device page-table mirrors after the last dispatched step (debug checks)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckedPrompt:
-    """A request that `Engine.validate` accepted: the prompt as ints, every id (prompt, stop,
-    logit_bias) inside the vocabulary, prompt + max_tokens within max_context_len.
-
-    `Engine.add_request(checked, checked.params)` queues it without the engine checking it again
-    (only the scheduler's own `add_request` guard runs). Valid on every engine with the same
-    vocabulary and max_context_len, i.e. on every replica of one `LLM`."""
-
-    ids: list[int]
-    params: SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamState:
-    """What a live request has generated so far, from generated token `start` on
-    (`Engine.stream`): a streaming consumer that has sent `start` tokens asks for the rest.
-
-    One step may add several tokens (a prefill that ends a prompt adds one, decode one per step;
-    speculative decoding would add several), so consumers take whatever is new."""
-
-    start: int
-    token_ids: list[int]  # generated ids [start:]
-    logprobs: list[float]  # their logprobs ([] unless the request asked for logprobs)
-    top_logprobs: list[list[tuple[int, float]]]  # their top-k (id, logprob) lists ([] unless asked)
-    num_generated: int  # generated tokens in all (start + len(token_ids) when start <= it)
-
-
-class _Track:
-    """Engine-side state of one live request: everything `stream` and its output report."""
-
-    __slots__ = ("params", "metrics", "token_ids", "logprobs", "prompt_logprobs", "prompt", "top")
-
-    def __init__(self, prompt: list[int], params: SamplingParams) -> None:
-        self.prompt = prompt
-        self.params = params
-        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
-        self.token_ids: list[int] = []  # generated ids: one per applied sampling row
-        self.logprobs: list[float] = []
-        self.top: list[list[tuple[int, float]]] = []  # top-k (id, logprob) per generated token
-        self.prompt_logprobs: list[float | None] | None = (
-            [None] * len(prompt) if params.prompt_logprobs else None)
-
-    @property
-    def cost(self) -> int:
-        """Outstanding tokens: prompt + max_tokens (the "load" routing policy's unit)."""
-        return len(self.prompt) + self.params.max_tokens
+    from tokenspeed_jax.runtime.step_outputs import StepHandle
 
 
 class Engine:
@@ -138,7 +62,7 @@ class Engine:
                  async_scheduling: bool = False) -> None:
         self.scheduler = Scheduler(scheduler_config)
         # speculation's draft policy picks among the runner's token buckets
-        self.scheduler.token_buckets = tuple(getattr(runner, "buckets", ()))
+        self.scheduler.token_buckets = tuple(runner.buckets)
         self.runner = runner
         # speculation proposes from the newest token: the synchronous loop (module docstring)
         self.async_scheduling = bool(async_scheduling) and scheduler_config.speculative is None
@@ -147,7 +71,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = tokenizer
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, Track] = {}
         self._ids = itertools.count()
         self.outstanding_tokens = 0  # prompt + max_tokens summed over the live requests
         self.num_steps = 0
@@ -180,7 +104,7 @@ class Engine:
         if params.grammar is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs an engine with a tokenizer")
-            if not getattr(self.runner, "supports_token_mask", False):
+            if not self.runner.supports_token_mask:
                 raise ValueError("structured_outputs is not supported by this runtime "
                                  f"({type(self.runner).__name__})")
         return ids
@@ -220,7 +144,7 @@ class Engine:
             if params.grammar is not None:
                 self._book().drop(rid)
             raise
-        track = self._tracks[rid] = _Track(ids, params)
+        track = self._tracks[rid] = Track(ids, params)
         self.outstanding_tokens += track.cost
         return rid
 
@@ -253,7 +177,7 @@ class Engine:
                            logprobs=track.logprobs[start:], top_logprobs=track.top[start:],
                            num_generated=len(track.token_ids))
 
-    def _pop(self, request_id: str) -> _Track | None:
+    def _pop(self, request_id: str) -> Track | None:
         track = self._tracks.pop(request_id, None)
         if track is not None:
             self.outstanding_tokens -= track.cost
@@ -378,7 +302,10 @@ class Engine:
         self.clock.waited(now - t, blocked)
         update = self.scheduler.update_step(ops, result.sampled, result.accepted)
         finished = update.finished
-        ended = self._route_logprobs(ops, result, now, update.applied, update.spec_tokens)
+        book = self._grammars if self._grammars is not None and len(self._grammars) else None
+        ended, count = route_results(self._tracks, ops, result, now, update.applied,
+                                     update.spec_tokens, book)
+        self.num_generated_tokens += count
         self.num_steps += 1
         self.num_prefill_tokens += int(ops.num_tokens - ops.sample_mask[:ops.num_seqs].sum())
         outs = []
@@ -397,62 +324,7 @@ class Engine:
                 outs.append(out)
         return outs
 
-    def _route_logprobs(self, ops: StepOps, result: StepResult, now: float,
-                        applied: list[bool], spec_tokens: dict[int, list[int]]) -> list[str]:
-        """Sampled ids and logprobs of the rows whose results the scheduler applied, to their
-        requests' tracks (a row planned behind a request that finished or was aborted meanwhile
-        produced nothing for anyone); the same rows append to the scheduler's `Request.tokens`.
-        Constrained requests' matchers advance; returns the ids whose grammar is complete.
-        A speculative row appends every token it produced (`spec_tokens`; no logprobs)."""
-        book = self._grammars if self._grammars is not None and len(self._grammars) else None
-        ended: list[str] = []
-        # plain Python over the rows (numpy scalar indexing per row costs more than the work)
-        rids, tracks = ops.request_ids, self._tracks
-        n = ops.num_seqs
-        mask = ops.sample_mask[:n].tolist()
-        sampled = np.asarray(result.sampled)[:n].tolist()
-        logprobs: np.ndarray | None = None  # read only once a row asks for logprobs
-        top_ids, top_lp = result.top_ids, result.top_logprobs
-        count = 0
-        for i in range(n):
-            if not (mask[i] and applied[i]):
-                continue
-            got = spec_tokens.get(i) if spec_tokens else None
-            count += 1 if got is None else len(got)
-            track = tracks.get(rids[i])
-            if track is None:
-                continue
-            metrics = track.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            if got is not None:  # a speculative row: never constrained, no logprobs
-                track.token_ids.extend(got)
-                continue
-            track.token_ids.append(sampled[i])
-            if book is not None and book.advance(rids[i], sampled[i]):
-                ended.append(rids[i])
-            params = track.params
-            k = params.top_logprobs
-            if params.logprobs or k:
-                if logprobs is None:
-                    logprobs = np.asarray(result.logprobs)
-                track.logprobs.append(float(logprobs[i]))
-                if k and top_ids is not None and top_lp is not None:
-                    track.top.append(list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
-        self.num_generated_tokens += count
-        targets = np.flatnonzero(ops.prompt_targets[:ops.num_tokens] >= 0)
-        if len(targets):
-            plp = np.asarray(result.prompt_logprobs)
-            for t in targets:
-                row = int(ops.token_rows[t])
-                if not applied[row]:
-                    continue
-                track = self._tracks.get(ops.request_ids[row])
-                if track is not None and track.prompt_logprobs is not None:
-                    track.prompt_logprobs[int(ops.positions[t]) + 1] = float(plp[t])
-        return ended
-
-    def _output(self, rid: str, track: _Track, token_ids: list[int],
+    def _output(self, rid: str, track: Track, token_ids: list[int],
                 reason: str) -> CompletionOutput:
         # generated tokens sampled before a retraction keep their logprobs; trim to what exists
         try:
@@ -482,7 +354,7 @@ class Engine:
         so far (`step_programs.StepPrograms.summary`: compiled / loaded / background counts,
         trace, XLA compile and executable-read seconds, summed over worker threads)."""
         out = {"load_s": self.load_s, "warmup_s": self.warmup_s}
-        programs = getattr(self.runner, "programs", None)
+        programs = self.runner.programs
         if programs is not None:  # the multi-process runner keeps no per-shape record
             out.update({("load_exe_s" if k == "load_s" else k): v
                         for k, v in programs.summary().items()})

@@ -18,7 +18,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from tokenspeed_jax.engine.engine import CheckedPrompt, Engine
+from tokenspeed_jax.engine.engine import Engine
+from tokenspeed_jax.engine.tracks import CheckedPrompt
 from tokenspeed_jax.outputs import CompletionOutput
 from tokenspeed_jax.sampling_params import SamplingParams
 

@@ -13,8 +13,10 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from scheduler.step_ops import StepOps, device_schema
+from tokenspeed_jax.page_table import update_rows
 
 # the per-row fields (schema axis "row"): what the LM head and the sampler cut to the used rows
 ROW_FIELDS = tuple(name for name, axis, _ in device_schema(StepOps) if axis == "row")
@@ -71,3 +73,24 @@ class DeviceOps:
         rows: a step has at most one row per token)."""
         cut: dict[str, Any] = {k: getattr(self, k)[:n] for k in ROW_FIELDS}
         return dataclasses.replace(self, **cut)
+
+
+def update_mirrors(mirrors: tuple[jax.Array, ...], ops: DeviceOps, honor_full_refresh: bool
+                    ) -> tuple[jax.Array, ...]:
+    """Every group's device page-table mirror after the step's row updates."""
+    return tuple(
+        update_rows(
+            mirror, ops.req_slots, g.begins, g.sizes, g.new_pages,
+            ops.full_refresh, g.rows, g.row_lens,
+            honor_full_refresh=honor_full_refresh, hole_slots=g.hole_slots,
+        )
+        for mirror, g in zip(mirrors, ops.groups, strict=True)
+    )  # fmt: skip
+
+
+def input_tokens(ops: DeviceOps, last_tokens: jax.Array) -> jax.Array:
+    """The step's input ids i32[T]: a token flagged `token_from_prev` is the one the previous
+    step sampled for its row's slot (overlapped scheduling: it never travelled to the host)."""
+    token_slots = jnp.take(ops.req_slots, ops.token_rows, mode="clip")
+    prev_tokens = jnp.take(last_tokens, token_slots, mode="clip")
+    return jnp.where(ops.token_from_prev, prev_tokens, ops.token_ids)

@@ -29,11 +29,10 @@ packed elsewhere (the multi-process runner's followers replay the leader's).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +47,6 @@ from scheduler.step_ops import StepOps
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.models.layer_scan import ScannedGraph
-from tokenspeed_jax.page_table import update_rows
 from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import (
     get_paged_attention,
@@ -56,7 +54,7 @@ from tokenspeed_jax.runtime.backends import (
     jnp_layout,
     resolve_backend,
 )
-from tokenspeed_jax.runtime.device_ops import DeviceOps
+from tokenspeed_jax.runtime.device_ops import input_tokens, update_mirrors
 from tokenspeed_jax.runtime.executables import ExecutableStore
 from tokenspeed_jax.runtime.prepare import PreparedModel
 from tokenspeed_jax.runtime.sampling import PenaltyState, init_penalty_state, sample_rows
@@ -69,73 +67,10 @@ from tokenspeed_jax.runtime.shapes import (
 from tokenspeed_jax.runtime.sharding import TensorParallel, place
 from tokenspeed_jax.runtime.state import DeviceState, init_state
 from tokenspeed_jax.runtime.step_inputs import StepLayout, layout_for, pack, unpack
+from tokenspeed_jax.runtime.step_outputs import StepHandle, StepOutputs, StepResult, host_results
 from tokenspeed_jax.runtime.step_programs import StepPrograms
 
 logger = logging.getLogger(__name__)
-
-# device outputs of one step: sampled ids i32[R], logprobs f32[R], prompt logprobs f32[T],
-# (top ids i32[R, K], top logprobs f32[R, K]), accepted drafts i32[R]
-StepOutputs: TypeAlias = tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array],
-                               jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """Host copies of one step's outputs (R = max_batch_requests, T = max_scheduled_tokens).
-
-    sampled i32[R]: token of each row whose `sample_mask` is set, -1 elsewhere.
-    logprobs f32[R]: log-probability of that token (unmodified log-softmax); NaN where no token.
-    prompt_logprobs f32[T]: logprob of `prompt_targets[t]` after token t; NaN where target -1.
-    top_ids i32[R, K], top_logprobs f32[R, K] (K = sampling.MAX_TOP_LOGPROBS): each sampling
-    row's K most likely tokens under the unmodified log-softmax, descending; None on steps where
-    no row asked for them (`StepOps.top_logprobs`), -1 / NaN on rows that sample nothing.
-    """
-
-    sampled: np.ndarray
-    logprobs: np.ndarray
-    prompt_logprobs: np.ndarray
-    top_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
-    accepted: np.ndarray | None = None  # i32[R] drafts accepted per row; None: no drafts
-
-
-@dataclasses.dataclass(frozen=True)
-class StepHandle:
-    """A dispatched step: device futures of its outputs (None for an empty step)."""
-
-    tokens: jax.Array | None
-    logprobs: jax.Array | None
-    prompt_logprobs: jax.Array | None
-    bucket: int
-    top: tuple[jax.Array, jax.Array] | None = None  # (top ids, top logprobs) when asked for
-    accepted: jax.Array | None = None  # drafts accepted per row, on steps with drafts
-
-    def is_ready(self) -> bool:
-        """True once the device has finished the step (never blocks)."""
-        # ArrayImpl.is_ready exists at run time; jax.Array's type stubs do not declare it
-        return self.tokens is None or self.tokens.is_ready()  # type: ignore[attr-defined]
-
-
-def _update_mirrors(mirrors: tuple[jax.Array, ...], ops: DeviceOps, honor_full_refresh: bool
-                    ) -> tuple[jax.Array, ...]:
-    """Every group's device page-table mirror after the step's row updates."""
-    return tuple(
-        update_rows(
-            mirror, ops.req_slots, g.begins, g.sizes, g.new_pages,
-            ops.full_refresh, g.rows, g.row_lens,
-            honor_full_refresh=honor_full_refresh, hole_slots=g.hole_slots,
-        )
-        for mirror, g in zip(mirrors, ops.groups, strict=True)
-    )  # fmt: skip
-
-
-def _input_tokens(ops: DeviceOps, last_tokens: jax.Array) -> jax.Array:
-    """The step's input ids i32[T]: a token flagged `token_from_prev` is the one the previous
-    step sampled for its row's slot (overlapped scheduling: it never travelled to the host)."""
-    token_slots = jnp.take(ops.req_slots, ops.token_rows, mode="clip")
-    prev_tokens = jnp.take(last_tokens, token_slots, mode="clip")
-    return jnp.where(ops.token_from_prev, prev_tokens, ops.token_ids)
-
 
 def _devices_of(mesh: Mesh | None) -> list[Any]:
     """The devices a runner's step runs on: the mesh's, or the default device alone."""
@@ -317,14 +252,14 @@ class ModelRunner:
         self.num_compiles += 1  # Python body runs once per trace = once per compile
         ops = unpack(i32, f32, layout)
         params = jax.tree.unflatten(self._param_def, param_leaves)
-        mirrors = _update_mirrors(state.mirrors, ops, self.layout.honor_full_refresh)
+        mirrors = update_mirrors(state.mirrors, ops, self.layout.honor_full_refresh)
         batch = make_paged_batch(
             mirrors, ops.req_slots, ops.cu_q_lens, ops.kv_lens, ops.positions,
             ops.token_rows, page_sizes=self.layout.page_sizes, num_pages=self.layout.num_pages,
             layer_groups=self.layout.layer_groups, kv_cols=layout.cols,
         )  # fmt: skip
         # resolved in place: everything below that reads the input ids sees the real tokens
-        ops = ops.replace(token_ids=_input_tokens(ops, state.last_tokens))
+        ops = ops.replace(token_ids=input_tokens(ops, state.last_tokens))
         if self._scan is not None:
             hidden, caches, model = self._scan.forward(params, ops.token_ids, state.caches,
                                                        batch, self._attn, self._conv)
@@ -499,21 +434,7 @@ class ModelRunner:
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Block until a dispatched step is done; its host results."""
-        r, t = self.max_batch_requests, self.max_scheduled_tokens
-        if handle.tokens is None:
-            return StepResult(
-                np.full(r, -1, np.int32), np.full(r, np.nan, np.float32),
-                np.full(t, np.nan, np.float32),
-            )  # fmt: skip
-        plp_full = np.full(t, np.nan, np.float32)
-        if handle.prompt_logprobs is not None:  # else all NaN: no copy
-            plp_full[:handle.bucket] = np.asarray(handle.prompt_logprobs)
-        top_ids = top_lp = None
-        if handle.top is not None:
-            top_ids, top_lp = np.asarray(handle.top[0]), np.asarray(handle.top[1])
-        accepted = None if handle.accepted is None else np.asarray(handle.accepted)
-        return StepResult(np.asarray(handle.tokens), np.asarray(handle.logprobs), plp_full,
-                          top_ids, top_lp, accepted)
+        return host_results(handle, self.max_batch_requests, self.max_scheduled_tokens)
 
     def host_mirrors(self) -> list[np.ndarray]:
         """The device page-table mirrors after the last dispatched step (blocks; debug checks)."""
