@@ -28,7 +28,8 @@ __all__ = [
 from scheduler.cache_layout import CacheLayout, cache_layout  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.request import RequestOutput  # noqa: E402
-from scheduler.scheduler import Scheduler, StepUpdate  # noqa: E402
+from scheduler.scheduler import Scheduler  # noqa: E402
+from scheduler.step_update import StepUpdate  # noqa: E402
 
 __all__ += ["CacheLayout", "RequestOutput", "Scheduler", "SchedulerConfig", "StepUpdate",
             "cache_layout"]

@@ -8,6 +8,7 @@ import enum
 from scheduler.block_table import BlockTable
 from scheduler.hashing import PrefixHasher
 from scheduler.sampling_options import SamplingOptions
+from scheduler.stop import check_stop
 
 
 class Status(enum.Enum):
@@ -106,9 +107,9 @@ class Request:
 
     def finishes_by_length(self, max_context_len: int) -> bool:
         """True when the pending tokens will certainly end the request ("length"): then it is
-        not planned again (a stop token can never be predicted, a length limit can)."""
-        total = len(self.tokens) + self.num_pending
-        return total - self.prompt_len >= self.max_new_tokens or total >= max_context_len
+        not planned again (a stop token can never be predicted, a length limit can; the one
+        stop rule: `stop.check_stop`)."""
+        return check_stop(self, max_context_len, ahead=self.num_pending) == "length"
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.tokens[:self.prompt_len],

@@ -1,4 +1,4 @@
-"""`Scheduler`: request lifecycle, chunked prefill, prefix cache, retraction, StepOps (DESIGN §4-6).
+"""`Scheduler`: planning steps and feeding their results back (DESIGN §4-6).
 
 One step: `schedule()` plans every row (running requests first, in admission order, then waiting
 ones via `scheduler.admission`; per request publish -> reclaim -> acquire), the device runs the
@@ -6,68 +6,52 @@ StepOps, and `update_step(ops, sampled)` appends tokens, finishes requests and p
 pages. Retraction victim: the most recently admitted running request (LIFO). `schedule()` may run
 one step ahead of `update` (overlapped scheduling); the rules that keep that exact are stated in
 docs/architecture.md ("Runner and engine").
+
+The pieces it composes, one concept each: `lifecycle` (request states and the pages and slots
+each holds; the `Scheduler`'s base), `step_plan` (one step's rows), `drafting` (speculative
+drafts per row), `step_update` (a row's results landing on its request), `stop` (the one stop
+rule), `admission` (who fits the pool).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import itertools
 from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
 
-from scheduler.admission import Admission, Admitted, check_prompt, requeue
-from scheduler.block_pool import BlockPool
 from scheduler.block_table import BlockTable
 from scheduler.bucket_fit import fit_chunk
 from scheduler.config import SchedulerConfig
-from scheduler.coordinator import CacheCoordinator
+from scheduler.drafting import check_proposal, plan_drafts
 from scheduler.group_spec import PagedCacheGroupSpec
+from scheduler.lifecycle import RequestLifecycle
 from scheduler.mirror_check import MirrorChecker
-from scheduler.ops_builder import OpsBuilder, ScheduledRow
+from scheduler.ops_builder import ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
-from scheduler.sampling_options import SamplingOptions
-from scheduler.speculative import AcceptanceModel, StepCosts, choose_drafts, propose_ngram
+from scheduler.speculative import AcceptanceModel, SpeculativeConfig, StepCosts
 from scheduler.step_ops import PLACEHOLDER_TOKEN, StepOps
 from scheduler.step_plan import StepPlan
+from scheduler.step_update import (
+    StepResults,
+    StepUpdate,
+    accept_drafts,
+    advance_computed,
+    append_until_stop,
+    checked_samples,
+    roll_back_drafts,
+)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepUpdate:
-    """What `Scheduler.update_step` returns: the requests that finished in the step, and per row
-    whether its result was applied (False for rows of requests that had finished or been aborted
-    meanwhile; the engine routes logprobs by it)."""
+class Scheduler(RequestLifecycle):
+    """One replica's scheduler (see the module docstring); the request states and their moves
+    are its base, `RequestLifecycle`."""
 
-    finished: list[RequestOutput]
-    applied: list[bool]
-    # row -> every token a speculative row appended (accepted drafts, then the device's own
-    # token; cut after a stop / length), in order; rows without drafts append `sampled[row]`
-    spec_tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-
-
-class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
-        self.pool = BlockPool(config.num_pages)
-        self.coord = CacheCoordinator(cast("list[PagedCacheGroupSpec]", config.groups), self.pool)
-        self._builder = OpsBuilder(config)
-        self.layouts = self._builder.layouts
-        self._requests: dict[str, Request] = {}
-        self._waiting: list[Request] = []  # retracted requests first, then arrival order
-        self._running: list[Request] = []  # admission order
-        self._free_slots = list(range(config.num_live_slots - 1, -1, -1))
-        self._arrival = itertools.count()
-        self._num_finishing = 0  # Status.FINISHING: released, last token still in flight
-        self._admission = Admission(config, self.coord, self.layouts)  # pages and reservations
-        self._num_groups = len(cast("list[PagedCacheGroupSpec]", config.groups))
+        super().__init__(config)
         # False: every row takes the general path and `build` (tests compare the two)
         self.decode_fast_path = True
-        self._stats = {"num_retractions": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0,
-                       "adopted_pages": 0, "num_steps": 0, "num_aborted": 0,
-                       "num_full_refresh_rows": 0, "num_dropped_tokens": 0,
-                       "spec_num_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self._spec = config.speculative
         # the runner's token buckets (ascending), set by the engine: speculation's draft
         # policy picks among them (() = unknown: every row drafts its whole proposal)
@@ -84,94 +68,14 @@ class Scheduler:
         self.mirror_checker = (MirrorChecker(self.layouts, config.num_live_slots)
                                if config.debug_checks else None)
 
-    # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], max_new_tokens: int, *,
-                    sampling: SamplingOptions | None = None, speculate: bool = True,
-                    **options: Any) -> None:
-        """Queue a request sampled as `sampling` says. Without it, the keyword options build the
-        record (`SamplingOptions.from_options`: its field names, e.g. stop_token_ids,
-        temperature, top_p, top_k, seed, prompt_logprobs, penalties, logit_bias, top_logprobs).
-        cache_salt (str | bytes) is the one other option. speculate=False keeps the request out
-        of speculative decoding (requests with penalties, logit_bias, top logprobs or prompt
-        logprobs never speculate). Raises ValueError on bad input, naming unknown options
-        (nothing changes then)."""
-        cfg = self.config
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self._requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        try:
-            prompt = self.check_prompt(prompt_token_ids, max_new_tokens)
-        except ValueError as e:
-            raise ValueError(f"request {request_id!r}: {e}") from None
-        need = self.coord.solo_peak_pages(len(prompt) + max_new_tokens, cfg.max_scheduled_tokens)
-        if need > self.pool.num_pages - 1:
-            raise ValueError(f"request {request_id!r}: needs {need} cache pages even alone, the "
-                             f"pool has {self.pool.num_pages - 1}")
-        salt = options.pop("cache_salt", None)
-        try:
-            if sampling is None:
-                sampling = SamplingOptions.from_options(options)
-            elif not isinstance(sampling, SamplingOptions):
-                raise ValueError(f"sampling must be a SamplingOptions, got {type(sampling).__name__}")
-            elif options:
-                raise ValueError(f"options {sorted(options)} beside sampling= (put them in it)")
-        except ValueError as e:
-            raise ValueError(f"request {request_id!r}: {e}") from None
-        speculate = (speculate and self._spec is not None and not sampling.needs_extras
-                     and not sampling.prompt_logprobs)
-        req = Request(request_id, prompt, max_new_tokens, sampling=sampling, cache_salt=salt,
-                      arrival=next(self._arrival), hash_base=self.coord.base, speculate=speculate)
-        self._requests[request_id] = req
-        self._waiting.append(req)
-
-    def check_prompt(self, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
-        """`admission.check_prompt` under this config's max_context_len (the engine validates
-        with it)."""
-        return check_prompt(prompt_token_ids, max_new_tokens, self.config.max_context_len)
-
-    def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is; its pages come back at once. Unknown ids are ignored."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return
-        if req.status is Status.RUNNING:
-            self._release(req)
-            self._running.remove(req)
-        elif req.status is Status.FINISHING:  # holds nothing; its in-flight token is dropped
-            self._num_finishing -= 1
-        elif req in self._waiting:
-            self._waiting.remove(req)
-            req.epoch += 1
-        req.status = Status.FINISHED
-        req.finish_reason = "abort"
-        self._stats["num_aborted"] += 1
-
     def padding_ops(self) -> StepOps:
         """An all-padding StepOps of this config's shapes (device warm-up; changes nothing)."""
         return self._builder.build([])
-
-    def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._num_finishing)
 
     @property
     def num_in_flight(self) -> int:
         """Steps scheduled whose `update` has not come yet (0 in the synchronous loop)."""
         return len(self._flights)
-
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
-    @property
-    def num_unfinished(self) -> int:
-        """Running + waiting requests (a replica's load, for routing)."""
-        return len(self._running) + len(self._waiting)
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued and not running (one read of a list's length: safe from another
-        thread while this one plans a step)."""
-        return len(self._waiting)
 
     def prefix_match_tokens(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> int:
         """Prompt tokens a new request would take from the prefix cache right now (read-only;
@@ -316,46 +220,13 @@ class Scheduler:
         return ops
 
     def _plan_drafts(self, plan: StepPlan) -> None:
-        """Every speculating decode row's proposal, then how many of its drafts the step carries
-        (`speculative.choose_drafts`): known before any row is planned, so the step's token
-        bucket follows the proposals (no proposal: no drafts, the smallest bucket). A row may
-        propose when its tokens are all known (synchronous loop) and its prefill is done; its
-        proposal is capped by max_tokens, max_context_len and the chunk cap after its own
-        token, and kept whole in `Request.proposal` for `update` to check (the acceptance model
-        learns from rows that drafted nothing too)."""
-        spec = self._spec
-        assert spec is not None
-        k, ctx, cap = (spec.num_speculative_tokens, self.config.max_context_len,
-                       self._admission.chunk_cap)
-        max_rows, ending = self.config.max_batch_requests, plan.ending
-        reqs: list[Request] = []
-        proposals: list[tuple[int, int]] = []
-        num_rows = 0
-        for req in self._running:
-            if num_rows == max_rows:
-                break
-            req.proposal = None
-            if ending and req in ending:
-                continue
-            num_rows += 1
-            tokens = req.tokens
-            if not (req.speculate and not req.num_pending and not req.num_inflight
-                    and req.prefill_done and len(tokens) - req.num_computed == 1):
-                continue
-            n = min(k, req.max_new_tokens - req.num_generated - 1, ctx - len(tokens) - 1,
-                    cap - 1)
-            proposal = (propose_ngram(tokens, n, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                        if n >= 1 else [])
-            req.proposal = proposal
-            if proposal:
-                reqs.append(req)
-                proposals.append((len(proposal), req.spec_run))
-        if not reqs:
-            return
-        counts = choose_drafts(spec, proposals, num_rows, self.token_buckets, max_rows,
-                               self.step_costs, self.spec_model)
-        plan.drafts = {req: cast("list[int]", req.proposal)[:d]
-                       for req, d in zip(reqs, counts) if d}
+        """The step's drafts per speculating decode row (`drafting.plan_drafts`), chosen before
+        any row is planned so the step's token bucket follows the proposals."""
+        plan.drafts = plan_drafts(
+            cast("SpeculativeConfig", self._spec), self._running, plan.ending,
+            max_rows=self.config.max_batch_requests, max_context_len=self.config.max_context_len,
+            chunk_cap=self._admission.chunk_cap, token_buckets=self.token_buckets,
+            step_costs=self.step_costs, spec_model=self.spec_model)
 
     def note_step_seconds(self, ops: StepOps, bucket: int, seconds: float) -> None:
         """The engine's wall time of one synchronous step (plan, device, update) that ran in
@@ -394,76 +265,6 @@ class Scheduler:
                 return None
         return self._admission.acquire_row(req, n, holes)
 
-    def _admit(self, req: Request, fit: Admitted) -> ScheduledRow:
-        """Start a waiting request that fits: a slot, then its first chunk's row."""
-        if not req.admitted_once:
-            self._stats["prefix_hit_tokens"] += fit.hit
-            self._stats["prefix_query_tokens"] += req.prompt_len
-        req.slot = self._free_slots.pop()
-        self._builder.bind(req)
-        req.status = Status.RUNNING
-        self._running.append(req)
-        return self._admission.admit(req, fit)
-
-    # ------------------------------------------------------------------ retraction / release
-    def _retract(self, req: Request) -> None:
-        self._release(req)
-        self._running.remove(req)
-        req.status = Status.WAITING
-        req.num_computed = 0
-        req.num_retractions += 1
-        self._stats["num_retractions"] += 1
-        requeue(self._waiting, req)
-
-    def _release_finishing(self, req: Request) -> None:
-        """Overlapped loop: `req`'s token in flight certainly ends it (length). Publish the pages
-        that step completes (their tokens are all known: the step's inputs), then free its pages
-        and slot. Exact: the step in flight still writes them, and whoever gets them next is
-        scheduled into a later step, which the device runs after it. `update` finishes it."""
-        self._publish(req, req.num_computed + req.num_inflight)
-        self._release(req)
-        req.status = Status.FINISHING
-        self._num_finishing += 1
-
-    def _publish(self, req: Request, computed: int) -> None:
-        """Publish the request's full base pages up to `computed` tokens (prefix cache)."""
-        coord = self.coord
-        if computed // coord.base <= req.published_base_pages:
-            return
-        req.hasher.extend(req.tokens)
-        moved = coord.publish(cast("list[BlockTable]", req.tables), req.hasher.hashes, computed,
-                              adopt=self.config.enable_adoption, chunk_end=True)
-        req.published_base_pages = computed // coord.base
-        if any(moved):
-            req.needs_refresh = True
-            self._stats["adopted_pages"] += sum(len(m) for m in moved)
-
-    def _check_proposal(self, req: Request, proposal: list[int], new: list[int]) -> None:
-        """The tokens a decode row appended against the proposal its request made for them
-        (drafted or not): the run of tokens proposals predicted (`Request.spec_run`) grows by
-        the matches, or restarts at 0 on a miss; the acceptance model learns both."""
-        seen = min(len(new), len(proposal))
-        m = 0
-        while m < seen and new[m] == proposal[m]:
-            m += 1
-        missed = m < seen or not proposal  # no proposal: nothing predicted the token
-        if self.spec_model is not None and proposal:
-            self.spec_model.observe(req.spec_run, m, missed)
-        req.spec_run = 0 if missed else req.spec_run + m
-
-    def _release(self, req: Request) -> None:
-        self.coord.free(cast("list[BlockTable]", req.tables))
-        req.proposal = None
-        req.tables = None
-        self._free_slots.append(req.slot)
-        req.slot = -1
-        self._admission.settle(req)
-        req.needs_refresh = True
-        req.prefill_done = False
-        req.num_decode_rows = 0
-        req.num_inflight = 0  # whatever a step in flight computes for it is void now
-        req.epoch += 1
-
     # ------------------------------------------------------------------ update
     def update(self, ops: StepOps, sampled_token_ids: np.ndarray,
                accepted: np.ndarray | None = None) -> list[RequestOutput]:
@@ -478,101 +279,53 @@ class Scheduler:
         sampled[i], and rolls its pages back to what it computed for those).
 
         Steps must be fed back in the order they were scheduled (at most the in-flight ones).
-        Returns the requests that finished in this step and which rows were applied."""
-        sampled = np.asarray(sampled_token_ids)
-        if sampled.shape[0] < ops.num_seqs:
-            raise ValueError(f"{sampled.shape=} has fewer entries than the step's {ops.num_seqs} rows")
+        Returns the requests that finished in this step and which rows were applied. Each row:
+        accept drafts -> learn from its proposal -> advance the computed KV -> append tokens
+        until the stop rule -> roll back rejected drafts -> publish -> retire if finished."""
+        sampled = checked_samples(ops, sampled_token_ids)
         if ops.num_seqs == 0:
             return StepUpdate([], [])  # an empty step is never recorded (nothing ran)
+        row_reqs = self._pop_flight(ops)
+        step = StepResults(ops, sampled, accepted)
+        update = StepUpdate([], [True] * ops.num_seqs)
+        max_len, base, done_running = self.config.max_context_len, self.coord.base, False
+        for i, (req, epoch) in enumerate(row_reqs):
+            if req.status is Status.FINISHED:
+                # finished by an earlier step's token or aborted: this row's token is dropped
+                update.applied[i] = False
+                self._stats["num_dropped_tokens"] += step.sample_mask[i]
+                continue
+            live = req.epoch == epoch  # else retracted meanwhile: the KV it wrote is void
+            d = step.num_drafts[i]
+            new = accept_drafts(req, step, i, self._stats)
+            if req.proposal is not None:  # a speculating decode row proposed (`plan_drafts`)
+                check_proposal(req, new, live, self.spec_model)
+            if live:
+                advance_computed(req, step, i, len(new))
+            if new:
+                append_until_stop(req, new, max_len)
+                if d:
+                    update.spec_tokens[i] = new
+            if live:
+                if d:
+                    roll_back_drafts(req, self.coord)
+                if req.num_computed // base > req.published_base_pages:  # a page completed
+                    self._publish(req, req.num_computed)
+            if req.finish_reason is not None:
+                done_running |= req.status is Status.RUNNING
+                update.finished.append(self._retire(req, live))
+        if done_running:
+            self._running = [r for r in self._running if r.status is Status.RUNNING]
+        if self.mirror_checker is not None:
+            self.check_invariants()
+        return update
+
+    def _pop_flight(self, ops: StepOps) -> list[tuple[Request, int]]:
+        """The (request, epoch) rows of `ops`, which must be the oldest step in flight."""
         if not self._flights or self._flights[0][0] is not ops:
             raise ValueError("update() must get the oldest scheduled, not yet updated StepOps "
                              f"({len(self._flights)} in flight)")
-        _, row_reqs = self._flights.popleft()
-        finished: list[RequestOutput] = []
-        base = self.coord.base
-        max_len = self.config.max_context_len
-        n = ops.num_seqs
-        # plain Python values once per step (numpy scalar access per row is slow)
-        sample_mask = ops.sample_mask[:n].tolist()
-        qs = ops.cu_q_lens[:n + 1].tolist()
-        sampled_list = sampled[:n].tolist()
-        num_drafts = ops.draft_lens[:n].tolist()
-        if any(num_drafts):
-            if accepted is None:
-                raise ValueError("a step with speculative drafts needs `accepted`")
-            accepted_list = np.asarray(accepted)[:n].tolist()
-        spec_tokens: dict[int, list[int]] = {}
-        running, done = Status.RUNNING, Status.FINISHED
-        applied = [True] * n
-        done_running = False
-        for i, (req, epoch) in enumerate(row_reqs):
-            if req.status is done:
-                # finished by an earlier step's token or aborted: this row's token is dropped
-                applied[i] = False
-                self._stats["num_dropped_tokens"] += sample_mask[i]
-                continue
-            live = req.epoch == epoch  # else retracted meanwhile: the KV it wrote is void
-            d = num_drafts[i]
-            new = [int(sampled_list[i])] if sample_mask[i] else []
-            if d:  # speculative: the accepted drafts come before the device's own token
-                a = int(accepted_list[i])
-                if not 0 <= a <= d or len(req.drafts) != d:
-                    raise ValueError(f"row {i}: accepted {a} of {d} drafts "
-                                     f"({len(req.drafts)} proposed)")
-                new = req.drafts[:a] + new
-                req.drafts = []
-                self._stats["spec_num_rows"] += 1
-                self._stats["spec_draft_tokens"] += d
-                self._stats["spec_accepted_tokens"] += a
-            proposal, req.proposal = req.proposal, None
-            if proposal is not None and live and new:
-                self._check_proposal(req, proposal, new)
-            if live:
-                k = qs[i + 1] - qs[i]
-                req.num_inflight -= k
-                req.num_computed += k - d + len(new) - 1 if d else k
-            if new:
-                req.num_pending -= 1
-                tokens = req.tokens
-                stops = req.sampling.stop_token_ids
-                for j, tok in enumerate(new):
-                    tokens.append(tok)
-                    if tok in stops:
-                        req.finish_reason = "stop"
-                    elif (len(tokens) - req.prompt_len >= req.max_new_tokens
-                          or len(tokens) >= max_len):
-                        req.finish_reason = "length"
-                    else:
-                        continue
-                    del new[j + 1:]  # nothing past a stop or the length limit
-                    break
-                if d:
-                    spec_tokens[i] = new
-            # roll the rejected drafts' positions back: tail_avail, and pages they alone took;
-            # the device row still lists dropped pages: it refreshes whole next time
-            if (d and live and req.status is running and req.finish_reason is None
-                    and self.coord.truncate(cast("list[BlockTable]", req.tables),
-                                            req.num_computed)):
-                req.needs_refresh = True
-            if live and req.num_computed // base > req.published_base_pages:
-                self._publish(req, req.num_computed)
-            if req.finish_reason is not None:
-                if req.status is running:
-                    self._release(req)
-                    done_running = True
-                elif req.status is Status.FINISHING:  # released when the step was planned
-                    self._num_finishing -= 1
-                else:  # retracted while its last token was in flight
-                    assert not live, "a waiting request cannot own a live row"
-                    self._waiting.remove(req)
-                req.status = done
-                del self._requests[req.request_id]
-                finished.append(req.output())
-        if done_running:
-            self._running = [r for r in self._running if r.status is running]
-        if self.mirror_checker is not None:
-            self.check_invariants()
-        return StepUpdate(finished, applied, spec_tokens)
+        return self._flights.popleft()[1]
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
@@ -599,26 +352,3 @@ class Scheduler:
         if self.mirror_checker is not None:
             out["tail_only_divergences"] = self.mirror_checker.tail_only_divergences
         return out
-
-    def authoritative_rows(self) -> dict[int, list[list[int]]]:
-        """slot -> per-group page rows of every running request (for checks and tests)."""
-        return {r.slot: [t.page_ids() for t in cast("list[BlockTable]", r.tables)] for r in self._running}
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError unless: slots are unique and accounted for; waiting and
-        finishing requests hold nothing; the pages and reservations of the running requests add
-        up (`Admission.check_invariants`). Debug mode runs it after every schedule and update."""
-        slots = set()
-        for req in self._running:
-            assert req.status is Status.RUNNING and req.tables is not None
-            assert req.slot not in slots, f"slot {req.slot} used twice"
-            slots.add(req.slot)
-        for req in self._waiting:
-            assert req.tables is None and req.slot == -1 and req.reserved == 0
-        finishing = [r for r in self._requests.values() if r.status is Status.FINISHING]
-        for req in finishing:  # released at plan time: only its last token is still to come
-            assert req.tables is None and req.slot == -1 and req.num_pending >= 1
-        assert len(finishing) == self._num_finishing, "finishing count drifted"
-        assert not slots & set(self._free_slots), "a live slot is also free"
-        assert len(slots) + len(self._free_slots) == self.config.num_live_slots
-        self._admission.check_invariants(self._running)
