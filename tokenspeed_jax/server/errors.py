@@ -39,6 +39,12 @@ def error_response(status: int, message: str, *, param: str | None = None,
         status, message, param=param, code=code, type_=type_))
 
 
+def model_not_found(model: str, served: str) -> JSONResponse:
+    """The 404 for a `model` this server does not serve (one model per server: `served`)."""
+    return error_response(404, f"The model '{model}' does not exist (this server serves "
+                          f"'{served}')", param="model", code="model_not_found")
+
+
 def error_event(status: int, message: str, *, code: str | None = None) -> str:
     """A stream's last event when it fails after its 200 was sent: the OpenAI error object as
     an SSE `data:` line (the `openai` client raises it as an APIError), then `[DONE]`."""

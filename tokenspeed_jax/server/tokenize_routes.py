@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tokenspeed_jax.engine.chat_template import render_chat
 from tokenspeed_jax.models.byte_tokenizer import ByteTokenizer
-from tokenspeed_jax.server.errors import UnsupportedField, error_response
+from tokenspeed_jax.server.errors import UnsupportedField, error_response, model_not_found
 from tokenspeed_jax.server.protocol import ChatMessage, Text
 
 
@@ -50,8 +50,7 @@ def add_tokenize_routes(app: FastAPI, tokenizer: Any, model_name: str, max_conte
         if tokenizer is None:
             return error_response(400, "this model has no tokenizer (no tokenizer.json)")
         if model is not None and model != model_name:
-            return error_response(404, f"The model '{model}' does not exist (this server serves "
-                                  f"'{model_name}')", param="model", code="model_not_found")
+            return model_not_found(model, model_name)
         return None
 
     @app.post("/tokenize")
