@@ -159,7 +159,8 @@ class LLM:
                 gguf_blocks=args.quantization == "gguf")
         # every in-place transform once, before the replicas that share the model
         prepared = prepare(self.model_config, net, tensor_parallel_size=tp,
-                           quantization=args.quantization, host_staging=multi)
+                           quantization=args.quantization, host_staging=multi,
+                           one_device=meshes[0] is None)
         self.dtype = args.dtype
         layout = self._layout(args, prepared.config, meshes[0], multi)
         eos = self.model_config.eos_token_id

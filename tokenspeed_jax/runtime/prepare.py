@@ -24,7 +24,8 @@ class PreparedModel:
     net: the model, transformed in place.
     tensor_parallel_size: the shards its layouts are made for (1: one device per replica).
     quantization: None or the `models.quant` mode its Linears hold.
-    tiled: Linears laid out tile-major for the native CPU matmul (one device per replica).
+    tiled: Linears laid out tile-major for the native CPU matmul (the unsharded one-device
+        path only: a runner with a mesh refuses it).
     """
 
     config: ModelConfig
@@ -35,13 +36,15 @@ class PreparedModel:
 
 
 def prepare(model_config: ModelConfig, net: CausalLM, *, tensor_parallel_size: int = 1,
-            quantization: str | None = None, host_staging: bool = False) -> PreparedModel:
+            quantization: str | None = None, host_staging: bool = False,
+            one_device: bool = True) -> PreparedModel:
     """Check `tensor_parallel_size` against the model (ValueError naming the size it does not
     divide), then transform `net` in place: KV heads replicated up to the shard count (under
     `sharding.host_staging` when `host_staging`: lazy multi-process parameters stay on the
     host), conv in_proj re-laid for the channel shards, Linears quantized (after the re-layouts:
-    scales follow the final columns) and, on one CPU device with the native kernels built,
-    tiled for them (tensor parallel rules split [in, out] kernels, so not under TP)."""
+    scales follow the final columns) and, when the model runs unsharded on the default device
+    (`one_device`: no mesh, i.e. no tensor or data parallelism) on a CPU with the native
+    kernels built, tiled for them (the sharding rules place [in, out] kernels)."""
     tp = tensor_parallel_size
     check_quantization(quantization)
     with sharding.host_staging() if host_staging else contextlib.nullcontext():
@@ -53,7 +56,7 @@ def prepare(model_config: ModelConfig, net: CausalLM, *, tensor_parallel_size: i
         quantize_model(net, quantization)
     # use_native() also builds and registers the native custom calls, which must be known
     # before a stored executable that calls them loads (any tp)
-    tiled = use_native() and tp == 1
+    tiled = use_native() and one_device and tp == 1
     if tiled:
         tile_linears(net)
     return PreparedModel(config=config, net=net, tensor_parallel_size=tp,

@@ -148,6 +148,10 @@ class ModelRunner:
             raise ValueError(f"the model was prepared for tensor_parallel_size="
                              f"{prepared.tensor_parallel_size}; the mesh has "
                              f"{1 if self._tp is None else self._tp.tp} devices")
+        if prepared.tiled and mesh is not None:
+            raise ValueError("the model's Linears are tiled for one unsharded device "
+                             "(prepare(one_device=True)); a runner with a mesh needs "
+                             "prepare(..., one_device=False)")
         self._init_shapes(backend, mesh, min_token_bucket, min_kv_bucket)
         self._init_state(prepared.net, scan_layers)
         self._init_programs(executable_store, _devices_of(mesh))
