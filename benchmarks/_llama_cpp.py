@@ -34,14 +34,25 @@ print("RESULT " + json.dumps({"tok_s": toks / best, "tokens": toks}), flush=True
 """
 
 
-def batch1_tok_s(python: str | None, gguf: str, prompt: list[int], max_tokens: int,
-                 reps: int = 2, threads: int | None = None) -> float | None:
+def batch1_tok_s(
+    python: str | None,
+    gguf: str,
+    prompt: list[int],
+    max_tokens: int,
+    reps: int = 2,
+    threads: int | None = None,
+) -> float | None:
     """Best-of-`reps` tok/s of one greedy request of `prompt` ids through llama.cpp (wall time
     of the call after a warm one, as benchmarks/quantization.py times ours), or None."""
     if not python or not os.path.exists(python):
         return None
-    kw = dict(gguf=os.path.abspath(gguf), prompt=prompt, max_tokens=max_tokens, reps=reps,
-              threads=threads or os.cpu_count() or 1)
+    kw = dict(
+        gguf=os.path.abspath(gguf),
+        prompt=prompt,
+        max_tokens=max_tokens,
+        reps=reps,
+        threads=threads or os.cpu_count() or 1,
+    )
     from _peer import run_child  # benchmarks/ is sys.path[0] when run as a script
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

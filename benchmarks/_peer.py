@@ -34,14 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # vLLM configurations, by engine name: the extra environment of each. "vllm" is what a user gets
 # without tuning; "vllm-both" what a user who read vLLM's CPU docs sets on a 2-core machine.
-VLLM_CONFIGS: dict[str, dict[str, str]] = {
-    "vllm": {},
-    "vllm-both": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-}
+VLLM_CONFIGS: dict[str, dict[str, str]] = {"vllm": {}, "vllm-both": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
 # variables that change vLLM CPU's thread binding: dropped from the inherited environment so
 # "vllm" is really the default and each config is exactly what VLLM_CONFIGS says
-_VLLM_THREAD_VARS = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND",
-                     "OMP_NUM_THREADS")
+_VLLM_THREAD_VARS = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
 
 
 def is_vllm(engine: str) -> bool:
@@ -57,8 +53,7 @@ def vllm_env(kv_cache_gib: int | None = None, config: str = "vllm") -> dict[str,
     """No PYTHONPATH (vLLM's venv must not import this checkout); vLLM's CPU KV cache at
     `kv_cache_gib` GiB (given: the same bytes as ours), else 4 unless set; the thread binding
     of `config` (a VLLM_CONFIGS key) and no inherited one (../shared/peers/vllm-cpu.md)."""
-    env = {k: v for k, v in os.environ.items()
-           if k != "PYTHONPATH" and k not in _VLLM_THREAD_VARS}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in _VLLM_THREAD_VARS}
     if kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -71,14 +66,14 @@ def vllm_importable(python: str | None) -> bool:
     if not python:
         return False
     try:
-        return subprocess.run([python, "-c", "import vllm"], env=vllm_env(),
-                              capture_output=True).returncode == 0
+        return (
+            subprocess.run([python, "-c", "import vllm"], env=vllm_env(), capture_output=True).returncode == 0
+        )
     except OSError:
         return False
 
 
-def run_child(python: str, script: str, kw: dict[str, Any], env: dict[str, str],
-              label: str) -> Any | None:
+def run_child(python: str, script: str, kw: dict[str, Any], env: dict[str, str], label: str) -> Any | None:
     """Run `script` (source text) with `python` in a fresh temporary directory, argv[1] the
     path of `kw` as JSON; return the JSON after its last "RESULT " stdout line, or None (the
     child's stderr tail printed under `label`) when it fails or prints none."""
@@ -88,13 +83,12 @@ def run_child(python: str, script: str, kw: dict[str, Any], env: dict[str, str],
             json.dump(kw, f)
         with open(path, "w") as f:
             f.write(script)
-        proc = subprocess.run([python, path, arg], env=env, capture_output=True, text=True,
-                              cwd=d)
+        proc = subprocess.run([python, path, arg], env=env, capture_output=True, text=True, cwd=d)
     line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         print(f"{label} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 # The first lines of every EngineChild script. `channel()` moves fd 1 onto the log (vLLM logs on
@@ -102,7 +96,7 @@ def run_child(python: str, script: str, kw: dict[str, Any], env: dict[str, str],
 # pipe nobody reads between reps) and returns a private copy of the real stdout for the
 # protocol: one "READY {json}" line once loaded and warm, then one "RESULT {json}" line per
 # JSON command line read on stdin, until stdin closes.
-CHILD_IO = r'''
+CHILD_IO = r"""
 import json, os, sys
 
 
@@ -121,7 +115,7 @@ def commands():
     for line in sys.stdin:
         if line.strip():
             yield json.loads(line)
-'''
+"""
 
 
 class EngineChild:
@@ -131,8 +125,9 @@ class EngineChild:
     under `workdir`. The constructor returns once READY came (`info`); `ask` sends one command
     and returns its RESULT. A child that dies raises RuntimeError with the end of its log."""
 
-    def __init__(self, name: str, python: str, script: str, kw: dict[str, Any],
-                 env: dict[str, str], workdir: str) -> None:
+    def __init__(
+        self, name: str, python: str, script: str, kw: dict[str, Any], env: dict[str, str], workdir: str
+    ) -> None:
         self.name = name
         # a prefix: a script named like a package (vllm.py) would shadow it in the child
         stem = os.path.join(workdir, "child_" + "".join(c if c.isalnum() else "_" for c in name))
@@ -143,9 +138,15 @@ class EngineChild:
             f.write(script)
         t = time.perf_counter()
         with open(self.log_path, "w") as log:  # the child holds its own copy of the file
-            self.proc = subprocess.Popen([python, stem + ".py", stem + ".json"], env=env,
-                                         cwd=workdir, stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log, text=True)
+            self.proc = subprocess.Popen(
+                [python, stem + ".py", stem + ".json"],
+                env=env,
+                cwd=workdir,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         try:
             self.info: dict[str, Any] = self._read("READY")
         except BaseException:
@@ -163,10 +164,12 @@ class EngineChild:
             line = self.proc.stdout.readline()
             if not line:
                 rc = self.proc.wait()
-                raise RuntimeError(f"{self.name} exited with {rc} before its {tag} line; the "
-                                   f"end of its log ({self.log_path}):\n{log_tail(self.log_path)}")
+                raise RuntimeError(
+                    f"{self.name} exited with {rc} before its {tag} line; the "
+                    f"end of its log ({self.log_path}):\n{log_tail(self.log_path)}"
+                )
             if line.startswith(tag + " "):
-                out: dict[str, Any] = json.loads(line[len(tag) + 1:])
+                out: dict[str, Any] = json.loads(line[len(tag) + 1 :])
                 return out
 
     def ask(self, command: dict[str, Any]) -> dict[str, Any]:
@@ -245,8 +248,7 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
 
 
-_OMP_VARS = ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY",
-             "KMP_AFFINITY")
+_OMP_VARS = ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -284,8 +286,12 @@ def thread_binding(pid: int) -> str:
             continue
         cpus = Counter(_status(p, t).get("Cpus_allowed_list", "?") for t in tids)
         name = _status(p).get("Name", "?")
-        parts.append(f"{name} [{p}]: " + "".join(f"{k}={v} " for k, v in sorted(omp.items()))
-                     + "threads on CPUs " + ", ".join(f"{c}: {n}" for c, n in sorted(cpus.items())))
+        parts.append(
+            f"{name} [{p}]: "
+            + "".join(f"{k}={v} " for k, v in sorted(omp.items()))
+            + "threads on CPUs "
+            + ", ".join(f"{c}: {n}" for c, n in sorted(cpus.items()))
+        )
     return "; ".join(parts)
 
 
@@ -319,9 +325,14 @@ def signal_tree(pid: int, sig: int) -> None:
             os.kill(p, sig)
 
 
-def interleave(names: Sequence[str], reps: int, run: Callable[[str, int], dict[str, Any]],
-               pid_of: Callable[[str], int], *, freeze: bool = True
-               ) -> dict[str, list[dict[str, Any]]]:
+def interleave(
+    names: Sequence[str],
+    reps: int,
+    run: Callable[[str, int], dict[str, Any]],
+    pid_of: Callable[[str], int],
+    *,
+    freeze: bool = True,
+) -> dict[str, list[dict[str, Any]]]:
     """`reps` rounds; round r runs `run(name, r)` for every engine, one at a time, starting at
     engine r mod n (rotated so no engine always runs right after the same other one).
 
@@ -349,11 +360,17 @@ def interleave(names: Sequence[str], reps: int, run: Callable[[str, int], dict[s
                 res = run(name, r)
                 wall = time.perf_counter() - t
                 used = {x: cpu_seconds(trees[x]) - before[x] for x in names}
-                res.update(wall_s=wall, busy_cores=used[name] / res.get("busy_s", wall),
-                           waiting_cpu_s={x: v for x, v in used.items() if x != name})
+                res.update(
+                    wall_s=wall,
+                    busy_cores=used[name] / res.get("busy_s", wall),
+                    waiting_cpu_s={x: v for x, v in used.items() if x != name},
+                )
                 out[name].append(res)
-                print(f"rep {r + 1}/{reps} {name}: {wall:.2f} s, {res['busy_cores']:.2f} cores "
-                      f"busy; waiting engines' CPU-s: {waiting_line([res])}", flush=True)
+                print(
+                    f"rep {r + 1}/{reps} {name}: {wall:.2f} s, {res['busy_cores']:.2f} cores "
+                    f"busy; waiting engines' CPU-s: {waiting_line([res])}",
+                    flush=True,
+                )
     finally:
         if freeze:
             for x in names:
@@ -386,8 +403,7 @@ def paired_ratio(ours: Sequence[float], peer: Sequence[float]) -> str:
     """'1.23x (1.10-1.31 per rep)': ratio of the medians, then the range of rep-by-rep ratios
     (rep r of both ran in the same round)."""
     per = [a / b for a, b in zip(ours, peer)]
-    return (f"{statistics.median(ours) / statistics.median(peer):.2f}x "
-            f"({min(per):.2f}-{max(per):.2f} per rep)")
+    return f"{statistics.median(ours) / statistics.median(peer):.2f}x ({min(per):.2f}-{max(per):.2f} per rep)"
 
 
 class LengthError(SystemExit):
@@ -398,8 +414,10 @@ def check_lengths(engine: str, lengths: Sequence[int], want: int) -> None:
     """Raise LengthError (exit status 1) unless every one of `lengths` equals `want`."""
     bad = [n for n in lengths if n != want]
     if bad or not lengths:
-        raise LengthError(f"{engine}: {len(bad)} of {len(lengths)} outputs do not have exactly "
-                          f"{want} tokens (e.g. {bad[:5]}): its tokens per second would be wrong")
+        raise LengthError(
+            f"{engine}: {len(bad)} of {len(lengths)} outputs do not have exactly "
+            f"{want} tokens (e.g. {bad[:5]}): its tokens per second would be wrong"
+        )
 
 
 def write_lines(f: IO[str], lines: Sequence[str]) -> None:

@@ -32,6 +32,7 @@ def available() -> bool:
 def version() -> str:
     try:
         from importlib.metadata import version as _v
+
         return _v("tokenspeed-scheduler")
     except Exception:  # pragma: no cover
         return "?"
@@ -40,12 +41,22 @@ def version() -> str:
 class TokenSpeedRunner:
     """One workload on the TokenSpeed scheduler; `step()` runs one plan -> feedback cycle."""
 
-    def __init__(self, *, num_pages: int, page_size: int, max_batch: int, max_tokens: int,
-                 sliding_window: int | None = None, snapshot_images: int = 0,
-                 snapshot_pages: int = 0, mixed: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_batch: int,
+        max_tokens: int,
+        sliding_window: int | None = None,
+        snapshot_images: int = 0,
+        snapshot_pages: int = 0,
+        mixed: bool = True,
+    ) -> None:
         if ts is None:
-            raise RuntimeError("tokenspeed-scheduler is not installed (pip install "
-                               "'tokenspeed-scheduler==0.1.42')")
+            raise RuntimeError(
+                "tokenspeed-scheduler is not installed (pip install 'tokenspeed-scheduler==0.1.42')"
+            )
         cfg = ts.SchedulerConfig()
         cfg.prefix_granularity = page_size
         cfg.num_device_pages = num_pages  # includes the null page 0, like our BlockPool
@@ -58,15 +69,23 @@ class TokenSpeedRunner:
         cfg.enable_mixed_prefill_decode = mixed
         groups = [ts.CacheGroupConfig("full", page_size, num_pages, ts.AttnKind.Full)]
         if sliding_window:
-            groups.append(ts.CacheGroupConfig("swa", page_size, num_pages,
-                                              ts.AttnKind.SlidingWindow,
-                                              sliding_window_tokens=sliding_window))
+            groups.append(
+                ts.CacheGroupConfig(
+                    "swa",
+                    page_size,
+                    num_pages,
+                    ts.AttnKind.SlidingWindow,
+                    sliding_window_tokens=sliding_window,
+                )
+            )
         cfg.cache_groups = groups
         self.sched = ts.Scheduler(cfg)
-        self._ack = {"SnapshotOp": ts.Cache.SnapshotDoneEvent,
-                     "RestoreOp": ts.Cache.RestoreDoneEvent,
-                     "WriteBackOp": ts.Cache.WriteBackDoneEvent,
-                     "LoadBackOp": ts.Cache.LoadBackDoneEvent}
+        self._ack = {
+            "SnapshotOp": ts.Cache.SnapshotDoneEvent,
+            "RestoreOp": ts.Cache.RestoreDoneEvent,
+            "WriteBackOp": ts.Cache.WriteBackDoneEvent,
+            "LoadBackOp": ts.Cache.LoadBackDoneEvent,
+        }
         self.remaining: dict[str, int] = {}
         self.num_aborted = 0
         self.num_snapshots = 0
@@ -102,9 +121,14 @@ class TokenSpeedRunner:
         prefix = op.extend_prefix_lens
         inputs = op.input_lengths
         prefill = op.prefill_lengths
-        self.launch = (op.request_pool_indices, op.input_ids, op.decode_input_ids,
-                       op.block_tables_arrays(), plan.pages_to_zero_arrays(),
-                       plan.pages_to_copy_arrays())
+        self.launch = (
+            op.request_pool_indices,
+            op.input_ids,
+            op.decode_input_ids,
+            op.block_tables_arrays(),
+            plan.pages_to_zero_arrays(),
+            plan.pages_to_copy_arrays(),
+        )
         ev = ts.ExecutionEvent()
         for cop in plan.cache:
             kind = type(cop).__name__

@@ -39,21 +39,23 @@ CASES = [
 ]
 
 
-def make_case(rng: np.random.Generator, n_dec: int, ctx: int, chunk: int, dtype: str,
-              pool_pages: int) -> tuple[tuple, dict]:
+def make_case(
+    rng: np.random.Generator, n_dec: int, ctx: int, chunk: int, dtype: str, pool_pages: int
+) -> tuple[tuple, dict]:
     s = n_dec + (1 if chunk else 0)
     k = rng.standard_normal((pool_pages, PAGE, HKV, D)).astype(np.float32)
     v = rng.standard_normal((pool_pages, PAGE, HKV, D)).astype(np.float32)
     kw: dict = {}
     if dtype == "bfloat16":
-        k, v = (jax.lax.bitcast_convert_type(jnp.asarray(a, jnp.bfloat16), jnp.uint16)
-                for a in (k, v))
+        k, v = (jax.lax.bitcast_convert_type(jnp.asarray(a, jnp.bfloat16), jnp.uint16) for a in (k, v))
     elif dtype == "int8":
         from pallas_kernels import kv_quant, pool_bits
 
         (k, ks), (v, vs) = (kv_quant.quantize(jnp.asarray(a), jnp.int8) for a in (k, v))
-        kw = dict(k_scales=jax.lax.bitcast_convert_type(ks, pool_bits.BITS),
-                  v_scales=jax.lax.bitcast_convert_type(vs, pool_bits.BITS))
+        kw = dict(
+            k_scales=jax.lax.bitcast_convert_type(ks, pool_bits.BITS),
+            v_scales=jax.lax.bitcast_convert_type(vs, pool_bits.BITS),
+        )
     q_lens = [1] * n_dec + ([chunk] if chunk else [])
     kv_lens = [ctx + int(rng.integers(-50, 50)) for _ in range(n_dec)] + ([chunk] if chunk else [])
     t = sum(q_lens)
@@ -64,8 +66,15 @@ def make_case(rng: np.random.Generator, n_dec: int, ctx: int, chunk: int, dtype:
     cu[1:] = np.cumsum(q_lens)
     cols = 1 << (-(-max(kv_lens) // PAGE) - 1).bit_length()  # the kv bucket
     table = rng.integers(1, pool_pages, (s, cols)).astype(np.int32)
-    args = (q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(table),
-            jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), jnp.asarray([s], jnp.int32))
+    args = (
+        q,
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(table),
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(cu),
+        jnp.asarray([s], jnp.int32),
+    )
     return args, kw
 
 
@@ -78,12 +87,13 @@ def main() -> None:
         print("the native kernel cannot be built here (pallas_kernels.native.unavailable)")
         return
     rng = np.random.default_rng(0)
-    fns = {"reference": jax.jit(paged_attention_reference),
-           "tokens only": jax.jit(functools.partial(paged_attention_cpu, native_blocks=False)),
-           "native": jax.jit(paged_attention_cpu)}
+    fns = {
+        "reference": jax.jit(paged_attention_reference),
+        "tokens only": jax.jit(functools.partial(paged_attention_cpu, native_blocks=False)),
+        "native": jax.jit(paged_attention_cpu),
+    }
     print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, pool {args.pool_pages} pages\n")
-    print("| one layer | reference ms | tokens only ms | native ms | reference / native | max abs "
-          "diff |")
+    print("| one layer | reference ms | tokens only ms | native ms | reference / native | max abs diff |")
     print("|---|---|---|---|---|---|")
     for label, n_dec, ctx, chunk, dtype in CASES:
         call_args, kw = make_case(rng, n_dec, ctx, chunk, dtype, args.pool_pages)
@@ -96,9 +106,12 @@ def main() -> None:
                     f(*call_args, **kw).block_until_ready()
                 best[name] = min(best[name], (time.perf_counter() - t) / 10 * 1e3)
         diff = float(np.max(np.abs(outs["reference"] - outs["native"])))
-        print(f"| {label} | {best['reference']:.2f} | {best['tokens only']:.2f} | "
-              f"{best['native']:.2f} | "
-              f"{best['reference'] / best['native']:.2f}x | {diff:.1e} |", flush=True)
+        print(
+            f"| {label} | {best['reference']:.2f} | {best['tokens only']:.2f} | "
+            f"{best['native']:.2f} | "
+            f"{best['reference'] / best['native']:.2f}x | {diff:.1e} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -44,13 +44,14 @@ import numpy as np  # noqa: E402
 from _machine import cpu_line  # noqa: E402
 from _peer import CHILD_IO, EngineChild, check_lengths, interleave, med_range, ours_env  # noqa: E402
 
-SYSTEM = ("You are a concise assistant for a public library help desk. Answer in one or two "
-          "short sentences.")
+SYSTEM = "You are a concise assistant for a public library help desk. Answer in one or two short sentences."
 
 # One configuration per process (_peer.CHILD_IO's protocol): argv[1] = JSON {model, dtype,
 # bucket, prompts, max_tokens, backend, system}. READY {weight_bytes, kv_token_bytes, windows,
 # prompt_lens}; then per command: RESULT {decode_s, lens} of one timed pass.
-_CHILD = CHILD_IO + r'''
+_CHILD = (
+    CHILD_IO
+    + r'''
 import time
 
 import jax
@@ -115,6 +116,7 @@ def main():
 
 main()
 '''
+)
 
 
 def read_bandwidth(nbytes: int, threads: int, rounds: int = 5) -> float:
@@ -135,9 +137,13 @@ def read_bandwidth(nbytes: int, threads: int, rounds: int = 5) -> float:
     return buf.nbytes / best
 
 
-def bytes_per_pass(weight_bytes: int, kv_token_bytes: Sequence[int],
-                   windows: Sequence[int | None], prompt_lens: Sequence[int],
-                   max_tokens: int) -> int:
+def bytes_per_pass(
+    weight_bytes: int,
+    kv_token_bytes: Sequence[int],
+    windows: Sequence[int | None],
+    prompt_lens: Sequence[int],
+    max_tokens: int,
+) -> int:
     """The least a timed pass reads: decode step i (1 .. max_tokens - 1) of a prompt of n ids
     attends to n + i tokens (its own included) and reads every weight once plus, per attention
     layer, the K and V of the tokens it attends to (at most its window)."""
@@ -145,8 +151,9 @@ def bytes_per_pass(weight_bytes: int, kv_token_bytes: Sequence[int],
     for n in prompt_lens:
         for i in range(1, max_tokens):
             ctx = n + i
-            total += weight_bytes + sum(b * (ctx if w is None else min(ctx, w))
-                                        for b, w in zip(kv_token_bytes, windows))
+            total += weight_bytes + sum(
+                b * (ctx if w is None else min(ctx, w)) for b, w in zip(kv_token_bytes, windows)
+            )
     return total
 
 
@@ -159,34 +166,47 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--buckets", default="default,16",
-                   help="min_token_bucket values to compare (default: the engine's)")
+    p.add_argument(
+        "--buckets", default="default,16", help="min_token_bucket values to compare (default: the engine's)"
+    )
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3, help="timed rounds, every configuration once")
-    p.add_argument("--bandwidth-mib", type=int, default=1024,
-                   help="buffer of the read-bandwidth measurement (far above the L3)")
-    p.add_argument("--attention-backend", default="auto",
-                   help="auto (native on CPU), native, reference")
+    p.add_argument(
+        "--bandwidth-mib",
+        type=int,
+        default=1024,
+        help="buffer of the read-bandwidth measurement (far above the L3)",
+    )
+    p.add_argument("--attention-backend", default="auto", help="auto (native on CPU), native, reference")
     args = p.parse_args()
     print(f"CPU: {cpu_line()}", flush=True)
     cores = os.cpu_count() or 1
     bw_before = read_bandwidth(args.bandwidth_mib << 20, cores)
     print(f"read bandwidth, {cores} threads: {bw_before / 1e9:.1f} GB/s", flush=True)
-    configs = [(dtype, None if b == "default" else int(b))
-               for dtype in args.dtypes.split(",") for b in args.buckets.split(",")]
+    configs = [
+        (dtype, None if b == "default" else int(b))
+        for dtype in args.dtypes.split(",")
+        for b in args.buckets.split(",")
+    ]
     names = [f"{dtype} bucket={b or 'default'}" for dtype, b in configs]
-    base = dict(model=os.path.abspath(args.model), prompts=args.prompts,
-                max_tokens=args.max_tokens, backend=args.attention_backend, system=SYSTEM)
+    base = dict(
+        model=os.path.abspath(args.model),
+        prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        backend=args.attention_backend,
+        system=SYSTEM,
+    )
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         children: dict[str, EngineChild] = {}
         for name, (dtype, bucket) in zip(names, configs):
-            children[name] = stack.enter_context(EngineChild(
-                name, sys.executable, _CHILD, dict(base, dtype=dtype, bucket=bucket), ours_env(),
-                d))
+            children[name] = stack.enter_context(
+                EngineChild(
+                    name, sys.executable, _CHILD, dict(base, dtype=dtype, bucket=bucket), ours_env(), d
+                )
+            )
             print(f"{name}: ready in {children[name].ready_s:.1f} s", flush=True)
-        res = interleave(names, args.reps, lambda n, r: children[n].ask({}),
-                         lambda n: children[n].pid)
+        res = interleave(names, args.reps, lambda n, r: children[n].ask({}), lambda n: children[n].pid)
         info = {n: c.info for n, c in children.items()}
     bw_after = read_bandwidth(args.bandwidth_mib << 20, cores)
     bw = max(bw_before, bw_after)  # a bound: the best the machine showed
@@ -195,27 +215,36 @@ def main() -> None:
         check_lengths(name, [n for r in res[name] for n in r["lens"]], args.max_tokens)
         i = info[name]
         tokens = len(i["prompt_lens"]) * (args.max_tokens - 1)
-        nbytes = bytes_per_pass(i["weight_bytes"], i["kv_token_bytes"], i["windows"],
-                                i["prompt_lens"], args.max_tokens)
+        nbytes = bytes_per_pass(
+            i["weight_bytes"], i["kv_token_bytes"], i["windows"], i["prompt_lens"], args.max_tokens
+        )
         bound = bw * tokens / nbytes
         tok_s = [tokens / r["decode_s"] for r in res[name]]
         shares[name] = [t / bound for t in tok_s]
-        rows.append(f"| {name} | {med_range(tok_s)} | {i['weight_bytes'] / 1e6:.0f} | "
-                    f"{(nbytes / tokens - i['weight_bytes']) / 1e6:.2f} | {bound:.1f} | "
-                    f"{statistics.median(shares[name]):.0%} ({min(shares[name]):.0%}-"
-                    f"{max(shares[name]):.0%}) |")
-    print(f"\n## batch-1 decode: {args.model}, {args.prompts} chat prompts one at a time, "
-          f"{args.max_tokens} tokens each (all checked), {args.reps} interleaved reps, median "
-          f"(min-max)\n\nCPU: {cpu_line()}; read bandwidth ({cores} threads, read-only) "
-          f"{bw_before / 1e9:.1f} GB/s before, {bw_after / 1e9:.1f} after: bound at "
-          f"{bw / 1e9:.1f}\n")
-    print("| config | decode tok/s | weight MB read per token | KV MB read per token (mean) | "
-          "read bound tok/s | share of bound |")
+        rows.append(
+            f"| {name} | {med_range(tok_s)} | {i['weight_bytes'] / 1e6:.0f} | "
+            f"{(nbytes / tokens - i['weight_bytes']) / 1e6:.2f} | {bound:.1f} | "
+            f"{statistics.median(shares[name]):.0%} ({min(shares[name]):.0%}-"
+            f"{max(shares[name]):.0%}) |"
+        )
+    print(
+        f"\n## batch-1 decode: {args.model}, {args.prompts} chat prompts one at a time, "
+        f"{args.max_tokens} tokens each (all checked), {args.reps} interleaved reps, median "
+        f"(min-max)\n\nCPU: {cpu_line()}; read bandwidth ({cores} threads, read-only) "
+        f"{bw_before / 1e9:.1f} GB/s before, {bw_after / 1e9:.1f} after: bound at "
+        f"{bw / 1e9:.1f}\n"
+    )
+    print(
+        "| config | decode tok/s | weight MB read per token | KV MB read per token (mean) | "
+        "read bound tok/s | share of bound |"
+    )
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
     if bad := over_bound(shares):
-        raise SystemExit("over 100% of the read bound, so the bound is wrong (bytes undercounted "
-                         "or the bandwidth measured low on a busy machine): " + "; ".join(bad))
+        raise SystemExit(
+            "over 100% of the read bound, so the bound is wrong (bytes undercounted "
+            "or the bandwidth measured low on a busy machine): " + "; ".join(bad)
+        )
 
 
 if __name__ == "__main__":

@@ -66,19 +66,23 @@ def main() -> None:
     codes = [jnp.asarray(rng.integers(lo, hi, (k, n)), jnp.int8) for _ in range(layers)]
     block = k if args.kind == "int8" else 32
     scales = [jnp.asarray(rng.random((k // block, n)) * 0.01, jnp.float32) for _ in range(layers)]
-    mins = [jnp.asarray(rng.standard_normal((k // block, n)) * 0.01, jnp.float32)
-            if args.kind == "q4_1" else None for _ in range(layers)]
-    dense = [block_matmul_reference(jnp.eye(k), c, s, m) for c, s, m in
-             zip(codes, scales, mins, strict=True)]
+    mins = [
+        jnp.asarray(rng.standard_normal((k // block, n)) * 0.01, jnp.float32) if args.kind == "q4_1" else None
+        for _ in range(layers)
+    ]
+    dense = [block_matmul_reference(jnp.eye(k), c, s, m) for c, s, m in zip(codes, scales, mins, strict=True)]
 
     def split(x, c, s, m):
         if block == k:  # models.quant's "int8" lowering up to its SPLIT_MAX_ROWS
             return _split_int8_dot(x, c, (((1,), (0,)), ((), ()))) * s[0]
         g, rows = k // 32, x.shape[0]
         xq, s1, s2 = split_rows(x)
-        acc = jax.lax.dot_general(xq.reshape(2 * rows, g, 32), c.reshape(g, 32, n),
-                                  (((2,), (1,)), ((1,), (0,))),
-                                  preferred_element_type=jnp.int32).astype(jnp.float32)
+        acc = jax.lax.dot_general(
+            xq.reshape(2 * rows, g, 32),
+            c.reshape(g, 32, n),
+            (((2,), (1,)), ((1,), (0,))),
+            preferred_element_type=jnp.int32,
+        ).astype(jnp.float32)
         y = jnp.sum((acc[:, :rows] * s1 + acc[:, rows:] * s2) * s[:, None, :], axis=0)
         return y if m is None else y + jnp.dot(jnp.sum(x.reshape(rows, g, 32), -1), m)
 
@@ -95,11 +99,11 @@ def main() -> None:
         if args.kind == "bf16":
             # as a bf16 model calls it: bf16 activations (AMX tiles from 16 rows where the CPU
             # has them, else AVX512-BF16's dot product)
-            lowerings["tiled bf16 x"] = lambda x, c, s, m, w, t: dense_matmul_cpu(
-                x.astype(jnp.bfloat16), t)
+            lowerings["tiled bf16 x"] = lambda x, c, s, m, w, t: dense_matmul_cpu(x.astype(jnp.bfloat16), t)
             if "amx_bf16" in cpu_line():  # the same call with the tiles off (read per call)
                 lowerings["tiled bf16 x, no AMX"] = lambda x, c, s, m, w, t: dense_matmul_cpu(
-                    x.astype(jnp.bfloat16), t)
+                    x.astype(jnp.bfloat16), t
+                )
             lowerings["f32"] = lambda x, c, s, m, w, t: jnp.dot(x, w)
     else:
         lowerings = {
@@ -108,8 +112,9 @@ def main() -> None:
             # x quantized per 32 values (llama.cpp's Q8 activations): AVX512-VNNI integer dots
             "tiled q8 x": lambda x, c, s, m, w, t: block_matmul_cpu(x, t, s, m, x_q8=True),
             "split": lambda x, c, s, m, w, t: split(x, c, s, m),
-            "float": lambda x, c, s, m, w, t: (jnp.dot(x, c.astype(x.dtype)) * s[0] if block == k
-                                            else jnp.dot(x, dequantize_blocks(c, s, m))),
+            "float": lambda x, c, s, m, w, t: (
+                jnp.dot(x, c.astype(x.dtype)) * s[0] if block == k else jnp.dot(x, dequantize_blocks(c, s, m))
+            ),
             "f32": lambda x, c, s, m, w, t: jnp.dot(x, w),
         }
 
@@ -120,10 +125,13 @@ def main() -> None:
             for c, s, m, w, t in zip(cs, ss, ms, ws, ts, strict=True):
                 x = jnp.tanh(fn(x, c, s, m, w, t)[:, :k])
             return x
+
         return jax.jit(run)
 
-    print(f"{cpu_line()}; jax {jax.__version__}, native kernel built: {available()}; "
-          f"{layers} layers of [rows, {k}] @ {args.kind} [{k}, {n}]\n")
+    print(
+        f"{cpu_line()}; jax {jax.__version__}, native kernel built: {available()}; "
+        f"{layers} layers of [rows, {k}] @ {args.kind} [{k}, {n}]\n"
+    )
     print("| rows | " + " | ".join(f"{name} ms" for name in lowerings) + " | best | native rel. diff |")
     print("|---|" + "---|" * (len(lowerings) + 2))
     for rows in (int(r) for r in args.rows.split(",")):
@@ -144,8 +152,12 @@ def main() -> None:
         want = np.asarray(x @ dense[0])
         got = np.asarray(lowerings["tiled"](x, codes[0], scales[0], mins[0], dense[0], tiles[0]))
         diff = np.abs(got - want).max() / np.abs(want).max()
-        print(f"| {rows} | " + " | ".join(f"{ms[name]:.1f}" for name in lowerings)
-              + f" | {best} | {diff:.1e} |", flush=True)
+        print(
+            f"| {rows} | "
+            + " | ".join(f"{ms[name]:.1f}" for name in lowerings)
+            + f" | {best} | {diff:.1e} |",
+            flush=True,
+        )
     if args.kind == "bf16":
         print(f"\nproducts on AMX tiles in this run: {amx_calls()}")
 

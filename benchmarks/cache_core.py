@@ -44,8 +44,9 @@ def group_specs(live_tail: bool = True) -> list[PagedCacheGroupSpec]:
     return [
         PagedCacheGroupSpec.make("full", "full_history", page_size=256),
         PagedCacheGroupSpec.make("sliding", "sliding_window", page_size=128, sliding_window_tokens=511),
-        PagedCacheGroupSpec.make("conv", "sliding_window", page_size=8, sliding_window_tokens=12,
-                                 live_tail_alloc=live_tail),
+        PagedCacheGroupSpec.make(
+            "conv", "sliding_window", page_size=8, sliding_window_tokens=12, live_tail_alloc=live_tail
+        ),
     ]
 
 
@@ -81,11 +82,11 @@ class OneRequest:
         computed = self.computed
         t0 = time.perf_counter()
         for _ in range(steps):
-            coord.reclaim(tables, computed)           # slid-out slots -> holes
-            coord.acquire(tables, 1)                  # room for the token being decoded
+            coord.reclaim(tables, computed)  # slid-out slots -> holes
+            coord.acquire(tables, 1)  # room for the token being decoded
             computed += 1
-            tokens.append(stream[computed])           # the sampled token
-            if computed % base == 0:                  # a base page completed: hash + publish it
+            tokens.append(stream[computed])  # the sampled token
+            if computed % base == 0:  # a base page completed: hash + publish it
                 hasher.extend(tokens)
                 coord.publish(tables, hasher.hashes, computed)
         dt = time.perf_counter() - t0
@@ -125,30 +126,37 @@ def main() -> None:
     for p in range(passes):
         reqs = {c: OneRequest(c, steps + 1, seed=p) for c in CONTEXTS}
         for b in range(steps // block):
-            for c in (CONTEXTS if (b + p) % 2 == 0 else CONTEXTS[::-1]):
+            for c in CONTEXTS if (b + p) % 2 == 0 else CONTEXTS[::-1]:
                 times[c].append(reqs[c].decode(block))
     best = {c: min(v) for c, v in times.items()}
     med = {c: statistics.median(v) for c, v in times.items()}
 
-    print(f"# cache core: one decode step (acquire + publish + reclaim); {passes} passes x {steps} "
-          f"decode steps from the nominal context (fresh request per pass), timed in interleaved "
-          f"blocks of {block} steps")
+    print(
+        f"# cache core: one decode step (acquire + publish + reclaim); {passes} passes x {steps} "
+        f"decode steps from the nominal context (fresh request per pass), timed in interleaved "
+        f"blocks of {block} steps"
+    )
     print(f"# python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}")
     print()
-    print("| context | median us/step | best us/step | ratio vs 4k (median) "
-          "| pinned pages full/sliding/conv |")
+    print(
+        "| context | median us/step | best us/step | ratio vs 4k (median) | pinned pages full/sliding/conv |"
+    )
     print("|---|---|---|---|---|")
     for c in CONTEXTS:
         pinned = "/".join(str(n) for n in reqs[c].pinned())
-        print(f"| {c // 1024}k | {med[c] * 1e6:.2f} | {best[c] * 1e6:.2f} | "
-              f"{med[c] / med[CONTEXTS[0]]:.2f} | {pinned} |")
+        print(
+            f"| {c // 1024}k | {med[c] * 1e6:.2f} | {best[c] * 1e6:.2f} | "
+            f"{med[c] / med[CONTEXTS[0]]:.2f} | {pinned} |"
+        )
     ratio = med[CONTEXTS[-1]] / med[CONTEXTS[0]]
     live, plain = first_chunk_conv_pages()
     print()
     verdict = "OK" if ratio <= 1.2 else "OVER"
     print(f"128k/4k per-step ratio (medians): {ratio:.2f} (target <= 1.2): {verdict}")
-    print(f"8192-token first chunk, conv group (B=8, W=12): live-tail pins {live} pages, "
-          f"plain allocation pins {plain} ({plain / live:.0f}x)")
+    print(
+        f"8192-token first chunk, conv group (B=8, W=12): live-tail pins {live} pages, "
+        f"plain allocation pins {plain} ({plain / live:.0f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,13 @@ from scheduler import Scheduler, SchedulerConfig  # noqa: E402
 def run(rows: int, ahead: bool, fast: bool, reps: int, waiting: int) -> tuple[float, float, int]:
     best: tuple[float, float, int] | None = None
     for _ in range(reps):
-        cfg = SchedulerConfig(num_pages=4096, page_size=16, max_batch_requests=rows,
-                              max_scheduled_tokens=512, max_context_len=2048)
+        cfg = SchedulerConfig(
+            num_pages=4096,
+            page_size=16,
+            max_batch_requests=rows,
+            max_scheduled_tokens=512,
+            max_context_len=2048,
+        )
         s = Scheduler(cfg)
         s.decode_fast_path = fast
         rng = np.random.default_rng(0)
@@ -66,17 +71,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--reps", type=int, default=6)
-    ap.add_argument("--waiting", type=int, default=0,
-                    help="extra requests queued behind the full batch (as in the engine workload)")
+    ap.add_argument(
+        "--waiting",
+        type=int,
+        default=0,
+        help="extra requests queued behind the full batch (as in the engine workload)",
+    )
     args = ap.parse_args(argv)
-    print(f"| loop | path | schedule us | update us | decode steps |  ({args.rows} rows, "
-          f"{args.waiting} waiting)")
+    print(
+        f"| loop | path | schedule us | update us | decode steps |  ({args.rows} rows, "
+        f"{args.waiting} waiting)"
+    )
     print("|---|---|---|---|---|")
     for ahead in (False, True):
         for fast in (False, True):
             sch, upd, n = run(args.rows, ahead, fast, args.reps, args.waiting)
-            print(f"| {'ahead' if ahead else 'sync'} | {'fast' if fast else 'general'} | "
-                  f"{sch:.1f} | {upd:.1f} | {n} |")
+            print(
+                f"| {'ahead' if ahead else 'sync'} | {'fast' if fast else 'general'} | "
+                f"{sch:.1f} | {upd:.1f} | {n} |"
+            )
     return 0
 
 

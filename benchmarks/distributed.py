@@ -21,8 +21,14 @@ import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(_HERE)
-SMALL = dict(page_size=16, num_pages=256, max_batch_requests=8, max_scheduled_tokens=64,
-             max_context_len=256, attention_backend="reference")
+SMALL = dict(
+    page_size=16,
+    num_pages=256,
+    max_batch_requests=8,
+    max_scheduled_tokens=64,
+    max_context_len=256,
+    attention_backend="reference",
+)
 
 
 def _serve(llm, n: int, max_tokens: int) -> dict:
@@ -87,10 +93,19 @@ def _free_port() -> int:
 
 
 def _spawn(devices: int, args: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, __file__, "--worker", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT,
+    )
+    return subprocess.Popen(
+        [sys.executable, __file__, "--worker", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _result(p: subprocess.Popen) -> dict:
@@ -119,19 +134,23 @@ def main() -> None:
             if p.poll() is None:
                 p.kill()
     same = single["tokens"] == leader["tokens"]
-    print(f"tiny-random tp=4 on 4 CPU devices, {a.requests} requests x {a.max_tokens} tokens "
-          f"(greedy tokens identical: {same})")
+    print(
+        f"tiny-random tp=4 on 4 CPU devices, {a.requests} requests x {a.max_tokens} tokens "
+        f"(greedy tokens identical: {same})"
+    )
     print(f"{'setup':<34}{'steps':>7}{'ms/step':>10}")
     print(f"{'1 process x 4 devices':<34}{single['steps']:>7}{single['step_ms']:>10.2f}")
     print(f"{'2 processes x 2 devices (gloo)':<34}{leader['steps']:>7}{leader['step_ms']:>10.2f}")
     print(f"ratio 2-process / 1-process: {leader['step_ms'] / single['step_ms']:.2f}x")
-    print(f"leader's send of one 16-token step ({leader['bucket_words']} words, coordination "
-          f"key-value store): {leader['bcast_ms']:.3f} ms; pack of that step: {leader['pack_us']:.0f} us")
+    print(
+        f"leader's send of one 16-token step ({leader['bucket_words']} words, coordination "
+        f"key-value store): {leader['bcast_ms']:.3f} ms; pack of that step: {leader['pack_us']:.0f} us"
+    )
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        mode, pid, port, n, mt = sys.argv[sys.argv.index("--worker") + 1:][:5]
+        mode, pid, port, n, mt = sys.argv[sys.argv.index("--worker") + 1 :][:5]
         print(json.dumps(_worker(mode, int(pid), int(port), int(n), int(mt))))
     else:
         main()

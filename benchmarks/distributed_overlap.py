@@ -31,14 +31,16 @@ def _worker(pid: int, port: int, mode: str, rounds: int) -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    local = [sorted((d for d in jax.devices() if d.process_index == k), key=lambda d: d.id)
-             for k in range(2)]
+    local = [sorted((d for d in jax.devices() if d.process_index == k), key=lambda d: d.id) for k in range(2)]
     n = 1 << 18
     fns, xs = [], []
     for r in range(2):
         sh = NamedSharding(Mesh(np.array([local[0][r], local[1][r]]), ("tp",)), P("tp"))
-        xs.append(jax.make_array_from_callback(
-            (2 * n,), sh, lambda idx, r=r: np.full(n, float(r + 1 + pid), np.float32)))
+        xs.append(
+            jax.make_array_from_callback(
+                (2 * n,), sh, lambda idx, r=r: np.full(n, float(r + 1 + pid), np.float32)
+            )
+        )
 
         def chain(x):
             for _ in range(30):
@@ -61,8 +63,7 @@ def _worker(pid: int, port: int, mode: str, rounds: int) -> None:
                 bcast(jax.make_array_from_callback((2, 64), rows, lambda idx: ones))
             outs.append(fns[1](xs[1]))
             jax.block_until_ready(outs)
-        bad += sum(not np.array_equal(np.asarray(o.addressable_data(0)), ref[r])
-                   for r, o in enumerate(outs))
+        bad += sum(not np.array_equal(np.asarray(o.addressable_data(0)), ref[r]) for r, o in enumerate(outs))
     print(f"RESULT {bad} {time.perf_counter() - t0:.2f}", flush=True)
 
 
@@ -71,9 +72,16 @@ def _run(mode: str, rounds: int) -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), str(port), mode,
-                               str(rounds)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in (1, 0)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(i), str(port), mode, str(rounds)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in (1, 0)
+    ]
     try:
         out = procs[1].communicate(timeout=600)[0]
         out = out + "\n" + procs[0].communicate(timeout=60)[0]  # the follower's side too
@@ -86,8 +94,7 @@ def _run(mode: str, rounds: int) -> str:
         line = None
     if line is None:
         lines = out.splitlines()
-        err = next((x for x in lines if "mismatch" in x),
-                   next((x for x in lines if "rror" in x), out[-200:]))
+        err = next((x for x in lines if "mismatch" in x), next((x for x in lines if "rror" in x), out[-200:]))
         return f"FAILED: {err.strip()[-200:]}"
     _, bad, wall = line.split()
     return f"{bad} mismatched results, {wall} s"
@@ -106,7 +113,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        pid, port, mode, rounds = sys.argv[sys.argv.index("--worker") + 1:][:4]
+        pid, port, mode, rounds = sys.argv[sys.argv.index("--worker") + 1 :][:4]
         _worker(int(pid), int(port), mode, int(rounds))
     else:
         main()

@@ -84,8 +84,14 @@ def resolve_model(name: str, tmp: str, vocab: int) -> tuple[str, dict]:
 def make_ours(model: str, max_context_len: int, warm_kv: int):
     from tokenspeed_jax import LLM
 
-    llm = LLM(model=model, max_batch_requests=64, max_scheduled_tokens=2048,
-              max_context_len=max_context_len, num_pages=4096, page_size=16)
+    llm = LLM(
+        model=model,
+        max_batch_requests=64,
+        max_scheduled_tokens=2048,
+        max_context_len=max_context_len,
+        num_pages=4096,
+        page_size=16,
+    )
     t0 = time.perf_counter()
     compiles = llm.warmup(max_kv_len=warm_kv)
     return llm, dict(warmup_s=time.perf_counter() - t0, warmup_compiles=compiles)
@@ -100,8 +106,12 @@ def run_ours(llm, prompts, new_tokens: int) -> dict:
     outs = llm.generate(prompts, sp)
     wall = time.perf_counter() - t0
     st = llm.stats()
-    return dict(tokens=[o.token_ids for o in outs], wall_s=wall, compiles=st.get("num_compiles"),
-                steps=st.get("num_engine_steps", 0) - steps0)
+    return dict(
+        tokens=[o.token_ids for o in outs],
+        wall_s=wall,
+        compiles=st.get("num_compiles"),
+        steps=st.get("num_engine_steps", 0) - steps0,
+    )
 
 
 def make_theirs(hf_kwargs: dict):
@@ -117,11 +127,17 @@ def run_theirs(model, prompts, new_tokens: int) -> dict:
     ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding needed
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         wall = time.perf_counter() - t0
-    return dict(tokens=out[:, ids.shape[1]:].tolist(), wall_s=wall)
+    return dict(tokens=out[:, ids.shape[1] :].tolist(), wall_s=wall)
 
 
 def ctx_table(model: str, prompts, contexts=(2048, 8192, 32768), decode: int = 34) -> list[dict]:
@@ -134,8 +150,15 @@ def ctx_table(model: str, prompts, contexts=(2048, 8192, 32768), decode: int = 3
     for ctx in contexts:
         for mode, min_kv in (("kv buckets", None), ("full width", ctx)):
             extra = {} if min_kv is None else {"min_kv_bucket": min_kv}
-            llm = LLM(model=model, max_batch_requests=64, max_scheduled_tokens=2048,
-                      max_context_len=ctx, num_pages=4096, page_size=16, **extra)
+            llm = LLM(
+                model=model,
+                max_batch_requests=64,
+                max_scheduled_tokens=2048,
+                max_context_len=ctx,
+                num_pages=4096,
+                page_size=16,
+                **extra,
+            )
             # compiles the keys this workload meets (lazily) and fills the prefix cache
             llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
             runner, times = llm.engine.runner, []
@@ -152,17 +175,26 @@ def ctx_table(model: str, prompts, contexts=(2048, 8192, 32768), decode: int = 3
             runner.dispatch = timed
             llm.generate(prompts, SamplingParams(max_tokens=decode, ignore_eos=True))
             runner.dispatch = inner
-            rows.append(dict(ctx=ctx, mode=mode, steps=len(times),
-                             median_ms=statistics.median(times) * 1e3,
-                             kv_levels=len(runner.shapes.kv_levels),
-                             compiles=llm.stats().get("num_compiles")))
+            rows.append(
+                dict(
+                    ctx=ctx,
+                    mode=mode,
+                    steps=len(times),
+                    median_ms=statistics.median(times) * 1e3,
+                    kv_levels=len(runner.shapes.kv_levels),
+                    compiles=llm.stats().get("num_compiles"),
+                )
+            )
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="qwen3-random",
-                    help="qwen3-random | smollm2-135m (GGUF, issue 10) | a checkpoint dir")
+    ap.add_argument(
+        "--model",
+        default="qwen3-random",
+        help="qwen3-random | smollm2-135m (GGUF, issue 10) | a checkpoint dir",
+    )
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--shared", type=int, default=384)
     ap.add_argument("--own", type=int, default=32)
@@ -202,34 +234,43 @@ def main() -> None:
                     theirs = run_theirs(hf, prompts, args.new)
                     theirs_s.append(theirs["wall_s"])
                     equal.append(sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"])))
-            print(f"\n## e2e: {args.model}, {args.requests} x ({args.shared} shared + {args.own} own) "
-                  f"prompt, {args.new} greedy new tokens, float32, {args.threads} threads, "
-                  f"{args.repeats} interleaved repeats (best shown)\n")
-            print("| engine | wall s (best) | all wall s | tokens/s | ratio vs transformers | "
-                  "greedy equal | notes |")
+            print(
+                f"\n## e2e: {args.model}, {args.requests} x ({args.shared} shared + {args.own} own) "
+                f"prompt, {args.new} greedy new tokens, float32, {args.threads} threads, "
+                f"{args.repeats} interleaved repeats (best shown)\n"
+            )
+            print(
+                "| engine | wall s (best) | all wall s | tokens/s | ratio vs transformers | "
+                "greedy equal | notes |"
+            )
             print("|---|---|---|---|---|---|---|")
             fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731
             ratio = "n/a"
             if theirs_s:
-                print(f"| transformers generate | {min(theirs_s):.2f} | {fmt(theirs_s)} | "
-                      f"{n_tok / min(theirs_s):.1f} | 1.00 | | padded static batch |")
+                print(
+                    f"| transformers generate | {min(theirs_s):.2f} | {fmt(theirs_s)} | "
+                    f"{n_tok / min(theirs_s):.1f} | 1.00 | | padded static batch |"
+                )
                 ratio = f"{min(theirs_s) / min(ours_s):.2f}"
             eq = f"{min(equal)}/{args.requests}" if equal else "n/a"
-            print(f"| tokenspeed-jax LLM.generate | {min(ours_s):.2f} | {fmt(ours_s)} | "
-                  f"{n_tok / min(ours_s):.1f} | {ratio} | {eq} | warmup {warm['warmup_s']:.1f} s "
-                  f"({warm['warmup_compiles']} compiles), {ours['steps']} steps, compiles after "
-                  f"{ours['compiles']} |")
+            print(
+                f"| tokenspeed-jax LLM.generate | {min(ours_s):.2f} | {fmt(ours_s)} | "
+                f"{n_tok / min(ours_s):.1f} | {ratio} | {eq} | warmup {warm['warmup_s']:.1f} s "
+                f"({warm['warmup_compiles']} compiles), {ours['steps']} steps, compiles after "
+                f"{ours['compiles']} |"
+            )
         if args.ctx_table:
             rows = ctx_table(model, make_prompts(args.requests, args.shared, args.own, vocab, 99))
             base = {r["mode"]: r["median_ms"] for r in rows if r["ctx"] == rows[0]["ctx"]}
             print("\n## decode step vs max_context_len (48 requests of ~450 tokens)\n")
-            print("| max_context_len | mode | decode steps | median ms/step | vs 2k | kv levels | "
-                  "compiles |")
+            print("| max_context_len | mode | decode steps | median ms/step | vs 2k | kv levels | compiles |")
             print("|---|---|---|---|---|---|---|")
             for r in rows:
-                print(f"| {r['ctx']} | {r['mode']} | {r['steps']} | {r['median_ms']:.2f} | "
-                      f"{r['median_ms'] / base[r['mode']]:.2f} | {r['kv_levels']} | "
-                      f"{r['compiles']} |")
+                print(
+                    f"| {r['ctx']} | {r['mode']} | {r['steps']} | {r['median_ms']:.2f} | "
+                    f"{r['median_ms'] / base[r['mode']]:.2f} | {r['kv_levels']} | "
+                    f"{r['compiles']} |"
+                )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ def main() -> int:
     if reason:
         print(f"skipped: {reason}")
         return 1
-    print(f"# kernel compile check  {datetime.date.today()}  jax {jax.__version__}  "
-          f"target sm_90a ({compile_check.H200.name}, {compile_check.H200.sms} SMs)")
+    print(
+        f"# kernel compile check  {datetime.date.today()}  jax {jax.__version__}  "
+        f"target sm_90a ({compile_check.H200.name}, {compile_check.H200.sms} SMs)"
+    )
     print(compile_check.HEADER)
     bad = []
     t0 = time.perf_counter()
@@ -45,8 +47,10 @@ def main() -> int:
         for r in reports:
             print(r.row(), flush=True)
             bad += compile_check.problems(r)
-    print(f"\n{time.perf_counter() - t0:.0f} s; " + ("all checks pass" if not bad else
-                                                    "PROBLEMS:\n  " + "\n  ".join(bad)))
+    print(
+        f"\n{time.perf_counter() - t0:.0f} s; "
+        + ("all checks pass" if not bad else "PROBLEMS:\n  " + "\n  ".join(bad))
+    )
     return 1 if bad else 0
 
 

@@ -140,8 +140,9 @@ def bench(fn, *args, reps: int, inner: int) -> float:
     return statistics.median(times)
 
 
-def make_batch(key, *, q_lens, kv_lens, page_size, hkv, hq, d, dtype, extra_pages=8,
-               shuffle=True, first_page=1):
+def make_batch(
+    key, *, q_lens, kv_lens, page_size, hkv, hq, d, dtype, extra_pages=8, shuffle=True, first_page=1
+):
     """Pools + page table for a batch; page ids shuffled (fragmented pool), page 0 = null.
     `first_page` > 1 leaves the low pages unused (to put a batch at the top of a huge pool)."""
     pages_per = [-(-kv // page_size) for kv in kv_lens]
@@ -161,8 +162,15 @@ def make_batch(key, *, q_lens, kv_lens, page_size, hkv, hq, d, dtype, extra_page
         i += n
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = jax.random.normal(k4, (int(cu[-1]), hq, d), dtype)
-    return (q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(kv_lens, jnp.int32),
-            jnp.asarray(cu), jnp.asarray([len(kv_lens)], jnp.int32))
+    return (
+        q,
+        k_pages,
+        v_pages,
+        jnp.asarray(table),
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(cu),
+        jnp.asarray([len(kv_lens)], jnp.int32),
+    )
 
 
 def jax_kernel_fn(args, *, interpret: bool, pages_per_compute_block: int, k_splits: int):
@@ -171,9 +179,14 @@ def jax_kernel_fn(args, *, interpret: bool, pages_per_compute_block: int, k_spli
 
     q, k_pages, v_pages, table, kv_lens, _, _ = args
     kt, vt = (jnp.transpose(x, (2, 0, 1, 3)) for x in (k_pages, v_pages))
-    fn = jax.jit(functools.partial(jax_pa.paged_attention, interpret=interpret,
-                                   pages_per_compute_block=pages_per_compute_block,
-                                   k_splits=k_splits))
+    fn = jax.jit(
+        functools.partial(
+            jax_pa.paged_attention,
+            interpret=interpret,
+            pages_per_compute_block=pages_per_compute_block,
+            k_splits=k_splits,
+        )
+    )
     return fn, (q, kt, vt, table, kv_lens)
 
 
@@ -186,8 +199,7 @@ def _check(name: str, fn, failures: list[str]) -> None:
     try:
         err, tol = fn()
         ok = np.isfinite(err) and err < tol
-        print(f"{'PASS' if ok else 'FAIL'} {name}: max |diff| = {err:.2e} (tol {tol:.0e})",
-              flush=True)
+        print(f"{'PASS' if ok else 'FAIL'} {name}: max |diff| = {err:.2e} (tol {tol:.0e})", flush=True)
         if not ok:
             failures.append(name)
     except Exception as e:  # noqa: BLE001 - report and go on to the next check
@@ -202,8 +214,9 @@ def check_correctness(interpret: bool, small: bool) -> list[str]:
     key = jax.random.PRNGKey(1)
     ps, hkv, hq, d = 16, 2, 8, 128 if not small else 64
     q_lens, kv_lens = ([1, 37, 1, 5], [300, 37, 90, 200]) if not small else ([1, 5], [40, 5])
-    args = list(make_batch(key, q_lens=q_lens, kv_lens=kv_lens, page_size=ps, hkv=hkv, hq=hq,
-                           d=d, dtype=jnp.bfloat16))
+    args = list(
+        make_batch(key, q_lens=q_lens, kv_lens=kv_lens, page_size=ps, hkv=hkv, hq=hq, d=d, dtype=jnp.bfloat16)
+    )
     window = 64 if not small else 16
     # Holes at slid-out slots, NaN in the null page and the spare pages.
     table = np.asarray(args[3]).copy()
@@ -219,21 +232,31 @@ def check_correctness(interpret: bool, small: bool) -> list[str]:
     ref = jax.jit(functools.partial(paged_attention_reference, **kw))(*args)
 
     def vs_reference(config=None):
-        out = jax.jit(functools.partial(paged_attention, interpret=interpret, config=config,
-                                        **kw))(*args)
+        out = jax.jit(functools.partial(paged_attention, interpret=interpret, config=config, **kw))(*args)
         return (_max_diff(out, ref) if bool(jnp.all(jnp.isfinite(out))) else float("nan")), 3e-2
 
     _check("ours vs reference (bf16, window, cap, sinks, holes, NaN)", vs_reference, failures)
-    _check("ours vs reference, kv_splits=4, 32-token tiles",
-           lambda: vs_reference(PagedAttentionConfig(pages_per_block=2, block_q=4, kv_splits=4,
-                                                     num_stages=3)), failures)
+    _check(
+        "ours vs reference, kv_splits=4, 32-token tiles",
+        lambda: vs_reference(PagedAttentionConfig(pages_per_block=2, block_q=4, kv_splits=4, num_stages=3)),
+        failures,
+    )
 
     def big_pool():
         # > 4 GiB per pool (bf16 [P, 16, 8, 128] = 32 KiB per page): the kernel must use 64-bit
         # offsets; the batch's pages sit at the top of the pool.
         first = (2**32 // (16 * 8 * 128 * 2)) + 64
-        big = make_batch(key, q_lens=[1, 1, 3, 1], kv_lens=[700, 1024, 33, 512], page_size=16,
-                         hkv=8, hq=32, d=128, dtype=jnp.bfloat16, first_page=first)
+        big = make_batch(
+            key,
+            q_lens=[1, 1, 3, 1],
+            kv_lens=[700, 1024, 33, 512],
+            page_size=16,
+            hkv=8,
+            hq=32,
+            d=128,
+            dtype=jnp.bfloat16,
+            first_page=first,
+        )
         assert big[1].nbytes > 2**32, big[1].nbytes
         out = jax.jit(functools.partial(paged_attention, interpret=interpret))(*big)
         want = jax.jit(paged_attention_reference)(*big)
@@ -243,15 +266,21 @@ def check_correctness(interpret: bool, small: bool) -> list[str]:
         _check("ours vs reference, > 4 GiB pool (64-bit offsets)", big_pool, failures)
 
     def vs_jax():
-        dec = make_batch(key, q_lens=[1] * 4, kv_lens=[256, 100, 31, 256], page_size=ps,
-                         hkv=hkv, hq=hq, d=d, dtype=jnp.bfloat16)
+        dec = make_batch(
+            key,
+            q_lens=[1] * 4,
+            kv_lens=[256, 100, 31, 256],
+            page_size=ps,
+            hkv=hkv,
+            hq=hq,
+            d=d,
+            dtype=jnp.bfloat16,
+        )
         # JAX's kernel needs pages_per_sequence divisible by k_splits * pages_per_compute_block,
         # and applies no 1/sqrt(D) logit scale: compare at sm_scale=1.
-        fn, jargs = jax_kernel_fn(dec, interpret=interpret, pages_per_compute_block=4,
-                                  k_splits=4)
+        fn, jargs = jax_kernel_fn(dec, interpret=interpret, pages_per_compute_block=4, k_splits=4)
         theirs = fn(*jargs)
-        ours = jax.jit(functools.partial(paged_attention, interpret=interpret,
-                                         sm_scale=1.0))(*dec)
+        ours = jax.jit(functools.partial(paged_attention, interpret=interpret, sm_scale=1.0))(*dec)
         return _max_diff(ours, theirs), 3e-2
 
     _check("ours vs JAX paged_attention (bf16 decode)", vs_jax, failures)
@@ -261,10 +290,16 @@ def check_correctness(interpret: bool, small: bool) -> list[str]:
         x = jax.random.normal(key, (12, c), jnp.bfloat16)
         pool = jax.random.normal(key, (8, conv_ps, c), jnp.bfloat16)
         table = jnp.asarray([[1, 2, 3], [4, 5, 0]], jnp.int32)
-        conv_args = (x, pool, table, jnp.asarray([30, 10], jnp.int32), jnp.asarray([0, 1, 12]),
-                     jnp.asarray([2], jnp.int32), jax.random.normal(key, (3, c), jnp.bfloat16))
-        return _max_diff(short_conv(*conv_args, interpret=interpret),
-                         short_conv_reference(*conv_args)), 3e-2
+        conv_args = (
+            x,
+            pool,
+            table,
+            jnp.asarray([30, 10], jnp.int32),
+            jnp.asarray([0, 1, 12]),
+            jnp.asarray([2], jnp.int32),
+            jax.random.normal(key, (3, c), jnp.bfloat16),
+        )
+        return _max_diff(short_conv(*conv_args, interpret=interpret), short_conv_reference(*conv_args)), 3e-2
 
     _check("short_conv vs reference", conv, failures)
     return failures
@@ -273,21 +308,30 @@ def check_correctness(interpret: bool, small: bool) -> list[str]:
 def cases(smoke: bool):
     """(label, q_lens, kv_lens, window, page_size, with_jax) for the timing table."""
     if smoke:
-        return [("decode B=4 ctx=128 page=16", [1] * 4, [128] * 4, None, 16, True),
-                ("decode window=32 ctx=128", [1] * 4, [128] * 4, 32, 16, False),
-                ("mixed", [32] * 2 + [1] * 2, [64] * 2 + [128] * 2, None, 16, False)]
+        return [
+            ("decode B=4 ctx=128 page=16", [1] * 4, [128] * 4, None, 16, True),
+            ("decode window=32 ctx=128", [1] * 4, [128] * 4, 32, 16, False),
+            ("mixed", [32] * 2 + [1] * 2, [64] * 2 + [128] * 2, None, 16, False),
+        ]
     out = []
     for ps in (16, 32):
         for ctx in (8192, 32768):
-            out.append((f"decode B=64 ctx={ctx // 1024}k page={ps}", [1] * 64, [ctx] * 64, None,
-                        ps, True))
-        out.append((f"decode B=64 ctx=32k window=4096 page={ps}", [1] * 64, [32768] * 64, 4096,
-                    ps, False))
-    out.append(("mixed: 60 decodes@8k + 4 prefill x512@4k", [512] * 4 + [1] * 60,
-                [4096] * 4 + [8192] * 60, None, 16, False))
+            out.append((f"decode B=64 ctx={ctx // 1024}k page={ps}", [1] * 64, [ctx] * 64, None, ps, True))
+        out.append((f"decode B=64 ctx=32k window=4096 page={ps}", [1] * 64, [32768] * 64, 4096, ps, False))
+    out.append(
+        (
+            "mixed: 60 decodes@8k + 4 prefill x512@4k",
+            [512] * 4 + [1] * 60,
+            [4096] * 4 + [8192] * 60,
+            None,
+            16,
+            False,
+        )
+    )
     # a serving step: one 512-token prefill chunk beside 31 running decodes
-    out.append(("mixed: 31 decodes@2k + 1 prefill x512", [512] + [1] * 31, [512] + [2048] * 31,
-                None, 16, False))
+    out.append(
+        ("mixed: 31 decodes@2k + 1 prefill x512", [512] + [1] * 31, [512] + [2048] * 31, None, 16, False)
+    )
     return out
 
 
@@ -296,23 +340,27 @@ HEADS = dict(hkv=8, hq=32, d=128, itemsize=2)
 
 def print_model() -> None:
     """The roofline model's predictions for every timed case (no device needed)."""
-    print("| case | must-move MB | GFLOP | roofline ms | predicted ms (ours) | "
-          "predicted % of limit | predicted TB/s | % of 4.8 TB/s spec |")
+    print(
+        "| case | must-move MB | GFLOP | roofline ms | predicted ms (ours) | "
+        "predicted % of limit | predicted TB/s | % of 4.8 TB/s spec |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for label, q_lens, kv_lens, window, ps, _ in cases(smoke=False):
         nbytes, flops, roof = roofline(q_lens, kv_lens, window, **HEADS)
         pred = predicted_seconds(q_lens, kv_lens, window, page_size=ps, **HEADS)
-        print(f"| {label} | {nbytes / 1e6:.0f} | {flops / 1e9:.0f} | {roof * 1e3:.3f} | "
-              f"{pred * 1e3:.3f} | {100 * roof / pred:.0f}% | {nbytes / pred / 1e12:.2f} | "
-              f"{100 * nbytes / pred / SPEC_BPS:.0f}% |")
+        print(
+            f"| {label} | {nbytes / 1e6:.0f} | {flops / 1e9:.0f} | {roof * 1e3:.3f} | "
+            f"{pred * 1e3:.3f} | {100 * roof / pred:.0f}% | {nbytes / pred / 1e12:.2f} | "
+            f"{100 * nbytes / pred / SPEC_BPS:.0f}% |"
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes in Pallas interpret mode (CPU)")
-    parser.add_argument("--model", action="store_true",
-                        help="print the roofline model's predictions only (no device)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes in Pallas interpret mode (CPU)")
+    parser.add_argument(
+        "--model", action="store_true", help="print the roofline model's predictions only (no device)"
+    )
     parser.add_argument("--skip-correctness", action="store_true")
     ns = parser.parse_args()
     if ns.model:
@@ -320,8 +368,10 @@ def main() -> int:
         return 0
     interpret = ns.smoke
     dev = jax.devices()[0]
-    print(f"# kernels benchmark  {datetime.date.today()}  jax {jax.__version__}  "
-          f"device: {dev.device_kind} ({dev.platform})")
+    print(
+        f"# kernels benchmark  {datetime.date.today()}  jax {jax.__version__}  "
+        f"device: {dev.device_kind} ({dev.platform})"
+    )
     if not interpret and dev.platform != "gpu":
         print("no GPU: use --smoke (interpret mode) or --model (predictions only)")
         return 1
@@ -336,8 +386,10 @@ def main() -> int:
 
     def report(name, secs, roof, nbytes, base=None):
         vs = "" if base is None else f"{base / secs:.2f}x"
-        rows.append(f"| {name} | {secs * 1e3:.4g} | {roof * 1e3:.4g} | {100 * roof / secs:.1f}% | "
-                    f"{nbytes / secs / 1e12:.2f} | {vs} |")
+        rows.append(
+            f"| {name} | {secs * 1e3:.4g} | {roof * 1e3:.4g} | {100 * roof / secs:.1f}% | "
+            f"{nbytes / secs / 1e12:.2f} | {vs} |"
+        )
         print(rows[-1], flush=True)
 
     print("| case | measured ms | roofline ms | % of limit | TB/s (must-move) | ours vs JAX |")
@@ -345,30 +397,36 @@ def main() -> int:
     key = jax.random.PRNGKey(0)
     hkv, hq, d = heads["hkv"], heads["hq"], heads["d"]
     for label, q_lens, kv_lens, window, ps, with_jax in cases(ns.smoke):
-        args = make_batch(key, q_lens=q_lens, kv_lens=kv_lens, page_size=ps, hkv=hkv, hq=hq, d=d,
-                          dtype=dtype)
+        args = make_batch(key, q_lens=q_lens, kv_lens=kv_lens, page_size=ps, hkv=hkv, hq=hq, d=d, dtype=dtype)
         nbytes, _, roof = roofline(q_lens, kv_lens, window, **heads)
         t_jax = None
         if with_jax:
             try:  # JAX's kernel failing must not stop ours
                 ctx = kv_lens[0]
                 ppcb = min(max(1, 128 // ps), ctx // ps)
-                fn, jargs = jax_kernel_fn(args, interpret=interpret, pages_per_compute_block=ppcb,
-                                          k_splits=max(1, min(16, ctx // ps // ppcb)))
+                fn, jargs = jax_kernel_fn(
+                    args,
+                    interpret=interpret,
+                    pages_per_compute_block=ppcb,
+                    k_splits=max(1, min(16, ctx // ps // ppcb)),
+                )
                 t_jax = bench(fn, *jargs, reps=reps, inner=inner)
                 del jargs
                 report(f"JAX paged_attention {label}", t_jax, roof, nbytes)
             except Exception as e:  # noqa: BLE001
                 print(f"| JAX paged_attention {label} | FAILED: {str(e).splitlines()[0][:200]} |")
-        ours = jax.jit(functools.partial(paged_attention, interpret=interpret,
-                                         sliding_window=window))
+        ours = jax.jit(functools.partial(paged_attention, interpret=interpret, sliding_window=window))
         report(f"ours {label}", bench(ours, *args, reps=reps, inner=inner), roof, nbytes, t_jax)
         if not ns.smoke and label == "decode B=64 ctx=32k page=16":
             for cfg in DECODE_TUNING_CANDIDATES:
                 tuned = jax.jit(functools.partial(paged_attention, config=cfg))
-                report(f"ours {label} tile={cfg.pages_per_block * ps} stages={cfg.num_stages} "
-                       f"splits={cfg.kv_splits}", bench(tuned, *args, reps=reps, inner=inner),
-                       roof, nbytes)
+                report(
+                    f"ours {label} tile={cfg.pages_per_block * ps} stages={cfg.num_stages} "
+                    f"splits={cfg.kv_splits}",
+                    bench(tuned, *args, reps=reps, inner=inner),
+                    roof,
+                    nbytes,
+                )
         if label.startswith("mixed"):
             # the default is two launches (MixedConfig, the decode launch unsplit); before
             # 2026-12-04 it was one launch at the prefill config
@@ -376,14 +434,17 @@ def main() -> int:
             both = mixed_config(t, s, ps, hq // hkv, hkv, mp)
             assert both is not None
             split = default_config(s, s, ps, hq // hkv, hkv, mp).kv_splits
-            variants = {"one launch (prefill config)": default_config(t, s, ps, hq // hkv, hkv, mp),
-                        f"two launches, decode kv_splits={split}": dataclasses.replace(
-                            both, decode=dataclasses.replace(both.decode, kv_splits=split))}
+            variants = {
+                "one launch (prefill config)": default_config(t, s, ps, hq // hkv, hkv, mp),
+                f"two launches, decode kv_splits={split}": dataclasses.replace(
+                    both, decode=dataclasses.replace(both.decode, kv_splits=split)
+                ),
+            }
             for name, cfg in variants.items():
-                tuned = jax.jit(functools.partial(paged_attention, interpret=interpret,
-                                                  sliding_window=window, config=cfg))
-                report(f"ours {label} {name}", bench(tuned, *args, reps=reps, inner=inner),
-                       roof, nbytes)
+                tuned = jax.jit(
+                    functools.partial(paged_attention, interpret=interpret, sliding_window=window, config=cfg)
+                )
+                report(f"ours {label} {name}", bench(tuned, *args, reps=reps, inner=inner), roof, nbytes)
         del args
     print("\n".join(["", "table:", *rows]))
     if failures:

@@ -55,10 +55,15 @@ def _pass(llm: LLM, wl: WorkloadConfig) -> dict:
         del eng.step
     s = rep.summary()
     clock = eng.clock
-    out = {"wall_s": rep.wall_s, "steps": clock.num_steps,
-           "dropped": eng.scheduler.stats()["num_dropped_tokens"],
-           "out_tok_s": s["output_tok_per_s"], "computed_tok_s": s["computed_tok_per_s"],
-           "idle_frac": clock.critical_s / rep.wall_s, "tokens": tokens}
+    out = {
+        "wall_s": rep.wall_s,
+        "steps": clock.num_steps,
+        "dropped": eng.scheduler.stats()["num_dropped_tokens"],
+        "out_tok_s": s["output_tok_per_s"],
+        "computed_tok_s": s["computed_tok_per_s"],
+        "idle_frac": clock.critical_s / rep.wall_s,
+        "tokens": tokens,
+    }
     out.update(clock.summary())
     return out
 
@@ -69,13 +74,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=None)
     ap.add_argument("--sessions", type=int, default=None)
     ap.add_argument("--turns", type=int, default=None)
-    ap.add_argument("--stop-at-eos", action="store_true",
-                    help="replies stop at EOS (a row planned behind a stop token is dropped)")
+    ap.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="replies stop at EOS (a row planned behind a stop token is dropped)",
+    )
     args = ap.parse_args(argv)
     quick = args.quick
-    wl = WorkloadConfig(sessions=args.sessions or (8 if quick else 64),
-                        turns=args.turns or (2 if quick else 4), system_tokens=384,
-                        user_tokens=24, max_tokens=24, ignore_eos=not args.stop_at_eos)
+    wl = WorkloadConfig(
+        sessions=args.sessions or (8 if quick else 64),
+        turns=args.turns or (2 if quick else 4),
+        system_tokens=384,
+        user_tokens=24,
+        max_tokens=24,
+        ignore_eos=not args.stop_at_eos,
+    )
     passes = args.passes or (1 if quick else 2)
     cfg = dict(page_size=16, num_pages=1024, max_batch_requests=32, max_scheduled_tokens=512)
     # One LLM (one runner, one compile of every shape) serves both modes: the engine's loop
@@ -98,27 +111,34 @@ def main(argv: list[str] | None = None) -> int:
             if mode not in best or r["out_tok_s"] > best[mode]["out_tok_s"]:
                 best[mode] = r
     same = best["sync"]["tokens"] == best["async"]["tokens"]
-    print(f"\nworkload: {wl.sessions} sessions x {wl.turns} turns, system prompt "
-          f"{wl.system_tokens}, {wl.max_tokens} output tokens each; page 16, 1024 pages, "
-          f"batch 32, 512 tokens/step; best of {passes} pass(es) per mode")
+    print(
+        f"\nworkload: {wl.sessions} sessions x {wl.turns} turns, system prompt "
+        f"{wl.system_tokens}, {wl.max_tokens} output tokens each; page 16, 1024 pages, "
+        f"batch 32, 512 tokens/step; best of {passes} pass(es) per mode"
+    )
     stops = sum(len(t) < wl.max_tokens for t in best["sync"]["tokens"].values())
-    print(f"outputs identical (every request's token ids): {same}; replies ended by a stop "
-          f"token: {stops} of {len(best['sync']['tokens'])}\n")
-    cols = [("out tok/s", "out_tok_s", "{:.1f}"), ("computed tok/s", "computed_tok_s", "{:.1f}"),
-            ("steps", "steps", "{}"), ("dropped tokens", "dropped", "{}"),
-            ("host ms/step", "host_ms_per_step", "{:.2f}"),
-            ("wait ms/step", "wait_ms_per_step", "{:.2f}"),
-            ("device ms/step", "device_ms_per_step", "{:.2f}"),
-            ("critical ms/step", "critical_ms_per_step", "{:.3f}"),
-            ("decode host ms/step", "decode_host_ms_per_step", "{:.2f}"),
-            ("decode critical ms/step (mean)", "decode_critical_ms_per_step", "{:.3f}"),
-            ("decode critical p50 / p90", "decode_p50_p90", "{}"),
-            ("pipelined steps", "pipelined_fraction", "{:.1%}"),
-            ("gapless dispatches", "gapless_dispatch_fraction", "{:.1%}"),
-            ("device idle", "idle_frac", "{:.1%}")]
+    print(
+        f"outputs identical (every request's token ids): {same}; replies ended by a stop "
+        f"token: {stops} of {len(best['sync']['tokens'])}\n"
+    )
+    cols = [
+        ("out tok/s", "out_tok_s", "{:.1f}"),
+        ("computed tok/s", "computed_tok_s", "{:.1f}"),
+        ("steps", "steps", "{}"),
+        ("dropped tokens", "dropped", "{}"),
+        ("host ms/step", "host_ms_per_step", "{:.2f}"),
+        ("wait ms/step", "wait_ms_per_step", "{:.2f}"),
+        ("device ms/step", "device_ms_per_step", "{:.2f}"),
+        ("critical ms/step", "critical_ms_per_step", "{:.3f}"),
+        ("decode host ms/step", "decode_host_ms_per_step", "{:.2f}"),
+        ("decode critical ms/step (mean)", "decode_critical_ms_per_step", "{:.3f}"),
+        ("decode critical p50 / p90", "decode_p50_p90", "{}"),
+        ("pipelined steps", "pipelined_fraction", "{:.1%}"),
+        ("gapless dispatches", "gapless_dispatch_fraction", "{:.1%}"),
+        ("device idle", "idle_frac", "{:.1%}"),
+    ]
     for r in best.values():
-        r["decode_p50_p90"] = (f"{r['decode_critical_ms_p50']:.2f} / "
-                               f"{r['decode_critical_ms_p90']:.2f}")
+        r["decode_p50_p90"] = f"{r['decode_critical_ms_p50']:.2f} / {r['decode_critical_ms_p90']:.2f}"
     print("| mode | " + " | ".join(c[0] for c in cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for mode in ("sync", "async"):

@@ -30,8 +30,17 @@ from scheduler import Scheduler, StepOps  # noqa: E402
 from tokenspeed_jax import LLM  # noqa: E402
 from tokenspeed_jax.workloads.agentic import WorkloadConfig, run_workload  # noqa: E402
 
-PARTS = ("schedule", "pack", "jit_call", "dispatch_total", "collect", "update",
-         "route_logprobs", "output", "engine_step")
+PARTS = (
+    "schedule",
+    "pack",
+    "jit_call",
+    "dispatch_total",
+    "collect",
+    "update",
+    "route_logprobs",
+    "output",
+    "engine_step",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,17 +77,22 @@ def main(argv: list[str] | None = None) -> int:
 
         setattr(obj, name, timed)
 
-    wl = WorkloadConfig(sessions=args.sessions, turns=args.turns, system_tokens=384,
-                        user_tokens=24, max_tokens=24)
-    llm = LLM("tiny-random", page_size=16, num_pages=1024, max_batch_requests=32,
-              max_scheduled_tokens=512)
+    wl = WorkloadConfig(
+        sessions=args.sessions, turns=args.turns, system_tokens=384, user_tokens=24, max_tokens=24
+    )
+    llm = LLM("tiny-random", page_size=16, num_pages=1024, max_batch_requests=32, max_scheduled_tokens=512)
     llm.warmup()
     eng = llm.engine
     runner = eng.runner
     wrap(runner_mod, "pack", "pack")
-    for obj, name, key in ((runner, "execute", "jit_call"), (runner, "dispatch", "dispatch_total"),
-                           (runner, "collect", "collect"), (eng, "_route_logprobs", "route_logprobs"),
-                           (eng, "_output", "output"), (eng, "step", "engine_step")):
+    for obj, name, key in (
+        (runner, "execute", "jit_call"),
+        (runner, "dispatch", "dispatch_total"),
+        (runner, "collect", "collect"),
+        (eng, "_route_logprobs", "route_logprobs"),
+        (eng, "_output", "output"),
+        (eng, "step", "engine_step"),
+    ):
         wrap(obj, name, key)
     for mode in args.modes.split(","):
         eng.drain()
@@ -98,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         eng.drain()
         clock, n = eng.clock, max(eng.clock.num_steps, 1)
         s = clock.summary()
-        print(f"== {mode}: {rep.summary()['output_tok_per_s']} out tok/s, {clock.num_steps} steps, "
-              f"host {s['host_ms_per_step']:.2f} ms/step, decode host "
-              f"{s['decode_host_ms_per_step']:.2f}, decode critical "
-              f"{s['decode_critical_ms_per_step']:.3f}, wait {s['wait_ms_per_step']:.2f}")
+        print(
+            f"== {mode}: {rep.summary()['output_tok_per_s']} out tok/s, {clock.num_steps} steps, "
+            f"host {s['host_ms_per_step']:.2f} ms/step, decode host "
+            f"{s['decode_host_ms_per_step']:.2f}, decode critical "
+            f"{s['decode_critical_ms_per_step']:.3f}, wait {s['wait_ms_per_step']:.2f}"
+        )
         nd = max(int(dec["n_dispatch_total"]), 1)
         print(f"  {'part':16s} {'ms/step':>8s} {'ms/decode step':>15s}  ({nd} decode steps)")
         for k in PARTS:
@@ -109,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         for label, decode in (("decode", True), ("other", False)):
             xs = [g for d, _, g in clock.gaps if d == decode]
             if xs:
-                print(f"  gaps {label:7s} n={len(xs)} nonzero={sum(x > 0 for x in xs)} "
-                      f"mean={1e3 * np.mean(xs):.3f} ms max={1e3 * max(xs):.2f} ms")
+                print(
+                    f"  gaps {label:7s} n={len(xs)} nonzero={sum(x > 0 for x in xs)} "
+                    f"mean={1e3 * np.mean(xs):.3f} ms max={1e3 * max(xs):.2f} ms"
+                )
         if prof is not None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     return 0

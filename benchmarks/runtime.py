@@ -44,15 +44,22 @@ def _decode_ops(rng, r: int, width: int, delta: int, step: int):
     begins = np.full(r, width // 2, np.int32)
     new_pages = np.zeros((r, delta), np.int32)
     new_pages[:, 0] = rng.integers(1, 1 << 20, r)
-    return dict(req_slots=slots, begins=begins, sizes=sizes, new_pages=new_pages,
-                full_refresh=np.zeros(r, bool), row_lens=np.zeros(r, np.int32),
-                hole_slots=np.full((r, delta), width, np.int32))
+    return dict(
+        req_slots=slots,
+        begins=begins,
+        sizes=sizes,
+        new_pages=new_pages,
+        full_refresh=np.zeros(r, bool),
+        row_lens=np.zeros(r, np.int32),
+        hole_slots=np.full((r, delta), width, np.int32),
+    )
 
 
 def bench_page_table(contexts=(4096, 131072), r=256, page=16, steps=200) -> list[dict]:
     rng = np.random.default_rng(0)
-    fn = jax.jit(update_rows.__wrapped__ if hasattr(update_rows, "__wrapped__") else update_rows,
-                 donate_argnums=(0,))
+    fn = jax.jit(
+        update_rows.__wrapped__ if hasattr(update_rows, "__wrapped__") else update_rows, donate_argnums=(0,)
+    )
     out = []
     for ctx in contexts:
         width, delta = ctx // page, 2
@@ -64,24 +71,38 @@ def bench_page_table(contexts=(4096, 131072), r=256, page=16, steps=200) -> list
                 ops = _decode_ops(rng, r, width, delta, step)
                 t0 = time.perf_counter()
                 dev = jax.device_put(ops)
-                rows = (jax.device_put(np.zeros((r, width), np.int32)) if mode == "rows sent"
-                        else resident_rows)
-                table = fn(table, dev["req_slots"], dev["begins"], dev["sizes"],
-                           dev["new_pages"], dev["full_refresh"], rows, dev["row_lens"],
-                           hole_slots=dev["hole_slots"])
+                rows = (
+                    jax.device_put(np.zeros((r, width), np.int32)) if mode == "rows sent" else resident_rows
+                )
+                table = fn(
+                    table,
+                    dev["req_slots"],
+                    dev["begins"],
+                    dev["sizes"],
+                    dev["new_pages"],
+                    dev["full_refresh"],
+                    rows,
+                    dev["row_lens"],
+                    hole_slots=dev["hole_slots"],
+                )
                 table.block_until_ready()
                 if step >= 10:
                     times.append(time.perf_counter() - t0)
-            out.append(dict(context=ctx, width=width, mode=mode,
-                            median_us=statistics.median(times) * 1e6))
+            out.append(dict(context=ctx, width=width, mode=mode, median_us=statistics.median(times) * 1e6))
     return out
 
 
 def bench_compiles(steps: int = 1000, seed: int = 0) -> dict:
     from tokenspeed_jax import LLM, SamplingParams
 
-    llm = LLM("tiny-random", num_pages=600, page_size=16, max_batch_requests=16,
-              max_scheduled_tokens=256, max_context_len=512)
+    llm = LLM(
+        "tiny-random",
+        num_pages=600,
+        page_size=16,
+        max_batch_requests=16,
+        max_scheduled_tokens=256,
+        max_context_len=512,
+    )
     engine, rng = llm.engine, np.random.default_rng(seed)
     runner = engine.runner
     warm_steps, compiles_after_warmup, n = 0, None, 0
@@ -89,24 +110,30 @@ def bench_compiles(steps: int = 1000, seed: int = 0) -> dict:
     for step in range(steps):
         if rng.random() < 0.3 or not engine.has_unfinished():
             plen = int(rng.choice([3, 17, 60, 150, 300]))
-            engine.add_request(rng.integers(0, 256, plen).tolist(),
-                               SamplingParams(max_tokens=int(rng.integers(1, 40)), ignore_eos=True),
-                               request_id=f"v{n}")
+            engine.add_request(
+                rng.integers(0, 256, plen).tolist(),
+                SamplingParams(max_tokens=int(rng.integers(1, 40)), ignore_eos=True),
+                request_id=f"v{n}",
+            )
             n += 1
         engine.step()
         if compiles_after_warmup is None and runner.num_compiles == len(runner.shape_keys):
             compiles_after_warmup, warm_steps = runner.num_compiles, step + 1
-    return dict(steps=steps, requests=n, buckets=len(runner.shape_keys),
-                compiles=runner.num_compiles, all_buckets_warm_at_step=warm_steps,
-                wall_s=time.perf_counter() - t0)
+    return dict(
+        steps=steps,
+        requests=n,
+        buckets=len(runner.shape_keys),
+        compiles=runner.num_compiles,
+        all_buckets_warm_at_step=warm_steps,
+        wall_s=time.perf_counter() - t0,
+    )
 
 
 def bench_e2e(quick: bool) -> dict:
     from tokenspeed_jax import LLM
     from tokenspeed_jax.workloads.agentic import WorkloadConfig, run_workload
 
-    llm = LLM("tiny-random", num_pages=1024, page_size=16, max_batch_requests=32,
-              max_scheduled_tokens=512)
+    llm = LLM("tiny-random", num_pages=1024, page_size=16, max_batch_requests=32, max_scheduled_tokens=512)
     wl = WorkloadConfig(sessions=8 if quick else 24, turns=2 if quick else 3)
     llm.warmup()  # compile every token bucket first: the timed run measures serving only
     return run_workload(llm.engine, wl).summary()
@@ -115,8 +142,15 @@ def bench_e2e(quick: bool) -> dict:
 def _decode_step_ops(requests: int = 48, prompt: int = 450, ctx: int = 4096):
     from scheduler import Scheduler, SchedulerConfig
 
-    sched = Scheduler(SchedulerConfig(num_pages=4096, page_size=16, max_batch_requests=64,
-                                      max_scheduled_tokens=2048, max_context_len=ctx))
+    sched = Scheduler(
+        SchedulerConfig(
+            num_pages=4096,
+            page_size=16,
+            max_batch_requests=64,
+            max_scheduled_tokens=2048,
+            max_context_len=ctx,
+        )
+    )
     rng = np.random.default_rng(0)
     for i in range(requests):
         sched.add_request(f"r{i}", rng.integers(0, 1000, prompt).tolist(), 64)
@@ -141,10 +175,14 @@ def bench_step_inputs(steps: int = 300) -> dict:
     cols = next(c for t, c in kv_levels(widths, (16,) * len(widths), 256) if t >= need)
 
     def old():  # what the runner did before: one array per field, rows elided without refresh
-        d = {n: np.asarray(getattr(ops, n))[:bucket] if a == "token" else np.asarray(getattr(ops, n))
-             for n, a, _ in device_schema(StepOps)}
-        d["groups"] = [{n: np.asarray(getattr(g, n)) for n, _, _ in device_schema(GroupStepOps)
-                        if n != "rows"} for g in ops.groups]
+        d = {
+            n: np.asarray(getattr(ops, n))[:bucket] if a == "token" else np.asarray(getattr(ops, n))
+            for n, a, _ in device_schema(StepOps)
+        }
+        d["groups"] = [
+            {n: np.asarray(getattr(g, n)) for n, _, _ in device_schema(GroupStepOps) if n != "rows"}
+            for g in ops.groups
+        ]
         return jax.device_put(d)
 
     layout = layout_for(64, bucket, deltas, cols)
@@ -187,8 +225,10 @@ def main() -> None:
     print("\n## Compilations over a varied workload\n")
     print("| steps | requests | (token, kv) shape keys | compiles | all keys compiled by step | wall s |")
     print("|---|---|---|---|---|---|")
-    print(f"| {c['steps']} | {c['requests']} | {c['buckets']} | {c['compiles']} | "
-          f"{c['all_buckets_warm_at_step'] or 'n/a'} | {c['wall_s']:.1f} |")
+    print(
+        f"| {c['steps']} | {c['requests']} | {c['buckets']} | {c['compiles']} | "
+        f"{c['all_buckets_warm_at_step'] or 'n/a'} | {c['wall_s']:.1f} |"
+    )
     print("\n## StepOps host->device per decode step (48 rows, 450 tokens, context 4096)\n")
     print("| transfer | arrays | median us/step |")
     print("|---|---|---|")
@@ -196,12 +236,16 @@ def main() -> None:
         print(f"| {name} | {leaves or '-'} | {us:.0f} |")
     e = bench_e2e(args.quick)
     print("\n## End to end: the main job's workload (after `llm.warmup()` compiled every bucket)\n")
-    print("| requests | generated | computed prompt | wall s | output tok/s | computed tok/s | "
-          "TTFT p50 ms | TPOT p50 ms | prefix hit rate |")
+    print(
+        "| requests | generated | computed prompt | wall s | output tok/s | computed tok/s | "
+        "TTFT p50 ms | TPOT p50 ms | prefix hit rate |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {e['requests']} | {e['generated_tokens']} | {e['computed_prompt_tokens']} | "
-          f"{e['wall_s']} | {e['output_tok_per_s']} | {e['computed_tok_per_s']} | "
-          f"{e['ttft_ms_p50']} | {e['tpot_ms_p50']} | {e['prefix_hit_rate']} |")
+    print(
+        f"| {e['requests']} | {e['generated_tokens']} | {e['computed_prompt_tokens']} | "
+        f"{e['wall_s']} | {e['output_tok_per_s']} | {e['computed_tok_per_s']} | "
+        f"{e['ttft_ms_p50']} | {e['tpot_ms_p50']} | {e['prefix_hit_rate']} |"
+    )
 
 
 if __name__ == "__main__":

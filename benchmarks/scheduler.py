@@ -76,8 +76,7 @@ class Workload:
     def prompts(self, seed: int) -> list[list[int]]:
         rng = np.random.default_rng(seed)
         shared = rng.integers(1, VOCAB, size=self.shared_prefix).tolist()
-        return [shared + rng.integers(1, VOCAB, size=self.prompt).tolist()
-                for _ in range(self.num_reqs)]
+        return [shared + rng.integers(1, VOCAB, size=self.prompt).tolist() for _ in range(self.num_reqs)]
 
 
 def _peak_pages(n: int, tokens: int) -> int:
@@ -87,27 +86,56 @@ def _peak_pages(n: int, tokens: int) -> int:
 def workloads(quick: bool) -> list[Workload]:
     q = 4 if quick else 1  # --quick: fewer requests / shorter outputs
     ws = [
-        Workload("a", f"{256 // q} decodes, prompt 512, {256 // q} out", 256 // q, 512, 256 // q,
-                 12864 // q),
-        Workload("b", f"{1024 // q} decodes, prompt 512, {256 // q} out", 1024 // q, 512,
-                 256 // q, 51264 // q),
-        Workload("c", f"{256 // q} x (2048 shared + 64), {128 // q} out", 256 // q, 64, 128 // q,
-                 3776, shared_prefix=2048),
-        Workload("d", f"{128 // q} x (256 + {512 // q}), pool ~42% of peak", 128 // q, 256,
-                 512 // q, int(0.42 * _peak_pages(128 // q, 256 + 512 // q)) + 1,
-                 snapshot_images=64 // q),
-        Workload("e", f"{32 // q} x full+swa(128), prompt 128, {8192 // q} out", 32 // q, 128,
-                 8192 // q, 18368 // q, sliding_window=128),
+        Workload("a", f"{256 // q} decodes, prompt 512, {256 // q} out", 256 // q, 512, 256 // q, 12864 // q),
+        Workload(
+            "b", f"{1024 // q} decodes, prompt 512, {256 // q} out", 1024 // q, 512, 256 // q, 51264 // q
+        ),
+        Workload(
+            "c",
+            f"{256 // q} x (2048 shared + 64), {128 // q} out",
+            256 // q,
+            64,
+            128 // q,
+            3776,
+            shared_prefix=2048,
+        ),
+        Workload(
+            "d",
+            f"{128 // q} x (256 + {512 // q}), pool ~42% of peak",
+            128 // q,
+            256,
+            512 // q,
+            int(0.42 * _peak_pages(128 // q, 256 + 512 // q)) + 1,
+            snapshot_images=64 // q,
+        ),
+        Workload(
+            "e",
+            f"{32 // q} x full+swa(128), prompt 128, {8192 // q} out",
+            32 // q,
+            128,
+            8192 // q,
+            18368 // q,
+            sliding_window=128,
+        ),
     ]
     # Context test: n requests prefill a (ctx - 16)-token prompt, then `measure` decode steps
     # with all n rows decoding are timed. `out` leaves room for the tokens the first requests
     # decode while the later ones still prefill (128k: 16 chunks per request).
     n, measure, out = (4, 64, 256) if quick else (16, 256, 1024)
     for ctx in (4096, 131072):
-        ws.append(Workload(f"ctx{ctx // 1024}k", f"{n} decodes at {ctx // 1024}k context",
-                           n, ctx - 16, out, _peak_pages(n, ctx + out) + n + 64,
-                           max_context_len=131072 + 1024, decode_only=True,
-                           measure_steps=measure))
+        ws.append(
+            Workload(
+                f"ctx{ctx // 1024}k",
+                f"{n} decodes at {ctx // 1024}k context",
+                n,
+                ctx - 16,
+                out,
+                _peak_pages(n, ctx + out) + n + 64,
+                max_context_len=131072 + 1024,
+                decode_only=True,
+                measure_steps=measure,
+            )
+        )
     return ws
 
 
@@ -116,12 +144,21 @@ class OursRunner:
     def __init__(self, w: Workload) -> None:
         groups = [PagedCacheGroupSpec.make("full", "full_history", page_size=PAGE)]
         if w.sliding_window:
-            groups.append(PagedCacheGroupSpec.make("swa", "sliding_window", page_size=PAGE,
-                                                   sliding_window_tokens=w.sliding_window))
-        self.sched = Scheduler(SchedulerConfig(
-            num_pages=w.num_pages, page_size=PAGE, max_batch_requests=w.num_reqs,
-            max_scheduled_tokens=BUDGET, max_context_len=w.max_context_len or w.context,
-            groups=groups))
+            groups.append(
+                PagedCacheGroupSpec.make(
+                    "swa", "sliding_window", page_size=PAGE, sliding_window_tokens=w.sliding_window
+                )
+            )
+        self.sched = Scheduler(
+            SchedulerConfig(
+                num_pages=w.num_pages,
+                page_size=PAGE,
+                max_batch_requests=w.num_reqs,
+                max_scheduled_tokens=BUDGET,
+                max_context_len=w.max_context_len or w.context,
+                groups=groups,
+            )
+        )
         self.R = w.num_reqs
         self.last_rows = 0
         self.last_is_decode = False
@@ -152,9 +189,15 @@ class OursRunner:
 class TheirsRunner(peer.TokenSpeedRunner):
     def __init__(self, w: Workload) -> None:
         snap_pages = w.snapshot_images * -(-w.context // PAGE) * (2 if w.sliding_window else 1)
-        super().__init__(num_pages=w.num_pages, page_size=PAGE, max_batch=w.num_reqs,
-                         max_tokens=BUDGET, sliding_window=w.sliding_window,
-                         snapshot_images=w.snapshot_images, snapshot_pages=snap_pages)
+        super().__init__(
+            num_pages=w.num_pages,
+            page_size=PAGE,
+            max_batch=w.num_reqs,
+            max_tokens=BUDGET,
+            sliding_window=w.sliding_window,
+            snapshot_images=w.snapshot_images,
+            snapshot_pages=snap_pages,
+        )
 
     def step(self, sampled: np.ndarray) -> None:
         super().step(sampled.tolist())
@@ -163,8 +206,11 @@ class TheirsRunner(peer.TokenSpeedRunner):
         return self.sched.waiting_size() == 0 and self.sched.prefilling_size() == 0
 
     def stats(self) -> dict:
-        return {"retractions": self.num_snapshots, "aborted": self.num_aborted,
-                "prefix_hit_tokens": self.prefix_hit_tokens}
+        return {
+            "retractions": self.num_snapshots,
+            "aborted": self.num_aborted,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+        }
 
 
 # ---------------------------------------------------------------------- timing
@@ -181,8 +227,9 @@ class PassResult:
         return float(np.median(self.step_us))
 
 
-def run_lockstep(entries: list[tuple[str, Workload]], seed: int, max_steps: int,
-                 flip: bool, clock: str = "wall") -> dict[tuple[str, str], PassResult]:
+def run_lockstep(
+    entries: list[tuple[str, Workload]], seed: int, max_steps: int, flip: bool, clock: str = "wall"
+) -> dict[tuple[str, str], PassResult]:
     """Run every (scheduler kind, workload) entry at once, alternating single steps (ours,
     theirs, ours, ...; `flip` reverses the order), so that load from other processes on the
     machine lands on all of them alike. Each step is timed on its own, by wall clock
@@ -248,8 +295,12 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=None, help="passes per scheduler (best is kept)")
     ap.add_argument("--only", default=None, help="comma-separated workload keys (a,b,c,d,e,ctx4k,ctx128k)")
     ap.add_argument("--no-peer", action="store_true", help="run ours only")
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="per-step time: wall clock (default) or process CPU time")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="per-step time: wall clock (default) or process CPU time",
+    )
     args = ap.parse_args()
     passes = args.passes or (1 if args.quick else 3)
     ws = workloads(args.quick)
@@ -276,23 +327,30 @@ def main() -> None:
     results: dict[tuple[str, str], PassResult] = {}
     for entries in groups:
         for p in range(passes):
-            res = run_lockstep(entries, seed=0, max_steps=200_000, flip=p % 2 == 1,
-                               clock=args.clock)
+            res = run_lockstep(entries, seed=0, max_steps=200_000, flip=p % 2 == 1, clock=args.clock)
             for key, r in res.items():
                 best = results.get(key)
                 if best is None or r.median < best.median:
                     results[key] = r
-                print(f"  {key[0]:8s} {key[1]:6s} pass {p}: {len(r.step_us)} steps, median "
-                      f"{r.median:.0f} us, sum {r.total_s:.2f} s", file=sys.stderr, flush=True)
+                print(
+                    f"  {key[0]:8s} {key[1]:6s} pass {p}: {len(r.step_us)} steps, median "
+                    f"{r.median:.0f} us, sum {r.total_s:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
-    print(f"# scheduler host cost per step: ours vs TokenSpeed "
-          f"{'tokenspeed-scheduler ' + peer.version() if with_peer else '(not installed)'}; "
-          f"best of {passes} pass(es), {args.clock} clock{' (--quick)' if args.quick else ''}")
+    print(
+        f"# scheduler host cost per step: ours vs TokenSpeed "
+        f"{'tokenspeed-scheduler ' + peer.version() if with_peer else '(not installed)'}; "
+        f"best of {passes} pass(es), {args.clock} clock{' (--quick)' if args.quick else ''}"
+    )
     print(f"# python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}")
     print()
-    print("| workload | steps ours/theirs | median us ours | median us theirs | ratio | "
-          "p90 ours | p90 theirs | decode median ours | decode median theirs | decode ratio | "
-          "sum s ours/theirs | notes |")
+    print(
+        "| workload | steps ours/theirs | median us ours | median us theirs | ratio | "
+        "p90 ours | p90 theirs | decode median ours | decode median theirs | decode ratio | "
+        "sum s ours/theirs | notes |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w in ws:
         o = results[(w.key, "ours")]
@@ -314,26 +372,33 @@ def main() -> None:
             if t:
                 notes.append(f"theirs {t.stats['prefix_hit_tokens'] / prompt_tokens:.1%}")
         if w.key.startswith("d"):
-            notes.append(f"median rows ours {np.median(o.rows):.0f}"
-                         + (f" theirs {np.median(t.rows):.0f}" if t else ""))
+            notes.append(
+                f"median rows ours {np.median(o.rows):.0f}"
+                + (f" theirs {np.median(t.rows):.0f}" if t else "")
+            )
         if t is None:
-            print(f"| {w.key}: {w.desc} | {len(o.step_us)} | {fmt(o.median)} | - | - | "
-                  f"{fmt(np.percentile(o.step_us, 90))} | - | {fmt(dmed(o))} | - | - | "
-                  f"{o.total_s:.2f} | {'; '.join(notes)} |")
+            print(
+                f"| {w.key}: {w.desc} | {len(o.step_us)} | {fmt(o.median)} | - | - | "
+                f"{fmt(np.percentile(o.step_us, 90))} | - | {fmt(dmed(o))} | - | - | "
+                f"{o.total_s:.2f} | {'; '.join(notes)} |"
+            )
             continue
-        print(f"| {w.key}: {w.desc} | {len(o.step_us)}/{len(t.step_us)} | {fmt(o.median)} | "
-              f"{fmt(t.median)} | {o.median / t.median:.2f} | "
-              f"{fmt(np.percentile(o.step_us, 90))} | {fmt(np.percentile(t.step_us, 90))} | "
-              f"{fmt(dmed(o))} | {fmt(dmed(t))} | {dmed(o) / dmed(t):.2f} | "
-              f"{o.total_s:.2f}/{t.total_s:.2f} | {'; '.join(notes)} |")
+        print(
+            f"| {w.key}: {w.desc} | {len(o.step_us)}/{len(t.step_us)} | {fmt(o.median)} | "
+            f"{fmt(t.median)} | {o.median / t.median:.2f} | "
+            f"{fmt(np.percentile(o.step_us, 90))} | {fmt(np.percentile(t.step_us, 90))} | "
+            f"{fmt(dmed(o))} | {fmt(dmed(t))} | {dmed(o) / dmed(t):.2f} | "
+            f"{o.total_s:.2f}/{t.total_s:.2f} | {'; '.join(notes)} |"
+        )
     ctx = [k for k in ("ctx4k", "ctx128k") if (k, "ours") in results]
     if len(ctx) == 2:
         print()
         for kind in kinds:
             a, b = (results[(k, kind)].median for k in ctx)
             extra = " (target <= 1.2)" if kind == "ours" else ""
-            print(f"{kind}: decode step at 128k / at 4k context = {fmt(b)} / {fmt(a)} us = "
-                  f"{b / a:.2f}{extra}")
+            print(
+                f"{kind}: decode step at 128k / at 4k context = {fmt(b)} / {fmt(a)} us = {b / a:.2f}{extra}"
+            )
 
 
 if __name__ == "__main__":

@@ -50,8 +50,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     hi = engine.vocab_size - 1  # random token ids, as `--dataset-name random` sends
     prefix = rng.integers(1, hi, args.prefix_len).tolist()
-    prompts = [prefix + rng.integers(1, hi, args.input_len).tolist()
-               for _ in range(args.num_prompts)]
+    prompts = [prefix + rng.integers(1, hi, args.input_len).tolist() for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
 
     steps: list[tuple[int, int, float]] = []  # (tokens, rows, ms) of each step
@@ -79,13 +78,15 @@ def main() -> None:
             in_flight -= len(engine.step())
         return time.perf_counter() - t0
 
-    replay(prompts[:args.max_concurrency], "warm")
+    replay(prompts[: args.max_concurrency], "warm")
     steps.clear()
     wall = replay(prompts, "r")
     out_tokens = args.num_prompts * args.output_len
-    print(f"\n{args.model}, {args.dtype}: {args.num_prompts} x ({args.prefix_len} shared + "
-          f"{args.input_len}) -> {args.output_len}, concurrency {args.max_concurrency}: "
-          f"{wall:.1f} s, {out_tokens / wall:.1f} out tok/s, {len(steps)} steps\n")
+    print(
+        f"\n{args.model}, {args.dtype}: {args.num_prompts} x ({args.prefix_len} shared + "
+        f"{args.input_len}) -> {args.output_len}, concurrency {args.max_concurrency}: "
+        f"{wall:.1f} s, {out_tokens / wall:.1f} out tok/s, {len(steps)} steps\n"
+    )
     buckets = runner.buckets
     groups: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
     for tokens, rows, ms in steps:
@@ -94,8 +95,9 @@ def main() -> None:
     print("| steps | token bucket | count | median ms | total s |")
     print("|---|---|---|---|---|")
     for (kind, bucket), times in sorted(groups.items()):
-        print(f"| {kind} | {bucket} | {len(times)} | {statistics.median(times):.1f} | "
-              f"{sum(times) / 1e3:.1f} |")
+        print(
+            f"| {kind} | {bucket} | {len(times)} | {statistics.median(times):.1f} | {sum(times) / 1e3:.1f} |"
+        )
 
 
 if __name__ == "__main__":

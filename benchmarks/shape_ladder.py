@@ -37,8 +37,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(p)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--workers", type=int, default=1,
-                   help="compile threads (1: one shape at a time, uncontended compile times)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="compile threads (1: one shape at a time, uncontended compile times)",
+    )
     args = p.parse_args()
 
     from tokenspeed_jax import LLM
@@ -54,30 +58,39 @@ def main() -> None:
         step_ms[shape] = padding_step_ms(runner, padding, shape, args.reps)
     recs = {r.shape: r for r in runner.programs.records}
     levels = runner.shapes.kv_levels
-    print(f"\n## step shapes: {args.model}, {args.dtype}, batch {args.max_batch_requests}, "
-          f"{args.max_scheduled_tokens} tokens/step, backend {runner.backend}; "
-          f"jax {jax.__version__}, {jax.devices()[0].platform}\n")
-    print("| tokens | kv tokens | trace s | XLA s | step ms | cover | cover step ms | "
-          "saving ms | steps to repay |")
+    print(
+        f"\n## step shapes: {args.model}, {args.dtype}, batch {args.max_batch_requests}, "
+        f"{args.max_scheduled_tokens} tokens/step, backend {runner.backend}; "
+        f"jax {jax.__version__}, {jax.devices()[0].platform}\n"
+    )
+    print(
+        "| tokens | kv tokens | trace s | XLA s | step ms | cover | cover step ms | "
+        "saving ms | steps to repay |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     total_c = 0.0
     for shape in shapes:
         r = recs[shape]
         total_c += r.trace_s + r.compile_s
-        covers = [s for s in shapes if s != shape and s.bucket >= shape.bucket
-                  and s.level >= shape.level]
+        covers = [s for s in shapes if s != shape and s.bucket >= shape.bucket and s.level >= shape.level]
         cover = min(covers) if covers else None
         if cover is None:
             tail = "| - | - | - | - |"
         else:
             saving = step_ms[cover] - step_ms[shape]
             repay = (r.trace_s + r.compile_s) / (saving / 1e3) if saving > 0 else float("inf")
-            tail = (f"| {cover.bucket}x{levels[cover.level][0]} | {step_ms[cover]:.1f} | "
-                    f"{saving:.1f} | {repay:.0f} |")
-        print(f"| {shape.bucket} | {levels[shape.level][0]} | {r.trace_s:.1f} | {r.compile_s:.1f} "
-              f"| {step_ms[shape]:.1f} {tail}")
-    print(f"\n{len(shapes)} shapes, {total_c:.1f} s of trace + compile in all "
-          f"(one at a time); {np.mean([recs[s].compile_s for s in shapes]):.1f} s XLA per shape")
+            tail = (
+                f"| {cover.bucket}x{levels[cover.level][0]} | {step_ms[cover]:.1f} | "
+                f"{saving:.1f} | {repay:.0f} |"
+            )
+        print(
+            f"| {shape.bucket} | {levels[shape.level][0]} | {r.trace_s:.1f} | {r.compile_s:.1f} "
+            f"| {step_ms[shape]:.1f} {tail}"
+        )
+    print(
+        f"\n{len(shapes)} shapes, {total_c:.1f} s of trace + compile in all "
+        f"(one at a time); {np.mean([recs[s].compile_s for s in shapes]):.1f} s XLA per shape"
+    )
 
 
 if __name__ == "__main__":

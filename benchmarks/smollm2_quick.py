@@ -25,8 +25,15 @@ SYSTEM = "You are a concise assistant for a public library help desk. Answer in 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 16
     new = int(sys.argv[2]) if len(sys.argv) > 2 else 32
-    llm = LLM("smollm2-135m", page_size=16, num_pages=1024, max_batch_requests=n,
-              max_scheduled_tokens=512, max_context_len=256, attention_backend="reference")
+    llm = LLM(
+        "smollm2-135m",
+        page_size=16,
+        num_pages=1024,
+        max_batch_requests=n,
+        max_scheduled_tokens=512,
+        max_context_len=256,
+        attention_backend="reference",
+    )
     tok = llm.tokenizer
     prompts = []
     for i in range(n):
@@ -48,11 +55,21 @@ def main() -> None:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
         t = time.perf_counter()
-        gen = ref.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
+        gen = ref.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         theirs = time.perf_counter() - t
-    print(f"transformers (batch {n}, left-padded): {n * new} tokens in {theirs:.2f}s = "
-          f"{n * new / theirs:.1f} tok/s", flush=True)
+    print(
+        f"transformers (batch {n}, left-padded): {n * new} tokens in {theirs:.2f}s = "
+        f"{n * new / theirs:.1f} tok/s",
+        flush=True,
+    )
     same = sum(o.token_ids == gen[i, width:].tolist() for i, o in enumerate(outs))
     print(f"ratio ours/transformers tok/s = {theirs / ours:.2f}; identical outputs {same}/{n}")
 

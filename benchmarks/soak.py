@@ -43,10 +43,26 @@ import time
 
 import httpx
 
-ENGINE = ["--model", "tiny-random", "--page-size", "8", "--num-pages", "600",
-          "--max-batch-requests", "8", "--max-scheduled-tokens", "64", "--max-context-len", "256"]
-PREFIXES = ["You are a helpful assistant. ", "Translate to French: ", "Summarise the text: ",
-            "Q: what is the capital of "]
+ENGINE = [
+    "--model",
+    "tiny-random",
+    "--page-size",
+    "8",
+    "--num-pages",
+    "600",
+    "--max-batch-requests",
+    "8",
+    "--max-scheduled-tokens",
+    "64",
+    "--max-context-len",
+    "256",
+]
+PREFIXES = [
+    "You are a helpful assistant. ",
+    "Translate to French: ",
+    "Summarise the text: ",
+    "Q: what is the capital of ",
+]
 KINDS = ("stream", "whole", "abort", "abort_whole")
 
 
@@ -74,11 +90,9 @@ def _cpu_s(pid: int) -> float:
 def _body(rng: random.Random, stream: bool) -> tuple[str, dict]:
     tail = " ".join(str(rng.randrange(1000)) for _ in range(rng.randrange(1, 12)))
     prompt = rng.choice(PREFIXES) + tail
-    common = {"max_tokens": rng.randrange(8, 65), "temperature": rng.choice([0.0, 0.7]),
-              "stream": stream}
+    common = {"max_tokens": rng.randrange(8, 65), "temperature": rng.choice([0.0, 0.7]), "stream": stream}
     if rng.random() < 0.5:
-        return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
-                                        **common}
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], **common}
     return "/v1/completions", {"prompt": prompt, **common}
 
 
@@ -95,8 +109,9 @@ class Soak:
             print(f"  server error: {what}", flush=True)
         self.errors.append(what)
 
-    async def _stream(self, client: httpx.AsyncClient, path: str, body: dict,
-                      hang_up_after: int | None) -> bool:
+    async def _stream(
+        self, client: httpx.AsyncClient, path: str, body: dict, hang_up_after: int | None
+    ) -> bool:
         """True when read to [DONE] (False: the client hung up on purpose)."""
         chunks = 0
         ended = set()
@@ -107,7 +122,7 @@ class Soak:
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     if not ended:
                         self._error(f"{path} stream: [DONE] without a finish reason")
@@ -132,8 +147,9 @@ class Soak:
         completed = True
         try:
             if kind in ("stream", "abort"):
-                completed = await self._stream(client, path, body,
-                                               rng.randrange(1, 4) if kind == "abort" else None)
+                completed = await self._stream(
+                    client, path, body, rng.randrange(1, 4) if kind == "abort" else None
+                )
             else:
                 timeout = rng.uniform(0.05, 0.5) if kind == "abort_whole" else 120.0
                 try:
@@ -148,8 +164,7 @@ class Soak:
                         self._error(f"{path}: HTTP {r.status_code} {r.text[:200]}")
         except httpx.HTTPError as e:
             self._error(f"{path} {kind}: {type(e).__name__} {e}")
-        self.records.append({"t": t0, "kind": kind, "latency": time.monotonic() - t0,
-                             "completed": completed})
+        self.records.append({"t": t0, "kind": kind, "latency": time.monotonic() - t0, "completed": completed})
 
     async def client(self, i: int) -> None:
         rng = random.Random(self.seed * 1000 + i)
@@ -158,20 +173,27 @@ class Soak:
                 await self._one(client, rng)
 
 
-def _window(records: list[dict], samples: list[tuple[float, float, float, float]], lo: float,
-            hi: float) -> dict:
+def _window(
+    records: list[dict], samples: list[tuple[float, float, float, float]], lo: float, hi: float
+) -> dict:
     """Requests that started in [lo, hi): count, client hang-ups, p50 / p99 latency of the
     completed ones; from the 1 s samples: median server RSS, server CPU use, machine load."""
     rows = [r for r in records if lo <= r["t"] < hi]
     lat = sorted(r["latency"] for r in rows if r["completed"])
     q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
     inside = [x for x in samples if lo <= x[0] < hi]
-    cpu = ((inside[-1][2] - inside[0][2]) / (inside[-1][0] - inside[0][0])
-           if len(inside) >= 2 else float("nan"))
-    return {"requests": len(rows), "aborted": sum(not r["completed"] for r in rows),
-            "p50_ms": 1000 * q[49], "p99_ms": 1000 * q[98],
-            "rss_mb": statistics.median(x[1] for x in inside) if inside else float("nan"),
-            "server_cpu": cpu, "load": statistics.mean(x[3] for x in inside) if inside else 0.0}
+    cpu = (
+        (inside[-1][2] - inside[0][2]) / (inside[-1][0] - inside[0][0]) if len(inside) >= 2 else float("nan")
+    )
+    return {
+        "requests": len(rows),
+        "aborted": sum(not r["completed"] for r in rows),
+        "p50_ms": 1000 * q[49],
+        "p99_ms": 1000 * q[98],
+        "rss_mb": statistics.median(x[1] for x in inside) if inside else float("nan"),
+        "server_cpu": cpu,
+        "load": statistics.mean(x[3] for x in inside) if inside else 0.0,
+    }
 
 
 async def _sample(pid: int, until: float, out: list[tuple[float, float, float, float]]) -> None:
@@ -211,8 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-s", type=float, default=300.0, help="soak length (default 300)")
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
     ap.add_argument("--window-s", type=float, default=60.0, help="first / last window (60)")
-    ap.add_argument("--rss-bound-mb", type=float, default=64.0,
-                    help="allowed RSS growth, first to last window (default 64 MB)")
+    ap.add_argument(
+        "--rss-bound-mb",
+        type=float,
+        default=64.0,
+        help="allowed RSS growth, first to last window (default 64 MB)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -221,23 +247,41 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     cache = tempfile.mkdtemp(prefix="tokenspeed-soak-cache-")  # a fresh compile cache
     log = open(os.path.join(cache, "serve.log"), "w+")  # noqa: SIM115 - read at the end
-    cmd = [sys.executable, "-m", "tokenspeed_jax.cli", "serve", *ENGINE, "--port", str(port),
-           "--compile-cache-dir", cache, "--shutdown-grace-s", "10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenspeed_jax.cli",
+        "serve",
+        *ENGINE,
+        "--port",
+        str(port),
+        "--compile-cache-dir",
+        cache,
+        "--shutdown-grace-s",
+        "10",
+    ]
     t_start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS",
-                                                                                "cpu")})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
+    )
     try:
         _wait_ready(url, proc, timeout=900)
-        print(f"server ready in {time.monotonic() - t_start:.1f}s (pid {proc.pid}); soaking "
-              f"{args.duration_s:g}s with {args.clients} clients", flush=True)
+        print(
+            f"server ready in {time.monotonic() - t_start:.1f}s (pid {proc.pid}); soaking "
+            f"{args.duration_s:g}s with {args.clients} clients",
+            flush=True,
+        )
         t0 = time.monotonic()
         soak = Soak(url, t0 + args.duration_s, args.seed)
         rss: list[tuple[float, float, float, float]] = []
 
         async def run() -> None:
-            await asyncio.gather(_sample(proc.pid, soak.deadline, rss),
-                                 *(soak.client(i) for i in range(args.clients)))
+            await asyncio.gather(
+                _sample(proc.pid, soak.deadline, rss), *(soak.client(i) for i in range(args.clients))
+            )
 
         asyncio.run(run())
         pages_ok, stats = _pages_back(url)
@@ -255,41 +299,64 @@ def main(argv: list[str] | None = None) -> int:
     last = _window(soak.records, rss, end - w, end + 3600)
     growth = last["rss_mb"] - first["rss_mb"]
     kinds = {k: sum(r["kind"] == k for r in soak.records) for k in KINDS}
-    queue_count = next((float(line.split()[-1]) for line in metrics.splitlines()
-                        if line.startswith("tokenspeed_queue_time_seconds_count")), 0.0)
-    print(f"\nrequests: {len(soak.records)} ({', '.join(f'{k} {v}' for k, v in kinds.items())}); "
-          f"queue-time samples in /metrics: {queue_count:.0f}")
-    print("| window | requests | client hang-ups | p50 latency ms | p99 latency ms | server RSS MB "
-          "| server CPU (cores) | load avg |")
+    queue_count = next(
+        (
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("tokenspeed_queue_time_seconds_count")
+        ),
+        0.0,
+    )
+    print(
+        f"\nrequests: {len(soak.records)} ({', '.join(f'{k} {v}' for k, v in kinds.items())}); "
+        f"queue-time samples in /metrics: {queue_count:.0f}"
+    )
+    print(
+        "| window | requests | client hang-ups | p50 latency ms | p99 latency ms | server RSS MB "
+        "| server CPU (cores) | load avg |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     # every window in turn (the first is "first"); the last w seconds too when not on that grid
     starts = [k * w for k in range(int(args.duration_s // w))]
-    rows = [(f"{lo:g}-{lo + w:g} s", _window(soak.records, rss, t0 + lo, t0 + lo + w))
-            for lo in starts]
+    rows = [(f"{lo:g}-{lo + w:g} s", _window(soak.records, rss, t0 + lo, t0 + lo + w)) for lo in starts]
     if not starts or starts[-1] + w != args.duration_s:
         rows.append((f"last {w:g} s", last))
     for name, row in rows:
-        print(f"| {name} | {row['requests']} | {row['aborted']} | {row['p50_ms']:.0f} | "
-              f"{row['p99_ms']:.0f} | {row['rss_mb']:.1f} | {row['server_cpu']:.2f} | "
-              f"{row['load']:.1f} |")
-    print(f"RSS over the run: min {min(x[1] for x in rss):.1f} MB, "
-          f"max {max(x[1] for x in rss):.1f} MB")
+        print(
+            f"| {name} | {row['requests']} | {row['aborted']} | {row['p50_ms']:.0f} | "
+            f"{row['p99_ms']:.0f} | {row['rss_mb']:.1f} | {row['server_cpu']:.2f} | "
+            f"{row['load']:.1f} |"
+        )
+    print(f"RSS over the run: min {min(x[1] for x in rss):.1f} MB, max {max(x[1] for x in rss):.1f} MB")
     checks = {
         "server errors = 0": not soak.errors,
         "every page back, nothing running or waiting": pages_ok,
         f"RSS growth {growth:+.1f} MB <= {args.rss_bound_mb:g} MB": growth <= args.rss_bound_mb,
         f"SIGTERM: exit status {rc} in {term_s:.1f}s": rc == 0,
     }
-    print(f"server errors: {len(soak.errors)}; pages free {stats.get('free_pages')}/"
-          f"{stats.get('total_pages')}")
+    print(
+        f"server errors: {len(soak.errors)}; pages free {stats.get('free_pages')}/{stats.get('total_pages')}"
+    )
     for what, ok in checks.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {what}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"duration_s": args.duration_s, "clients": args.clients, "kinds": kinds,
-                       "first": first, "last": last, "rss_growth_mb": growth,
-                       "server_errors": soak.errors, "pages_back": pages_ok, "exit_status": rc,
-                       "sigterm_exit_s": term_s}, f, indent=1)
+            json.dump(
+                {
+                    "duration_s": args.duration_s,
+                    "clients": args.clients,
+                    "kinds": kinds,
+                    "first": first,
+                    "last": last,
+                    "rss_growth_mb": growth,
+                    "server_errors": soak.errors,
+                    "pages_back": pages_ok,
+                    "exit_status": rc,
+                    "sigterm_exit_s": term_s,
+                },
+                f,
+                indent=1,
+            )
     if not all(checks.values()):
         log.seek(0)
         print(log.read()[-4000:])

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._engine_args import add_engine_args, llm_kwargs  # noqa: E402
 from benchmarks._machine import cpu_line  # noqa: E402
 
-CODE = '''def moving_average(values, window):
+CODE = """def moving_average(values, window):
     if window <= 0:
         raise ValueError("window must be positive")
     total = 0.0
@@ -55,12 +55,16 @@ CODE = '''def moving_average(values, window):
             total -= values[i - window]
         if i >= window - 1:
             out.append(total / window)
-    return out'''
-LIST = ("1. Eggs, a dozen\n2. Whole milk, two litres\n3. Sourdough bread\n4. Butter, unsalted\n"
-        "5. Apples, six\n6. Coffee beans, dark roast\n7. Rice, basmati\n8. Olive oil")
-PROSE = ("The library opens at nine in the morning on weekdays. Visitors may borrow up to ten "
-         "items for three weeks, and renew them twice online or at the front desk. Children under "
-         "twelve need a parent to sign up for a card. Printing costs ten cents a page.")
+    return out"""
+LIST = (
+    "1. Eggs, a dozen\n2. Whole milk, two litres\n3. Sourdough bread\n4. Butter, unsalted\n"
+    "5. Apples, six\n6. Coffee beans, dark roast\n7. Rice, basmati\n8. Olive oil"
+)
+PROSE = (
+    "The library opens at nine in the morning on weekdays. Visitors may borrow up to ten "
+    "items for three weeks, and renew them twice online or at the front desk. Children under "
+    "twelve need a parent to sign up for a card. Printing costs ten cents a page."
+)
 COPY_TASKS = [
     f"Repeat the following Python function exactly, without any comment:\n\n{CODE}",
     f"Rename the function to rolling_mean and otherwise repeat it exactly:\n\n{CODE}",
@@ -84,20 +88,23 @@ def main() -> None:
     add_engine_args(p, max_batch_requests=8, max_scheduled_tokens=512, max_context_len=1024)
     p.set_defaults(model="smollm2-135m")
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="every output exactly --max-tokens long")
+    p.add_argument("--ignore-eos", action="store_true", help="every output exactly --max-tokens long")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--k", type=int, default=15, help="num_speculative_tokens")
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)
-    p.add_argument("--batch-waves", type=int, default=3,
-                   help="requests in the batched run = batch-waves x batch")
+    p.add_argument(
+        "--batch-waves", type=int, default=3, help="requests in the batched run = batch-waves x batch"
+    )
     p.add_argument("--batches", default="1,batch", help="which runs: 1, batch or both")
     p.add_argument("--workloads", default="copy,chat")
-    p.add_argument("--policies", default="cost",
-                   help="speculative engines to compare, by draft_policy (cost, padding, "
-                        "always), each optionally ':k' (its own num_speculative_tokens)")
+    p.add_argument(
+        "--policies",
+        default="cost",
+        help="speculative engines to compare, by draft_policy (cost, padding, "
+        "always), each optionally ':k' (its own num_speculative_tokens)",
+    )
     args = p.parse_args()
     if args.reps < 3:
         p.error("--reps must be >= 3 (the median and range of interleaved reps)")
@@ -112,27 +119,48 @@ def main() -> None:
     engines = {"off": LLM(args.model, **llm_kwargs(args, lazy_compile="sync"))}
     for entry in policies:
         policy, _, k = entry.partition(":")
-        spec_cfg = {"method": "ngram", "num_speculative_tokens": int(k or args.k),
-                    "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min,
-                    "draft_policy": policy}
-        engines[f"ngram-{policy}" + (f"-k{k}" if k else "")] = LLM(args.model, **llm_kwargs(
-            args, speculative_config=spec_cfg, lazy_compile="sync"))
+        spec_cfg = {
+            "method": "ngram",
+            "num_speculative_tokens": int(k or args.k),
+            "prompt_lookup_max": args.lookup_max,
+            "prompt_lookup_min": args.lookup_min,
+            "draft_policy": policy,
+        }
+        engines[f"ngram-{policy}" + (f"-k{k}" if k else "")] = LLM(
+            args.model, **llm_kwargs(args, speculative_config=spec_cfg, lazy_compile="sync")
+        )
     tok = engines["off"].tokenizer
 
     def copy_prompts(n):
-        return [render_chat(tok, [{"role": "user", "content": COPY_TASKS[i % len(COPY_TASKS)]
-                                   + ("" if i < len(COPY_TASKS) else f"\n\n(Request {i}.)")}])
-                for i in range(n)]
+        return [
+            render_chat(
+                tok,
+                [
+                    {
+                        "role": "user",
+                        "content": COPY_TASKS[i % len(COPY_TASKS)]
+                        + ("" if i < len(COPY_TASKS) else f"\n\n(Request {i}.)"),
+                    }
+                ],
+            )
+            for i in range(n)
+        ]
 
     def chat_prompts(n):
-        return [render_chat(tok, [{"role": "system", "content": SYSTEM_PROMPT},
-                                  {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
-                for i in range(n)]
+        return [
+            render_chat(
+                tok,
+                [
+                    {"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
+                ],
+            )
+            for i in range(n)
+        ]
 
     many = args.batch_waves * args.batch
     makers = {"copy": copy_prompts, "chat": chat_prompts}
-    workloads = {w: (makers[w](len(COPY_TASKS)), makers[w](many))
-                 for w in args.workloads.split(",")}
+    workloads = {w: (makers[w](len(COPY_TASKS)), makers[w](many)) for w in args.workloads.split(",")}
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     sizes = [1 if b == "1" else args.batch for b in args.batches.split(",")]
 
@@ -143,24 +171,37 @@ def main() -> None:
         outs = []
         step = 1 if batch == 1 else len(prompts)  # batched: all queued, max_batch_requests run
         for i in range(0, len(prompts), step):
-            outs += llm.generate(prompts[i:i + step], params)
+            outs += llm.generate(prompts[i : i + step], params)
         wall = time.perf_counter() - t
         s1 = llm.engines[0].stats()
         for o in outs:  # the run is only comparable if every output is complete
             n = len(o.token_ids)
-            ok = (n == args.max_tokens if o.finish_reason == "length" or args.ignore_eos
-                  else o.finish_reason == "stop" and 1 <= n <= args.max_tokens)
+            ok = (
+                n == args.max_tokens
+                if o.finish_reason == "length" or args.ignore_eos
+                else o.finish_reason == "stop" and 1 <= n <= args.max_tokens
+            )
             if not ok:
-                raise SystemExit(f"{name}: output {o.request_id} has {n} tokens, finish "
-                                 f"{o.finish_reason!r} (max_tokens {args.max_tokens})")
+                raise SystemExit(
+                    f"{name}: output {o.request_id} has {n} tokens, finish "
+                    f"{o.finish_reason!r} (max_tokens {args.max_tokens})"
+                )
         n = sum(len(o.token_ids) for o in outs)
         dec_tokens = sum(len(o.token_ids) - 1 for o in outs)
         dec_time = sum(o.metrics.finish_time - o.metrics.first_token_time for o in outs)
-        spec = {k: s1.get(k, 0) - s0.get(k, 0)
-                for k in ("spec_num_rows", "spec_draft_tokens", "spec_accepted_tokens")}
-        return dict(outs=[o.token_ids for o in outs], n=n, wall=wall, tps=n / wall,
-                    steps=llm.engines[0].num_steps - steps0,
-                    decode=dec_tokens / dec_time if dec_time > 0 else 0.0, **spec)
+        spec = {
+            k: s1.get(k, 0) - s0.get(k, 0)
+            for k in ("spec_num_rows", "spec_draft_tokens", "spec_accepted_tokens")
+        }
+        return dict(
+            outs=[o.token_ids for o in outs],
+            n=n,
+            wall=wall,
+            tps=n / wall,
+            steps=llm.engines[0].num_steps - steps0,
+            decode=dec_tokens / dec_time if dec_time > 0 else 0.0,
+            **spec,
+        )
 
     runs = [(w, batch) for w in workloads for batch in sizes]
     for name in engines:  # untimed: every shape compiled, the "cost" estimates warm
@@ -168,20 +209,23 @@ def main() -> None:
             few, lots = workloads[w]
             run(name, few if batch == 1 else lots, batch)
     names = list(engines)
-    results: dict[tuple[str, int], dict[str, list[dict]]] = {r: {e: [] for e in names}
-                                                             for r in runs}
+    results: dict[tuple[str, int], dict[str, list[dict]]] = {r: {e: [] for e in names} for r in runs}
     for rep in range(args.reps):
-        order = names[rep % len(names):] + names[:rep % len(names)]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         for w, batch in runs:
             few, lots = workloads[w]
             for name in order:
                 results[(w, batch)][name].append(run(name, few if batch == 1 else lots, batch))
 
-    print(f"model {args.model}, dtype {args.dtype}, greedy, up to {args.max_tokens} new tokens"
-          f"{' (EOS ignored)' if args.ignore_eos else ''}, ngram k={args.k} lookup "
-          f"{args.lookup_min}..{args.lookup_max}, {args.reps} interleaved reps: median (range)")
-    print("| workload | batch | engine | out tokens | out tok/s | decode tok/s per request | "
-          "speed-up | acceptance | tokens / spec row | steps | identical |")
+    print(
+        f"model {args.model}, dtype {args.dtype}, greedy, up to {args.max_tokens} new tokens"
+        f"{' (EOS ignored)' if args.ignore_eos else ''}, ngram k={args.k} lookup "
+        f"{args.lookup_min}..{args.lookup_max}, {args.reps} interleaved reps: median (range)"
+    )
+    print(
+        "| workload | batch | engine | out tokens | out tok/s | decode tok/s per request | "
+        "speed-up | acceptance | tokens / spec row | steps | identical |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (w, batch), per in results.items():
         off = per["off"]
@@ -198,18 +242,21 @@ def main() -> None:
             spec = name != "off"
             ident = f"{same}/{len(first['outs'])}" if spec else "-"
             steps = statistics.median(r["steps"] for r in reps)
-            print(f"| {w} | {batch} | {name} | {first['n']} | "
-                  f"{_median_range([r['tps'] for r in reps])} | "
-                  f"{statistics.median(r['decode'] for r in reps):.1f} | "
-                  f"{_median_range(speed, '{:.2f}', 'x')} | "
-                  f"{f'{accepted / max(drafted, 1):.0%}' if spec else '-'} | "
-                  f"{f'{(accepted + rows) / max(rows, 1):.2f}' if spec else '-'} | "
-                  f"{steps:.0f} | {ident} |")
+            print(
+                f"| {w} | {batch} | {name} | {first['n']} | "
+                f"{_median_range([r['tps'] for r in reps])} | "
+                f"{statistics.median(r['decode'] for r in reps):.1f} | "
+                f"{_median_range(speed, '{:.2f}', 'x')} | "
+                f"{f'{accepted / max(drafted, 1):.0%}' if spec else '-'} | "
+                f"{f'{(accepted + rows) / max(rows, 1):.2f}' if spec else '-'} | "
+                f"{steps:.0f} | {ident} |"
+            )
     for name, llm in engines.items():  # what the "cost" policy weighed its buckets by, at the end
         costs = llm.engines[0].scheduler.step_costs
         if costs is not None:
             ms = ", ".join(f"{b}: {1e3 * s:.1f}" for b, s in sorted(costs.measured().items()))
             print(f"\n{name}: decode step ms by token bucket (median of the last timed) {ms}")
+
 
 if __name__ == "__main__":
     main()

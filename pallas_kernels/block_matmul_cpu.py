@@ -28,10 +28,25 @@ import numpy as np
 
 from pallas_kernels import native
 
-__all__ = ["AMX_MODEL_TARGET", "TARGET", "TILE", "amx_calls", "available", "block_matmul_cpu",
-           "block_matmul_q8_reference", "block_matmul_reference", "dense_matmul_amx_model",
-           "dense_matmul_cpu", "dense_matmul_reference", "pack_tiles", "q8_available",
-           "quantize_q8_reference", "tileable", "unpack_tiles", "weight_shape"]
+__all__ = [
+    "AMX_MODEL_TARGET",
+    "TARGET",
+    "TILE",
+    "amx_calls",
+    "available",
+    "block_matmul_cpu",
+    "block_matmul_q8_reference",
+    "block_matmul_reference",
+    "dense_matmul_amx_model",
+    "dense_matmul_cpu",
+    "dense_matmul_reference",
+    "pack_tiles",
+    "q8_available",
+    "quantize_q8_reference",
+    "tileable",
+    "unpack_tiles",
+    "weight_shape",
+]
 
 TARGET = "tokenspeed_block_matmul"
 # the same kernel built on the software model of the AMX tiles (native/amx_tiles.h)
@@ -88,8 +103,9 @@ def _check_x(x: jax.Array, w: jax.Array) -> None:
 def _check(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None) -> int:
     """ValueError naming what does not fit; returns the block size B."""
     if codes.dtype != jnp.int8:
-        raise ValueError(f"{codes.shape=} {codes.dtype=}: codes must be int8[K, N] "
-                         f"(or tile-major [N / {TILE}, K, {TILE}])")
+        raise ValueError(
+            f"{codes.shape=} {codes.dtype=}: codes must be int8[K, N] (or tile-major [N / {TILE}, K, {TILE}])"
+        )
     _check_x(x, codes)
     k, n = weight_shape(codes)
     if scales.ndim != 2 or scales.shape[1] != n or scales.shape[0] < 1 or k % scales.shape[0]:
@@ -99,8 +115,9 @@ def _check(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | 
     return k // int(scales.shape[0])
 
 
-def block_matmul_reference(x: jax.Array, codes: jax.Array, scales: jax.Array,
-                           mins: jax.Array | None = None) -> jax.Array:
+def block_matmul_reference(
+    x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None = None
+) -> jax.Array:
     """x f[..., K] @ W -> f32[..., N], W the dequantized blocks (float32, HIGHEST precision)."""
     block = _check(x, codes, scales, mins)
     codes = unpack_tiles(codes)
@@ -108,12 +125,12 @@ def block_matmul_reference(x: jax.Array, codes: jax.Array, scales: jax.Array,
     w = codes.astype(jnp.float32).reshape(k // block, block, n) * scales[:, None, :]
     if mins is not None:
         w = w + mins[:, None, :]
-    return jnp.matmul(x.astype(jnp.float32), w.reshape(k, n),
-                      precision=jax.lax.Precision.HIGHEST)
+    return jnp.matmul(x.astype(jnp.float32), w.reshape(k, n), precision=jax.lax.Precision.HIGHEST)
 
 
-def block_matmul_cpu(x: jax.Array, codes: jax.Array, scales: jax.Array,
-                     mins: jax.Array | None = None, *, x_q8: bool = False) -> jax.Array:
+def block_matmul_cpu(
+    x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None = None, *, x_q8: bool = False
+) -> jax.Array:
     """x f[..., K] @ W -> f32[..., N] as one native call (the reference when it cannot be
     built). x is computed in float32; codes int8[K, N]; scales / mins f32[K / B, N].
 
@@ -145,8 +162,9 @@ def quantize_q8_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q.reshape(m, k), d
 
 
-def block_matmul_q8_reference(x: jax.Array, codes: jax.Array, scales: jax.Array,
-                              mins: jax.Array | None = None) -> jax.Array:
+def block_matmul_q8_reference(
+    x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None = None
+) -> jax.Array:
     """What `block_matmul_cpu(..., x_q8=True)` computes: sum over 32-value blocks j of
     d_x[j] * (xq . codes)[j] (exact integers), times the weight blocks' scales, plus
     mins * sum(x) (float x, exact) for Q4_1; float64 sums here (an oracle)."""
@@ -165,35 +183,50 @@ def block_matmul_q8_reference(x: jax.Array, codes: jax.Array, scales: jax.Array,
     return jnp.asarray(y.reshape(*x.shape[:-1], n), jnp.float32)
 
 
-def _native_call(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None,
-                 block: int, target: str = TARGET, x_q8: bool = False) -> jax.Array:
+def _native_call(
+    x: jax.Array,
+    codes: jax.Array,
+    scales: jax.Array,
+    mins: jax.Array | None,
+    block: int,
+    target: str = TARGET,
+    x_q8: bool = False,
+) -> jax.Array:
     """The custom call on x's rows flattened to [M, K]; f32[..., N]. A bfloat16 x with bfloat16
     weights tells the kernel its values are bf16 (`x_bf16`: the AVX512-BF16 dot product may take
     them, exactly)."""
     k, n = weight_shape(codes)
     rows = x.reshape(-1, k).astype(jnp.float32)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
-    y: jax.Array = call(rows, codes, scales.astype(jnp.float32),
-                        jnp.zeros((1,), jnp.float32) if mins is None else mins.astype(jnp.float32),
-                        block=np.int32(block), has_mins=mins is not None,
-                        tiled=codes.ndim == 3,
-                        x_bf16=bool(x.dtype == jnp.bfloat16 and codes.dtype == jnp.bfloat16),
-                        x_q8=bool(x_q8))
+    y: jax.Array = call(
+        rows,
+        codes,
+        scales.astype(jnp.float32),
+        jnp.zeros((1,), jnp.float32) if mins is None else mins.astype(jnp.float32),
+        block=np.int32(block),
+        has_mins=mins is not None,
+        tiled=codes.ndim == 3,
+        x_bf16=bool(x.dtype == jnp.bfloat16 and codes.dtype == jnp.bfloat16),
+        x_q8=bool(x_q8),
+    )
     return y.reshape(*x.shape[:-1], n)
 
 
 def _check_dense(x: jax.Array, w: jax.Array) -> None:
     if w.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"{w.shape=} {w.dtype=}: w must be float32 or bfloat16 [K, N] "
-                         f"(or tile-major [N / {TILE}, K, {TILE}])")
+        raise ValueError(
+            f"{w.shape=} {w.dtype=}: w must be float32 or bfloat16 [K, N] "
+            f"(or tile-major [N / {TILE}, K, {TILE}])"
+        )
     _check_x(x, w)
 
 
 def dense_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
     """x f[..., K] @ w f32 / bf16[K, N] -> f32[..., N] (float32, HIGHEST precision)."""
     _check_dense(x, w)
-    return jnp.matmul(x.astype(jnp.float32), unpack_tiles(w).astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+    return jnp.matmul(
+        x.astype(jnp.float32), unpack_tiles(w).astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
 
 
 def dense_matmul_cpu(x: jax.Array, w: jax.Array) -> jax.Array:

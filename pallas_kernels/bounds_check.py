@@ -82,11 +82,11 @@ def check_access(kind: str, ref: Any, idx: Sequence[Any], mask: jax.Array | None
         return
     shape = tuple(ref.shape)
     comps = [jnp.asarray(i, jnp.int32) for i in idx]
-    lanes = jnp.broadcast_shapes(*(c.shape for c in comps),
-                                 *(() if mask is None else (jnp.shape(mask),)))
+    lanes = jnp.broadcast_shapes(*(c.shape for c in comps), *(() if mask is None else (jnp.shape(mask),)))
     comps = [jnp.broadcast_to(c, lanes).reshape(-1) for c in comps]
-    on = (jnp.ones(lanes, jnp.bool_) if mask is None
-          else jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), lanes)).reshape(-1)
+    on = (
+        jnp.ones(lanes, jnp.bool_) if mask is None else jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), lanes)
+    ).reshape(-1)
     out = jnp.zeros_like(on)
     for c, dim in zip(comps, shape, strict=False):
         out = out | (c < 0) | (c >= dim)
@@ -102,7 +102,9 @@ def check_access(kind: str, ref: Any, idx: Sequence[Any], mask: jax.Array | None
 
     def report(any_bad: jax.Array, n_bad: jax.Array, pid: jax.Array, index: jax.Array) -> None:
         if bool(any_bad):
-            sink.append(f"{site} {kind} of ref{list(shape)} at program_id={pid.tolist()}: "
-                        f"index {index.tolist()} out of range ({int(n_bad)} lane(s) bad)")
+            sink.append(
+                f"{site} {kind} of ref{list(shape)} at program_id={pid.tolist()}: "
+                f"index {index.tolist()} out of range ({int(n_bad)} lane(s) bad)"
+            )
 
     jax.debug.callback(report, jnp.any(bad), jnp.sum(bad), pids, where)

@@ -20,11 +20,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from pallas_kernels import gpu_compile, kv_quant
-from pallas_kernels.paged_attention import (
-    DECODE_TUNING_CANDIDATES,
-    PagedAttentionConfig,
-    paged_attention,
-)
+from pallas_kernels.paged_attention import DECODE_TUNING_CANDIDATES, PagedAttentionConfig, paged_attention
 from pallas_kernels.short_conv import short_conv
 
 __all__ = ["H200", "Report", "Variant", "compile_variant", "problems", "variants"]
@@ -50,8 +46,7 @@ class Gpu:
         regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
         by_regs = self.regs_per_sm // (regs_per_warp * warps)
         by_smem = self.smem_per_sm // (smem + self.smem_reserved_per_block)
-        return max(0, min(by_regs, by_smem, self.max_warps_per_sm // warps,
-                          self.max_blocks_per_sm))
+        return max(0, min(by_regs, by_smem, self.max_warps_per_sm // warps, self.max_blocks_per_sm))
 
 
 H200 = Gpu()
@@ -87,50 +82,93 @@ class Report:
 
     def row(self) -> str:
         g = "x".join(str(x) for x in self.grid)
-        return (f"| {self.variant} | {g} | {self.warps} | {self.stages} | {self.registers} | "
-                f"{self.spill_bytes} | {self.smem_bytes / 1024:.1f} | {self.max_wait_group} | "
-                f"{self.blocks_per_sm} | {self.waves:.1f} |")
+        return (
+            f"| {self.variant} | {g} | {self.warps} | {self.stages} | {self.registers} | "
+            f"{self.spill_bytes} | {self.smem_bytes / 1024:.1f} | {self.max_wait_group} | "
+            f"{self.blocks_per_sm} | {self.waves:.1f} |"
+        )
 
 
-HEADER = ("| variant | grid | warps | stages | registers | spill bytes | smem KiB | "
-          "cp.async.wait_group max | blocks/SM | waves (132 SMs) |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| variant | grid | warps | stages | registers | spill bytes | smem KiB | "
+    "cp.async.wait_group max | blocks/SM | waves (132 SMs) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
-def _attention(name: str, *, q_lens: int, seqs: int, ctx: int, page_size: int, hkv: int = 8,
-               hq: int = 32, d: int = 128, dtype: DTypeLike = jnp.bfloat16,
-               window: int | None = None,
-               soft_cap: float | None = None, sinks: bool = False,
-               config: PagedAttentionConfig | None = None, decode: bool = False,
-               real_programs: int | None = None, kv_cache_dtype: str = "auto") -> Variant:
+def _attention(
+    name: str,
+    *,
+    q_lens: int,
+    seqs: int,
+    ctx: int,
+    page_size: int,
+    hkv: int = 8,
+    hq: int = 32,
+    d: int = 128,
+    dtype: DTypeLike = jnp.bfloat16,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: bool = False,
+    config: PagedAttentionConfig | None = None,
+    decode: bool = False,
+    real_programs: int | None = None,
+    kv_cache_dtype: str = "auto",
+) -> Variant:
     """`q_lens` packed query tokens over `seqs` requests of up to `ctx` tokens; a pool holding
     every request's full context (so 32k x 64 requests is a > 4 GiB pool: 64-bit offsets).
     kv_cache_dtype int8 / fp8_e4m3: quantized pools plus their f16 scale pools."""
     max_pages = ctx // page_size
     pool = seqs * max_pages + 1
     values = kv_quant.quantized_dtype(kv_cache_dtype) or dtype
-    scales = (() if values == dtype else
-              (_S((pool, page_size, hkv), kv_quant.SCALE_DTYPE),) * 2)
-    shapes = (_S((q_lens, hq, d), dtype), _S((pool, page_size, hkv, d), values),
-              _S((pool, page_size, hkv, d), values), _S((seqs, max_pages), jnp.int32),
-              _S((seqs,), jnp.int32), _S((seqs + 1,), jnp.int32), _S((1,), jnp.int32), *scales)
+    scales = () if values == dtype else (_S((pool, page_size, hkv), kv_quant.SCALE_DTYPE),) * 2
+    shapes = (
+        _S((q_lens, hq, d), dtype),
+        _S((pool, page_size, hkv, d), values),
+        _S((pool, page_size, hkv, d), values),
+        _S((seqs, max_pages), jnp.int32),
+        _S((seqs,), jnp.int32),
+        _S((seqs + 1,), jnp.int32),
+        _S((1,), jnp.int32),
+        *scales,
+    )
 
     def fn(*args: jax.Array) -> jax.Array:
         quant = len(args) > 7
-        return paged_attention(*args[:7], sinks=jnp.zeros((hq,), jnp.float32) if sinks else None,
-                               sliding_window=window, soft_cap=soft_cap, config=config,
-                               k_scales=args[7] if quant else None,
-                               v_scales=args[8] if quant else None)
+        return paged_attention(
+            *args[:7],
+            sinks=jnp.zeros((hq,), jnp.float32) if sinks else None,
+            sliding_window=window,
+            soft_cap=soft_cap,
+            config=config,
+            k_scales=args[7] if quant else None,
+            v_scales=args[8] if quant else None,
+        )
 
     return Variant(name, fn, shapes, decode=decode, real_programs=real_programs)
 
 
-def _conv(name: str, *, tokens: int, seqs: int, channels: int, page_size: int, taps: int = 3,
-          dtype: DTypeLike = jnp.bfloat16) -> Variant:
+def _conv(
+    name: str,
+    *,
+    tokens: int,
+    seqs: int,
+    channels: int,
+    page_size: int,
+    taps: int = 3,
+    dtype: DTypeLike = jnp.bfloat16,
+) -> Variant:
     pool = 4 * seqs + 1
-    shapes = (_S((tokens, channels), dtype), _S((pool, page_size, channels), dtype),
-              _S((seqs, 64), jnp.int32), _S((seqs,), jnp.int32), _S((seqs + 1,), jnp.int32),
-              _S((1,), jnp.int32), _S((taps, channels), dtype), _S((channels,), dtype))
+    shapes = (
+        _S((tokens, channels), dtype),
+        _S((pool, page_size, channels), dtype),
+        _S((seqs, 64), jnp.int32),
+        _S((seqs,), jnp.int32),
+        _S((seqs + 1,), jnp.int32),
+        _S((1,), jnp.int32),
+        _S((taps, channels), dtype),
+        _S((channels,), dtype),
+    )
     return Variant(name, short_conv, shapes)
 
 
@@ -139,43 +177,131 @@ def variants(full: bool = True) -> list[Variant]:
     b = 64
     out = []
     for ps in (16, 32):
-        for ctx in ((8192, 32768) if full else (32768,) if ps == 16 else (8192,)):
-            out.append(_attention(f"decode B={b} ctx={ctx // 1024}k page={ps}", q_lens=b,
-                                  seqs=b, ctx=ctx, page_size=ps, decode=True,
-                                  real_programs=b * 8))
+        for ctx in (8192, 32768) if full else (32768,) if ps == 16 else (8192,):
+            out.append(
+                _attention(
+                    f"decode B={b} ctx={ctx // 1024}k page={ps}",
+                    q_lens=b,
+                    seqs=b,
+                    ctx=ctx,
+                    page_size=ps,
+                    decode=True,
+                    real_programs=b * 8,
+                )
+            )
     out += [
-        _attention("decode B=64 ctx=8k page=64 (1 page per tile)", q_lens=b, seqs=b, ctx=8192,
-                   page_size=64, decode=True, real_programs=b * 8),
-        _attention("decode ctx=32k window=4096", q_lens=b, seqs=b, ctx=32768, page_size=16,
-                   window=4096, decode=True, real_programs=b * 8),
-        _attention("decode ctx=8k soft cap + sinks", q_lens=b, seqs=b, ctx=8192, page_size=16,
-                   soft_cap=30.0, sinks=True, decode=True, real_programs=b * 8),
-        _attention("decode B=8 ctx=32k (kv_splits)", q_lens=8, seqs=8, ctx=32768, page_size=16,
-                   decode=True, real_programs=8 * 8),
+        _attention(
+            "decode B=64 ctx=8k page=64 (1 page per tile)",
+            q_lens=b,
+            seqs=b,
+            ctx=8192,
+            page_size=64,
+            decode=True,
+            real_programs=b * 8,
+        ),
+        _attention(
+            "decode ctx=32k window=4096",
+            q_lens=b,
+            seqs=b,
+            ctx=32768,
+            page_size=16,
+            window=4096,
+            decode=True,
+            real_programs=b * 8,
+        ),
+        _attention(
+            "decode ctx=8k soft cap + sinks",
+            q_lens=b,
+            seqs=b,
+            ctx=8192,
+            page_size=16,
+            soft_cap=30.0,
+            sinks=True,
+            decode=True,
+            real_programs=b * 8,
+        ),
+        _attention(
+            "decode B=8 ctx=32k (kv_splits)",
+            q_lens=8,
+            seqs=8,
+            ctx=32768,
+            page_size=16,
+            decode=True,
+            real_programs=8 * 8,
+        ),
         _attention("prefill 4x512 ctx=4k", q_lens=2048, seqs=4, ctx=4096, page_size=16),
-        _attention("mixed 4x512 prefill + 60 decodes", q_lens=4 * 512 + 60, seqs=64, ctx=8192,
-                   page_size=16),
-        _attention("decode B=64 ctx=32k page=16 int8 KV", q_lens=b, seqs=b, ctx=32768,
-                   page_size=16, decode=True, real_programs=b * 8, kv_cache_dtype="int8"),
-        _attention("decode B=64 ctx=32k page=16 fp8 KV", q_lens=b, seqs=b, ctx=32768,
-                   page_size=16, decode=True, real_programs=b * 8, kv_cache_dtype="fp8_e4m3"),
-        _attention("prefill 4x512 ctx=4k int8 KV", q_lens=2048, seqs=4, ctx=4096, page_size=16,
-                   kv_cache_dtype="int8"),
+        _attention("mixed 4x512 prefill + 60 decodes", q_lens=4 * 512 + 60, seqs=64, ctx=8192, page_size=16),
+        _attention(
+            "decode B=64 ctx=32k page=16 int8 KV",
+            q_lens=b,
+            seqs=b,
+            ctx=32768,
+            page_size=16,
+            decode=True,
+            real_programs=b * 8,
+            kv_cache_dtype="int8",
+        ),
+        _attention(
+            "decode B=64 ctx=32k page=16 fp8 KV",
+            q_lens=b,
+            seqs=b,
+            ctx=32768,
+            page_size=16,
+            decode=True,
+            real_programs=b * 8,
+            kv_cache_dtype="fp8_e4m3",
+        ),
+        _attention(
+            "prefill 4x512 ctx=4k int8 KV", q_lens=2048, seqs=4, ctx=4096, page_size=16, kv_cache_dtype="int8"
+        ),
         _conv("short_conv C=3072 decode B=64", tokens=64, seqs=64, channels=3072, page_size=16),
-        _conv("short_conv C=3072 prefill 2048", tokens=2048, seqs=4, channels=3072,
-              page_size=16),
-        _attention("tiny model decode (f32, d=16, window 16)", q_lens=16, seqs=16, ctx=512,
-                   page_size=16, hkv=2, hq=4, d=16, dtype=jnp.float32, window=16),
-        _attention("tiny model prefill (f32, d=16)", q_lens=512, seqs=16, ctx=512, page_size=16,
-                   hkv=2, hq=4, d=16, dtype=jnp.float32),
-        _conv("tiny model short_conv (f32, C=64)", tokens=512, seqs=16, channels=64,
-              page_size=16, dtype=jnp.float32),
+        _conv("short_conv C=3072 prefill 2048", tokens=2048, seqs=4, channels=3072, page_size=16),
+        _attention(
+            "tiny model decode (f32, d=16, window 16)",
+            q_lens=16,
+            seqs=16,
+            ctx=512,
+            page_size=16,
+            hkv=2,
+            hq=4,
+            d=16,
+            dtype=jnp.float32,
+            window=16,
+        ),
+        _attention(
+            "tiny model prefill (f32, d=16)",
+            q_lens=512,
+            seqs=16,
+            ctx=512,
+            page_size=16,
+            hkv=2,
+            hq=4,
+            d=16,
+            dtype=jnp.float32,
+        ),
+        _conv(
+            "tiny model short_conv (f32, C=64)",
+            tokens=512,
+            seqs=16,
+            channels=64,
+            page_size=16,
+            dtype=jnp.float32,
+        ),
     ]
     if full:
-        out += [_attention(f"tuning: decode ctx=32k page=16 tile={cfg.pages_per_block * 16} "
-                           f"stages={cfg.num_stages} splits={cfg.kv_splits}", q_lens=b, seqs=b,
-                           ctx=32768, page_size=16, config=cfg, real_programs=b * 8)
-                for cfg in DECODE_TUNING_CANDIDATES]
+        out += [
+            _attention(
+                f"tuning: decode ctx=32k page=16 tile={cfg.pages_per_block * 16} "
+                f"stages={cfg.num_stages} splits={cfg.kv_splits}",
+                q_lens=b,
+                seqs=b,
+                ctx=32768,
+                page_size=16,
+                config=cfg,
+                real_programs=b * 8,
+            )
+            for cfg in DECODE_TUNING_CANDIDATES
+        ]
     return out
 
 
@@ -195,8 +321,12 @@ def compile_variant(v: Variant, gpu: Gpu = H200) -> list[Report]:
         if k.ptx is not None:  # newer jaxlib compiled it during lowering
             info = gpu_compile.ptxas(k.ptx)
             waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", k.ptx)]
-            regs, spills, smem, wait = (info.registers, info.spill_stores + info.spill_loads,
-                                        int(k.smem_bytes or 0), max(waits, default=0))
+            regs, spills, smem, wait = (
+                info.registers,
+                info.spill_stores + info.spill_loads,
+                int(k.smem_bytes or 0),
+                max(waits, default=0),
+            )
         else:
             regs, spills, smem, wait = _ptx_and_info(k.ir, k.num_warps, k.num_stages)
         per_sm = gpu.blocks_per_sm(regs, k.num_warps, smem)
@@ -204,8 +334,22 @@ def compile_variant(v: Variant, gpu: Gpu = H200) -> list[Report]:
         if v.real_programs and "split" in k.name:  # kv_splits multiply the real programs
             programs *= k.grid[2]
         waves = programs / max(1, per_sm * gpu.sms)
-        reports.append(Report(v.name, k.name, k.grid, k.num_warps, k.num_stages, regs, spills,
-                              smem, wait, per_sm, waves, v.decode))
+        reports.append(
+            Report(
+                v.name,
+                k.name,
+                k.grid,
+                k.num_warps,
+                k.num_stages,
+                regs,
+                spills,
+                smem,
+                wait,
+                per_sm,
+                waves,
+                v.decode,
+            )
+        )
     return reports
 
 

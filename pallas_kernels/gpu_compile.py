@@ -42,8 +42,16 @@ import jax
 if TYPE_CHECKING:
     from jax._src.lib.triton import CompilationHandler, CompilationResult
 
-__all__ = ["PtxasInfo", "TritonKernel", "compile_to_ptx", "lower_for_cuda", "lower_triton_kernels",
-           "missing", "needs_plugin_to_lower", "ptxas"]
+__all__ = [
+    "PtxasInfo",
+    "TritonKernel",
+    "compile_to_ptx",
+    "lower_for_cuda",
+    "lower_triton_kernels",
+    "missing",
+    "needs_plugin_to_lower",
+    "ptxas",
+]
 
 _TRITON_TARGET = "__gpu$xla.gpu.triton"
 
@@ -97,16 +105,17 @@ def missing() -> str | None:
     except ImportError:  # no jax_plugins namespace at all
         plugin = None
     if plugin is None:
-        return ("jax-cuda12-plugin is not installed (pip install -e '.[gpu-compile]'): it carries "
-                "XLA's Triton pipeline")
+        return (
+            "jax-cuda12-plugin is not installed (pip install -e '.[gpu-compile]'): it carries "
+            "XLA's Triton pipeline"
+        )
     try:
         from importlib.metadata import version
 
         from jax._src.lib import version_str as jaxlib_version
 
         if version("jax-cuda12-plugin") != jaxlib_version:
-            return (f"jax-cuda12-plugin {version('jax-cuda12-plugin')} does not match jaxlib "
-                    f"{jaxlib_version}")
+            return f"jax-cuda12-plugin {version('jax-cuda12-plugin')} does not match jaxlib {jaxlib_version}"
     except Exception:  # metadata missing (e.g. a source tree on PYTHONPATH): try it anyway
         pass
     if _ptxas_path() is None:
@@ -120,11 +129,14 @@ def _compile_handler() -> CompilationHandler:
     from jax._src.lib import triton, xla_client
 
     if triton.has_compilation_handler("CUDA"):  # the plugin initialised (JAX_PLATFORMS=cpu or GPU)
-        def registered(module: bytes, arch_name: str, num_warps: int, num_ctas: int,
-                       num_stages: int) -> CompilationResult:
+
+        def registered(
+            module: bytes, arch_name: str, num_warps: int, num_ctas: int, num_stages: int
+        ) -> CompilationResult:
             # triton.compile takes the launch parameters by keyword only
-            return triton.compile("CUDA", module, arch_name, num_warps=num_warps,
-                                  num_ctas=num_ctas, num_stages=num_stages)
+            return triton.compile(
+                "CUDA", module, arch_name, num_warps=num_warps, num_ctas=num_ctas, num_stages=num_stages
+            )
 
         return registered
     from jax_plugins import xla_cuda12
@@ -135,10 +147,12 @@ def _compile_handler() -> CompilationHandler:
         raise RuntimeError("jax-cuda12-plugin's cuda_plugin_extension could not be imported")
     c_api = xla_client.load_pjrt_plugin_dynamically("cuda", str(xla_cuda12._get_library_path()))
 
-    def handler(module: bytes, arch_name: str, num_warps: int, num_ctas: int,
-                num_stages: int) -> CompilationResult:
-        result: CompilationResult = ext.compile_triton_to_asm(c_api, module, arch_name, num_warps,
-                                                              num_ctas, num_stages)
+    def handler(
+        module: bytes, arch_name: str, num_warps: int, num_ctas: int, num_stages: int
+    ) -> CompilationResult:
+        result: CompilationResult = ext.compile_triton_to_asm(
+            c_api, module, arch_name, num_warps, num_ctas, num_stages
+        )
         return result
 
     if _jaxlib_version() > (0, 10, 2):  # the lowering itself needs it from here on
@@ -164,8 +178,11 @@ def ptxas(ptx: str, gpu_name: str = "sm_90a") -> PtxasInfo:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        proc = subprocess.run([exe, "-v", f"--gpu-name={gpu_name}", src, "-o",
-                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+        proc = subprocess.run(
+            [exe, "-v", f"--gpu-name={gpu_name}", src, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
     log = proc.stdout + proc.stderr
     if proc.returncode:
         raise RuntimeError(f"ptxas failed ({proc.returncode}):\n{log}")
@@ -174,10 +191,13 @@ def ptxas(ptx: str, gpu_name: str = "sm_90a") -> PtxasInfo:
         m = re.search(pattern, log)
         return int(m.group(1)) if m else 0
 
-    return PtxasInfo(registers=num(r"Used (\d+) registers"),
-                     spill_stores=num(r"(\d+) bytes spill stores"),
-                     spill_loads=num(r"(\d+) bytes spill loads"),
-                     stack_bytes=num(r"(\d+) bytes stack frame"), log=log)
+    return PtxasInfo(
+        registers=num(r"Used (\d+) registers"),
+        spill_stores=num(r"(\d+) bytes spill stores"),
+        spill_loads=num(r"(\d+) bytes spill loads"),
+        stack_bytes=num(r"(\d+) bytes stack frame"),
+        log=log,
+    )
 
 
 @contextlib.contextmanager
@@ -215,8 +235,7 @@ def _custom_calls(module: Any) -> Iterator[Any]:
                 yield from _custom_calls(op.operation)
 
 
-def lower_triton_kernels(fn: Callable[..., Any], *shapes: jax.ShapeDtypeStruct
-                         ) -> list[TritonKernel]:
+def lower_triton_kernels(fn: Callable[..., Any], *shapes: jax.ShapeDtypeStruct) -> list[TritonKernel]:
     """Lower `jax.jit(fn)` at `shapes` for CUDA and return its Pallas Triton kernels."""
     from jax._src.lib.mlir import ir
 
@@ -231,10 +250,15 @@ def lower_triton_kernels(fn: Callable[..., Any], *shapes: jax.ShapeDtypeStruct
             def i32(key: str, cfg: Any = cfg) -> int:
                 return int(ir.IntegerAttr(cfg[key]).value)
 
-            out.append(TritonKernel(
-                name=ir.StringAttr(cfg["name"]).value, ir=ir.StringAttr(cfg["ir"]).value_bytes,
-                num_warps=i32("num_warps"), num_stages=i32("num_stages"),
-                grid=(i32("grid_x"), i32("grid_y"), i32("grid_z"))))
+            out.append(
+                TritonKernel(
+                    name=ir.StringAttr(cfg["name"]).value,
+                    ir=ir.StringAttr(cfg["ir"]).value_bytes,
+                    num_warps=i32("num_warps"),
+                    num_stages=i32("num_stages"),
+                    grid=(i32("grid_x"), i32("grid_y"), i32("grid_z")),
+                )
+            )
         return out
     return _lower_capturing_compiles(jax.jit(fn), shapes)
 
@@ -250,10 +274,10 @@ def _lower_capturing_compiles(jitted: Any, shapes: tuple[Any, ...]) -> list[Trit
     captured: list[tuple[Any, ...]] = []
     real = triton.compile
 
-    def spy(platform: str, module: bytes, arch_name: str, *, num_warps: int, num_ctas: int,
-            num_stages: int) -> CompilationResult:
-        res = real(platform, module, arch_name, num_warps=num_warps, num_ctas=num_ctas,
-                   num_stages=num_stages)
+    def spy(
+        platform: str, module: bytes, arch_name: str, *, num_warps: int, num_ctas: int, num_stages: int
+    ) -> CompilationResult:
+        res = real(platform, module, arch_name, num_warps=num_warps, num_ctas=num_ctas, num_stages=num_stages)
         captured.append((module, num_warps, num_stages, res))
         return res
 
@@ -266,9 +290,17 @@ def _lower_capturing_compiles(jitted: Any, shapes: tuple[Any, ...]) -> list[Trit
     out = []
     for params, (module, warps, stages, res) in zip(calls, captured, strict=True):
         grid = tuple(params["grid_mapping"].grid) + (1,) * (3 - len(params["grid_mapping"].grid))
-        out.append(TritonKernel(name=str(params.get("name") or "pallas_call"), ir=module,
-                                num_warps=warps, num_stages=stages, grid=grid, ptx=res.asm,
-                                smem_bytes=int(res.smem_bytes)))
+        out.append(
+            TritonKernel(
+                name=str(params.get("name") or "pallas_call"),
+                ir=module,
+                num_warps=warps,
+                num_stages=stages,
+                grid=grid,
+                ptx=res.asm,
+                smem_bytes=int(res.smem_bytes),
+            )
+        )
     return out
 
 

@@ -24,22 +24,28 @@ import jax.numpy as jnp
 
 from pallas_kernels import pool_bits
 
-__all__ = ["KV_CACHE_DTYPES", "SCALE_DTYPE", "bytes_per_row", "dequantize", "quantize",
-           "quantized_dtype", "value_dtype"]
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "SCALE_DTYPE",
+    "bytes_per_row",
+    "dequantize",
+    "quantize",
+    "quantized_dtype",
+    "value_dtype",
+]
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 SCALE_DTYPE = jnp.dtype(jnp.float16)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _INT8 = jnp.dtype(jnp.int8)
 _QMAX = {_INT8: 127.0, FP8: 448.0}
-_TINY = 2.0 ** -24  # the smallest f16 subnormal: an all-zero row gets a scale, never 0 / 0
+_TINY = 2.0**-24  # the smallest f16 subnormal: an all-zero row gets a scale, never 0 / 0
 
 
 def quantized_dtype(kv_cache_dtype: str) -> jnp.dtype | None:
     """The page values' dtype for `kv_cache_dtype` ("auto" -> None: pools in the model dtype)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
-                         f"{kv_cache_dtype!r}")
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     out: jnp.dtype | None = {"auto": None, "int8": _INT8, "fp8_e4m3": FP8}[kv_cache_dtype]
     return out
 

@@ -34,14 +34,15 @@ __all__ = ["SOURCE_DIR", "compile_check", "load", "unavailable"]
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 # name -> (source file, {FFI symbol: XLA custom-call target}, extra compiler flags)
 _KERNELS: dict[str, tuple[str, dict[str, str], tuple[str, ...]]] = {
-    "paged_attention": ("paged_attention.cc",
-                        {"TokenspeedPagedAttention": "tokenspeed_paged_attention"}, ()),
+    "paged_attention": ("paged_attention.cc", {"TokenspeedPagedAttention": "tokenspeed_paged_attention"}, ()),
     "block_matmul": ("block_matmul.cc", {"TokenspeedBlockMatmul": "tokenspeed_block_matmul"}, ()),
     # the same source with its AMX tile product on the software model of the tiles
     # (native/amx_tiles.h): the AMX path's logic checked on any CPU (tests)
-    "block_matmul_amx_model": ("block_matmul.cc", {
-        "TokenspeedBlockMatmulAmxModel": "tokenspeed_block_matmul_amx_model"},
-        ("-DTOKENSPEED_AMX_MODEL",)),
+    "block_matmul_amx_model": (
+        "block_matmul.cc",
+        {"TokenspeedBlockMatmulAmxModel": "tokenspeed_block_matmul_amx_model"},
+        ("-DTOKENSPEED_AMX_MODEL",),
+    ),
 }
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 _lock = threading.Lock()
@@ -83,8 +84,12 @@ def compile_check(name: str, target_flags: tuple[str, ...]) -> None:
     source, _, extra = _KERNELS[name]
     flags = tuple(f for f in _FLAGS if f != "-march=native") + target_flags
     with tempfile.TemporaryDirectory() as d:
-        cmd = [*_compiler_command(extra, flags), os.path.join(SOURCE_DIR, source),
-               "-o", os.path.join(d, "check.so")]
+        cmd = [
+            *_compiler_command(extra, flags),
+            os.path.join(SOURCE_DIR, source),
+            "-o",
+            os.path.join(d, "check.so"),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
@@ -96,12 +101,18 @@ def _build(name: str) -> str:
     src = os.path.join(SOURCE_DIR, source)
     cmd = [*_compiler_command(extra), src]
     text = b""
-    for path in [src] + sorted(os.path.join(SOURCE_DIR, h) for h in os.listdir(SOURCE_DIR)
-                               if h.endswith(".h")):  # the shared headers it may include
+    for path in [src] + sorted(
+        os.path.join(SOURCE_DIR, h) for h in os.listdir(SOURCE_DIR) if h.endswith(".h")
+    ):  # the shared headers it may include
         with open(path, "rb") as f:
             text += f.read()
-    key = hashlib.sha256(text + "\0".join(cmd).encode() + _cpu_flags().encode()
-                         + platform.machine().encode() + jax.__version__.encode()).hexdigest()[:20]
+    key = hashlib.sha256(
+        text
+        + "\0".join(cmd).encode()
+        + _cpu_flags().encode()
+        + platform.machine().encode()
+        + jax.__version__.encode()
+    ).hexdigest()[:20]
     root = _cache_root()
     out = os.path.join(root, f"{name}-{key}.so")
     if os.path.exists(out):
@@ -132,12 +143,10 @@ def load(name: str) -> ctypes.CDLL | None:
         try:
             lib = ctypes.cdll.LoadLibrary(_build(name))
             for symbol, target in _KERNELS[name][1].items():
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                            platform="cpu")
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             _why[name] = f"{type(e).__name__}: {e}"
-            logger.warning("native CPU kernel %s unavailable, using the jnp reference: %s",
-                           name, _why[name])
+            logger.warning("native CPU kernel %s unavailable, using the jnp reference: %s", name, _why[name])
             lib = None
         _loaded[name] = lib
         return lib

@@ -45,8 +45,15 @@ from pallas_kernels.paged_attention_tuning import (
     mixed_config,
 )
 
-__all__ = ["DECODE_TUNING_CANDIDATES", "MixedConfig", "PagedAttentionConfig", "default_config",
-           "mixed_config", "paged_attention", "paged_attention_reference"]
+__all__ = [
+    "DECODE_TUNING_CANDIDATES",
+    "MixedConfig",
+    "PagedAttentionConfig",
+    "default_config",
+    "mixed_config",
+    "paged_attention",
+    "paged_attention_reference",
+]
 
 _LOG2E = math.log2(math.e)
 _MASK = -1e30  # finite: (mask - mask) must stay 0, never inf - inf = NaN
@@ -67,11 +74,28 @@ def _check_config(cfg: PagedAttentionConfig, page_size: int, group: int) -> None
         raise ValueError(f"{cfg.block_q=} * next_pow2({group=}) must be >= 16 rows")
 
 
-def _kernel(meta_ref: Ref, pt_ref: Ref, q_ref: Ref, k_ref: Ref, v_ref: Ref, sinks_ref: Ref,
-            *refs: Ref, group: int, block_q: int,
-            pages_per_block: int, page_size: int, head_dim: int, num_tokens: int,
-            pool_tokens: int, scale: float, window: int | None, soft_cap: float | None,
-            has_sinks: bool, kv_splits: int, quantized: bool) -> None:
+def _kernel(
+    meta_ref: Ref,
+    pt_ref: Ref,
+    q_ref: Ref,
+    k_ref: Ref,
+    v_ref: Ref,
+    sinks_ref: Ref,
+    *refs: Ref,
+    group: int,
+    block_q: int,
+    pages_per_block: int,
+    page_size: int,
+    head_dim: int,
+    num_tokens: int,
+    pool_tokens: int,
+    scale: float,
+    window: int | None,
+    soft_cap: float | None,
+    has_sinks: bool,
+    kv_splits: int,
+    quantized: bool,
+) -> None:
     # refs: (quantized) the K and V scale pools, then aliased initial buffers, then outputs:
     # (out,) or (acc, max, denominator) partials.
     ks_ref, vs_ref = refs[:2] if quantized else (None, None)
@@ -92,8 +116,7 @@ def _kernel(meta_ref: Ref, pt_ref: Ref, q_ref: Ref, k_ref: Ref, v_ref: Ref, sink
     head = h * group + g
     qpos = tok + pos_off
     d = lax.iota(jnp.int32, head_dim)
-    q = backend.load(q_ref, (tok_idx[:, None], head[:, None], d[None, :]),
-                     mask=row_ok[:, None], other=0.0)
+    q = backend.load(q_ref, (tok_idx[:, None], head[:, None], d[None, :]), mask=row_ok[:, None], other=0.0)
 
     # Key range of the whole block: union over its rows of [qpos - W + 1, qpos]; empty for a
     # surplus block (q0 == q1), which therefore never touches the page table or the pools.
@@ -158,31 +181,35 @@ def _kernel(meta_ref: Ref, pt_ref: Ref, q_ref: Ref, k_ref: Ref, v_ref: Ref, sink
     n_rows = block_q * gp
     acc = jnp.zeros((n_rows, head_dim), jnp.float32)
     if has_sinks and kv_splits == 1:  # with splits, the sink is merged once, outside
-        sink = backend.load(sinks_ref, (jnp.where(g < group, head, 0),), mask=g < group,
-                            other=0.0)
+        sink = backend.load(sinks_ref, (jnp.where(g < group, head, 0),), mask=g < group, other=0.0)
         m0, l0 = sink.astype(jnp.float32) * _LOG2E, jnp.ones((n_rows,), jnp.float32)
     else:
         m0, l0 = jnp.full((n_rows,), _MASK, jnp.float32), jnp.zeros((n_rows,), jnp.float32)
     if kv_splits == 1:
         acc, _, denom, _ = lax.fori_loop(0, n_iter, body, (acc, m0, l0, page_ids(0)))
         out = acc / jnp.where(denom > 0.0, denom, 1.0)[:, None]
-        backend.store(out_refs[0], (tok_idx[:, None], head[:, None], d[None, :]),
-                      out.astype(out_refs[0].dtype), mask=row_ok[:, None])
+        backend.store(
+            out_refs[0],
+            (tok_idx[:, None], head[:, None], d[None, :]),
+            out.astype(out_refs[0].dtype),
+            mask=row_ok[:, None],
+        )
         return
     split = pl.program_id(2)
     chunk = (n_iter + kv_splits - 1) // kv_splits
     start = split * chunk
-    acc, m, denom, _ = lax.fori_loop(start, jnp.minimum(start + chunk, n_iter), body,
-                                     (acc, m0, l0, page_ids(start)))
+    acc, m, denom, _ = lax.fori_loop(
+        start, jnp.minimum(start + chunk, n_iter), body, (acc, m0, l0, page_ids(start))
+    )
     acc_ref, m_ref, l_ref = out_refs
-    backend.store(acc_ref, (split, tok_idx[:, None], head[:, None], d[None, :]), acc,
-                  mask=row_ok[:, None])
+    backend.store(acc_ref, (split, tok_idx[:, None], head[:, None], d[None, :]), acc, mask=row_ok[:, None])
     backend.store(m_ref, (split, tok_idx, head), m, mask=row_ok)
     backend.store(l_ref, (split, tok_idx, head), denom, mask=row_ok)
 
 
-def _merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Array | None,
-                  unwritten: jax.Array) -> jax.Array:
+def _merge_splits(
+    acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Array | None, unwritten: jax.Array
+) -> jax.Array:
     """Combine per-split partials f32[K, T, Hq, (D)] (max in the log2 domain) into f[T, Hq, D].
     Rows no program wrote (padding, requests of another launch) keep m=_MASK in every split and
     come out as `unwritten` f[T, Hq, D]; a written row's max is a real logit (it sees its own
@@ -202,13 +229,24 @@ def _merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Arr
     return jnp.where(written[..., None], merged.astype(unwritten.dtype), unwritten)
 
 
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                    page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
-                    num_seqs: jax.Array, *, sm_scale: float | None = None,
-                    sliding_window: int | None = None, soft_cap: float | None = None,
-                    sinks: jax.Array | None = None, k_scales: jax.Array | None = None,
-                    v_scales: jax.Array | None = None, interpret: bool = False,
-                    config: PagedAttentionConfig | MixedConfig | None = None) -> jax.Array:
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    interpret: bool = False,
+    config: PagedAttentionConfig | MixedConfig | None = None,
+) -> jax.Array:
     """Ragged paged attention (Pallas GPU kernel; `interpret=True` runs it on CPU).
 
     Args:
@@ -231,54 +269,111 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Returns:
       f[T, Hq, D] in q's dtype; padding tokens are zeros.
     """
-    scale = check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
-                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                          sinks=sinks, k_scales=k_scales, v_scales=v_scales)
+    scale = check_inputs(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
+    )
     t, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_pages.shape
     group = hq // hkv
     _check_kernel_shapes(page_size, d)
     s, max_pages = page_table.shape
     if config is None:
-        config = (mixed_config(t, s, page_size, group, hkv, max_pages)
-                  or default_config(t, s, page_size, group, hkv, max_pages))
-    parts = ([(config.decode, (1, config.decode.block_q), s),
-              (config.prefill, (config.decode.block_q + 1, t), None)]
-             if isinstance(config, MixedConfig) else [(config, None, None)])
+        config = mixed_config(t, s, page_size, group, hkv, max_pages) or default_config(
+            t, s, page_size, group, hkv, max_pages
+        )
+    parts = (
+        [
+            (config.decode, (1, config.decode.block_q), s),
+            (config.prefill, (config.decode.block_q + 1, t), None),
+        ]
+        if isinstance(config, MixedConfig)
+        else [(config, None, None)]
+    )
     for cfg, _, _ in parts:
         _check_config(cfg, page_size, group)
     if t == 0:
         return jnp.zeros_like(q)
     launch = functools.partial(
-        _launch, q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs, scale=scale,
-        window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scales=k_scales,
-        v_scales=v_scales, interpret=interpret)
+        _launch,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        scale=scale,
+        window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        interpret=interpret,
+    )
     out = jnp.zeros_like(q)
     for cfg, q_len_range, max_blocks in parts:
         out = launch(cfg, q_len_range, max_blocks, out)
     return out
 
 
-def _launch(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-            kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-            cfg: PagedAttentionConfig, q_len_range: tuple[int, int] | None,
-            max_blocks: int | None, out: jax.Array, *, scale: float, window: int | None,
-            soft_cap: float | None, sinks: jax.Array | None, k_scales: jax.Array | None,
-            v_scales: jax.Array | None, interpret: bool) -> jax.Array:
+def _launch(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    cfg: PagedAttentionConfig,
+    q_len_range: tuple[int, int] | None,
+    max_blocks: int | None,
+    out: jax.Array,
+    *,
+    scale: float,
+    window: int | None,
+    soft_cap: float | None,
+    sinks: jax.Array | None,
+    k_scales: jax.Array | None,
+    v_scales: jax.Array | None,
+    interpret: bool,
+) -> jax.Array:
     """One kernel launch over the requests in `q_len_range` (None: all); returns `out` f[T, Hq,
     D] with their rows written and every other row as it came in."""
     quantized = k_scales is not None and v_scales is not None
     t, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_pages.shape
-    meta, num_blocks = block_metadata(q, page_table, kv_lens, cu_q_lens, num_seqs, page_size,
-                                      cfg.block_q, q_len_range, max_blocks)
+    meta, num_blocks = block_metadata(
+        q, page_table, kv_lens, cu_q_lens, num_seqs, page_size, cfg.block_q, q_len_range, max_blocks
+    )
     kernel = functools.partial(
-        _kernel, group=hq // hkv, block_q=cfg.block_q, pages_per_block=cfg.pages_per_block,
-        page_size=page_size, head_dim=d, num_tokens=t, pool_tokens=num_pages * page_size,
-        scale=scale, window=window, soft_cap=soft_cap, has_sinks=sinks is not None,
-        kv_splits=cfg.kv_splits, quantized=quantized)
-    sinks_arr = (sinks.astype(jnp.float32) if sinks is not None
-                 else jnp.zeros((hq,), jnp.float32))
+        _kernel,
+        group=hq // hkv,
+        block_q=cfg.block_q,
+        pages_per_block=cfg.pages_per_block,
+        page_size=page_size,
+        head_dim=d,
+        num_tokens=t,
+        pool_tokens=num_pages * page_size,
+        scale=scale,
+        window=window,
+        soft_cap=soft_cap,
+        has_sinks=sinks is not None,
+        kv_splits=cfg.kv_splits,
+        quantized=quantized,
+    )
+    sinks_arr = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((hq,), jnp.float32)
     # Outputs start from aliased buffers: rows no program writes (padding, or requests of the
     # other launch) keep these values.
     if cfg.kv_splits == 1:
@@ -286,21 +381,40 @@ def _launch(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: ja
         grid: tuple[int, ...] = (num_blocks, hkv)
     else:
         k = cfg.kv_splits
-        inits = [jnp.zeros((k, t, hq, d), jnp.float32), jnp.full((k, t, hq), _MASK, jnp.float32),
-                 jnp.zeros((k, t, hq), jnp.float32)]
+        inits = [
+            jnp.zeros((k, t, hq, d), jnp.float32),
+            jnp.full((k, t, hq), _MASK, jnp.float32),
+            jnp.zeros((k, t, hq), jnp.float32),
+        ]
         grid = (num_blocks, hkv, k)
     call = backend.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inits], grid=grid,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inits],
+        grid=grid,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
         name=f"ragged_paged_attention_bq{cfg.block_q}_ppb{cfg.pages_per_block}"
-             f"_split{cfg.kv_splits}" + (f"_{k_pages.dtype}" if quantized else ""),
-        input_output_aliases={6 + 2 * quantized + i: i for i in range(len(inits))})
+        f"_split{cfg.kv_splits}" + (f"_{k_pages.dtype}" if quantized else ""),
+        input_output_aliases={6 + 2 * quantized + i: i for i in range(len(inits))},
+    )
     # Flattened pools: token-granular row index page * page_size + offset (free reshape).
     flat_shape = (num_pages * page_size, hkv, d)
-    scales = ([k_scales.reshape(flat_shape[:2]), v_scales.reshape(flat_shape[:2])]
-              if k_scales is not None and v_scales is not None else [])
-    outs = call(meta, page_table.astype(jnp.int32), q, k_pages.reshape(flat_shape),
-                v_pages.reshape(flat_shape), sinks_arr, *scales, *inits)
+    scales = (
+        [k_scales.reshape(flat_shape[:2]), v_scales.reshape(flat_shape[:2])]
+        if k_scales is not None and v_scales is not None
+        else []
+    )
+    outs = call(
+        meta,
+        page_table.astype(jnp.int32),
+        q,
+        k_pages.reshape(flat_shape),
+        v_pages.reshape(flat_shape),
+        sinks_arr,
+        *scales,
+        *inits,
+    )
     if cfg.kv_splits == 1:
         written: jax.Array = outs[0]
         return written

@@ -25,8 +25,14 @@ import numpy as np
 from pallas_kernels import kv_quant, native, pool_bits
 from pallas_kernels.paged_attention_jnp import pad_meta, paged_attention_reference
 
-__all__ = ["TARGET", "available", "kv_kind", "native_blocks_pass", "native_tokens_pass",
-           "paged_attention_cpu"]
+__all__ = [
+    "TARGET",
+    "available",
+    "kv_kind",
+    "native_blocks_pass",
+    "native_tokens_pass",
+    "paged_attention_cpu",
+]
 
 TARGET = "tokenspeed_paged_attention"
 # pool kinds of the C++ kernel (`KvKind` in paged_attention.cc)
@@ -54,29 +60,54 @@ def kv_kind(pool_dtype: Any, q_dtype: Any) -> int:
     raise ValueError(f"{pool_dtype=} / {q_dtype=}: no native paged-attention kind for this pool")
 
 
-def _call(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-          meta: jax.Array, bq: int, *, scale: float, sliding_window: int | None,
-          soft_cap: float | None, sinks: jax.Array | None, k_scales: jax.Array | None,
-          v_scales: jax.Array | None) -> jax.Array:
+def _call(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    meta: jax.Array,
+    bq: int,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    sinks: jax.Array | None,
+    k_scales: jax.Array | None,
+    v_scales: jax.Array | None,
+) -> jax.Array:
     """Blocks `meta` i32[4, NB] of up to `bq` tokens -> f32[NB, bq, Hq, D] (zeros past a block's
     end and for empty blocks)."""
     _, hq, d = q.shape
     dummy = jnp.zeros((1,), pool_bits.BITS)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((meta.shape[1], bq, hq, d), jnp.float32))
     out: jax.Array = call(
-        q.astype(jnp.float32), k_pages, v_pages,
-        dummy if k_scales is None else k_scales, dummy if v_scales is None else v_scales,
-        page_table.astype(jnp.int32), meta.astype(jnp.int32),
+        q.astype(jnp.float32),
+        k_pages,
+        v_pages,
+        dummy if k_scales is None else k_scales,
+        dummy if v_scales is None else v_scales,
+        page_table.astype(jnp.int32),
+        meta.astype(jnp.int32),
         jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
-        scale=np.float32(scale), window=np.int32(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0), kv_kind=np.int32(kv_kind(k_pages.dtype, q.dtype)),
-        has_sinks=sinks is not None, bq=np.int32(bq))
+        scale=np.float32(scale),
+        window=np.int32(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+        kv_kind=np.int32(kv_kind(k_pages.dtype, q.dtype)),
+        has_sinks=sinks is not None,
+        bq=np.int32(bq),
+    )
     return out
 
 
-def native_tokens_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                       page_table: jax.Array, meta: jax.Array, num_blocks: int,
-                       **kw: Any) -> tuple[jax.Array, jax.Array]:
+def native_tokens_pass(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    meta: jax.Array,
+    num_blocks: int,
+    **kw: Any,
+) -> tuple[jax.Array, jax.Array]:
     """The reference's tokens pass (`paged_attention_jnp.TokensPass`) as one custom call:
     one-token blocks `meta` i32[4, NB] -> (out f[NB, Hq, D], dest i32[NB], T = none)."""
     t, hq, d = q.shape
@@ -85,9 +116,18 @@ def native_tokens_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return out.astype(q.dtype), jnp.where(meta[1] < meta[2], meta[1], t)
 
 
-def native_blocks_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                       page_table: jax.Array, meta: jax.Array, num_blocks: int, *, bq: int,
-                       max_gather_elems: int, **kw: Any) -> tuple[jax.Array, jax.Array]:
+def native_blocks_pass(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    meta: jax.Array,
+    num_blocks: int,
+    *,
+    bq: int,
+    max_gather_elems: int,
+    **kw: Any,
+) -> tuple[jax.Array, jax.Array]:
     """The reference's block pass (`paged_attention_jnp.BlocksPass`) as one custom call: blocks
     `meta` i32[4, NB] of up to `bq` tokens -> (out f[NB * bq, Hq, D], dest i32[NB * bq])."""
     del max_gather_elems  # the kernel reads a page at a time
@@ -99,21 +139,45 @@ def native_blocks_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return out.astype(q.dtype), dest.reshape(-1)
 
 
-def paged_attention_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                        page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
-                        num_seqs: jax.Array, *, sm_scale: float | None = None,
-                        sliding_window: int | None = None, soft_cap: float | None = None,
-                        sinks: jax.Array | None = None, k_scales: jax.Array | None = None,
-                        v_scales: jax.Array | None = None, interpret: bool = False,
-                        max_gather_elems: int = 1 << 18,
-                        native_blocks: bool = True) -> jax.Array:
+def paged_attention_cpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    interpret: bool = False,
+    max_gather_elems: int = 1 << 18,
+    native_blocks: bool = True,
+) -> jax.Array:
     """`paged_attention_reference` with its passes in the native kernel (the module docstring;
     `native_blocks=False` keeps the reference's block pass); the reference itself when the
     kernel is unavailable. Returns f[T, Hq, D] in q's dtype; padding tokens are zeros."""
     on = available()
     return paged_attention_reference(
-        q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scales=k_scales,
-        v_scales=v_scales, interpret=interpret, max_gather_elems=max_gather_elems,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        interpret=interpret,
+        max_gather_elems=max_gather_elems,
         tokens_pass=native_tokens_pass if on else None,
-        blocks_pass=native_blocks_pass if on and native_blocks else None)
+        blocks_pass=native_blocks_pass if on and native_blocks else None,
+    )

@@ -25,8 +25,16 @@ from jax import lax
 from pallas_kernels import kv_quant, pool_bits
 from pallas_kernels.paged_attention_inputs import block_metadata, check_inputs
 
-__all__ = ["PAGES_PER_STEP", "PER_TOKEN_MAX_Q", "REFERENCE_BLOCK_Q", "TOKENS_PER_CHUNK",
-           "BlocksPass", "TokensPass", "pad_meta", "paged_attention_reference"]
+__all__ = [
+    "PAGES_PER_STEP",
+    "PER_TOKEN_MAX_Q",
+    "REFERENCE_BLOCK_Q",
+    "TOKENS_PER_CHUNK",
+    "BlocksPass",
+    "TokensPass",
+    "pad_meta",
+    "paged_attention_reference",
+]
 
 # Requests with at most this many query tokens go token by token: a block of
 # `REFERENCE_BLOCK_Q` rows would compute mostly padding rows for them.
@@ -41,14 +49,14 @@ TOKENS_PER_CHUNK = 16
 PAGES_PER_STEP = 2
 
 
-def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype: jnp.dtype
-            ) -> jax.Array:
+def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """f32 K or V rows of `pages` (float pool, or quantized values times their scales)."""
     vals = kv_quant.value_dtype(pool.dtype)
     if scales is None or vals is None:
         return pool_bits.take(pool, pages, dtype).astype(jnp.float32)
-    return kv_quant.dequantize(pool_bits.take(pool, pages, vals),
-                               pool_bits.take(scales, pages, kv_quant.SCALE_DTYPE))
+    return kv_quant.dequantize(
+        pool_bits.take(pool, pages, vals), pool_bits.take(scales, pages, kv_quant.SCALE_DTYPE)
+    )
 
 
 def pad_meta(meta: jax.Array, num_blocks: int, multiple: int, t: int) -> tuple[jax.Array, int]:
@@ -62,11 +70,21 @@ def pad_meta(meta: jax.Array, num_blocks: int, multiple: int, t: int) -> tuple[j
     return meta.at[0].set(jnp.where(meta[1] < meta[2], meta[0], 0)), num_blocks
 
 
-def _tokens_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-                 meta: jax.Array, num_blocks: int, *, scale: float,
-                 sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None,
-                 k_scales: jax.Array | None, v_scales: jax.Array | None
-                 ) -> tuple[jax.Array, jax.Array]:
+def _tokens_pass(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    meta: jax.Array,
+    num_blocks: int,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    sinks: jax.Array | None,
+    k_scales: jax.Array | None,
+    v_scales: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
     """One-token blocks `meta` i32[4, NB] -> (out f[NB, Hq, D], dest i32[NB], T = none)."""
     t, hq, d = q.shape
     _, page_size, hkv, _ = k_pages.shape
@@ -76,12 +94,14 @@ def _tokens_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
     meta, num_blocks = pad_meta(meta, num_blocks, c, t)
     ok = meta[1] < meta[2]
     pos = jnp.where(ok, meta[1] + meta[3], -1)  # absolute position of each token
-    first = (jnp.zeros_like(pos) if sliding_window is None
-             else jnp.maximum(pos - sliding_window + 1, 0) // page_size)
+    first = (
+        jnp.zeros_like(pos)
+        if sliding_window is None
+        else jnp.maximum(pos - sliding_window + 1, 0) // page_size
+    )
     steps = jnp.where(ok, (pos // page_size - first + pps) // pps, 0)  # page steps per token
     qg = q[jnp.minimum(meta[1], t - 1)].astype(jnp.float32).reshape(num_blocks, hkv, group, d)
-    sink = (None if sinks is None
-            else sinks.astype(jnp.float32).reshape(hkv, group))
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(hkv, group)
     kk = jnp.arange(pps * page_size, dtype=jnp.int32)
 
     def chunk(i: jax.Array, outs: jax.Array) -> jax.Array:
@@ -128,11 +148,23 @@ def _tokens_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
     return outs, jnp.where(ok, meta[1], t)
 
 
-def _blocks_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-                 meta: jax.Array, num_blocks: int, *, bq: int, scale: float,
-                 sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None,
-                 k_scales: jax.Array | None, v_scales: jax.Array | None,
-                 max_gather_elems: int) -> tuple[jax.Array, jax.Array]:
+def _blocks_pass(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    meta: jax.Array,
+    num_blocks: int,
+    *,
+    bq: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    sinks: jax.Array | None,
+    k_scales: jax.Array | None,
+    v_scales: jax.Array | None,
+    max_gather_elems: int,
+) -> tuple[jax.Array, jax.Array]:
     """Blocks `meta` i32[4, NB] of up to `bq` tokens of one request -> (out f[NB * bq, Hq, D],
     dest i32[NB * bq]: packed token index of each row, T = none)."""
     t, hq, d = q.shape
@@ -146,8 +178,7 @@ def _blocks_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
     span = n_cols * page_size
     batch = max(1, min(num_blocks, max_gather_elems // max(1, span * hkv * d)))
     meta, num_blocks = pad_meta(meta, num_blocks, batch, t)
-    sink_logits = (None if sinks is None
-                   else sinks.astype(jnp.float32).reshape(1, hkv, group, 1))
+    sink_logits = None if sinks is None else sinks.astype(jnp.float32).reshape(1, hkv, group, 1)
     rows = jnp.arange(bq, dtype=jnp.int32)
     kk = jnp.arange(span, dtype=jnp.int32)
 
@@ -162,8 +193,7 @@ def _blocks_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
         cols = first + jnp.arange(n_cols, dtype=jnp.int32)
         pages = page_table[seq, jnp.minimum(cols, max_pages - 1)].astype(jnp.int32)
         kpos = first * page_size + kk  # [L] absolute key positions
-        keep = (ok[:, None] & (kpos[None, :] <= qpos[:, None])
-                & (kpos < max_pages * page_size)[None, :])
+        keep = ok[:, None] & (kpos[None, :] <= qpos[:, None]) & (kpos < max_pages * page_size)[None, :]
         if sliding_window is not None:
             keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
         # uint16 pools hold bf16 / f16 bits (pool_bits): only the gathered pages are bitcast;
@@ -177,8 +207,7 @@ def _blocks_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         logits = jnp.where(keep[:, None, None, :], logits, -jnp.inf)
         if sink_logits is not None:
-            logits = jnp.concatenate(
-                [logits, jnp.broadcast_to(sink_logits, (bq, hkv, group, 1))], axis=-1)
+            logits = jnp.concatenate([logits, jnp.broadcast_to(sink_logits, (bq, hkv, group, 1))], axis=-1)
         mx = jnp.max(logits, axis=-1, keepdims=True)
         p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
         denom = jnp.sum(p, axis=-1, keepdims=True)
@@ -193,8 +222,7 @@ def _blocks_pass(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
     # A vmap over the static bound computed every block: 4x the work of a 512-token chunk at
     # S = 64 (the bound's S surplus blocks). Real blocks are a prefix: loop over those only.
     n_real = jnp.sum(meta[1] < meta[2])
-    outs = lax.fori_loop(0, (n_real + batch - 1) // batch, body,
-                         jnp.zeros((num_blocks, bq, hq, d), q.dtype))
+    outs = lax.fori_loop(0, (n_real + batch - 1) // batch, body, jnp.zeros((num_blocks, bq, hq, d), q.dtype))
     tok = meta[1][:, None] + rows[None, :]
     dest = jnp.where(tok < meta[2][:, None], tok, t)  # empty rows -> out of range, dropped
     return outs.reshape(-1, hq, d), dest.reshape(-1)
@@ -207,17 +235,27 @@ TokensPass = Callable[..., tuple[jax.Array, jax.Array]]
 BlocksPass = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                              page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
-                              num_seqs: jax.Array, *, sm_scale: float | None = None,
-                              sliding_window: int | None = None, soft_cap: float | None = None,
-                              sinks: jax.Array | None = None,
-                              k_scales: jax.Array | None = None,
-                              v_scales: jax.Array | None = None, interpret: bool = False,
-                              block_q: int | None = None,
-                              max_gather_elems: int = 1 << 18,
-                              tokens_pass: TokensPass | None = None,
-                              blocks_pass: BlocksPass | None = None) -> jax.Array:
+def paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    interpret: bool = False,
+    block_q: int | None = None,
+    max_gather_elems: int = 1 << 18,
+    tokens_pass: TokensPass | None = None,
+    blocks_pass: BlocksPass | None = None,
+) -> jax.Array:
     """Pure-jnp twin of `paged_attention` (same arguments and result; `interpret` is ignored).
 
     The two passes of the module docstring; `block_q` = the block pass alone with that block
@@ -233,23 +271,43 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     Returns f[T, Hq, D] in q's dtype; padding tokens are zeros.
     """
     del interpret
-    scale = check_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs,
-                         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                         sinks=sinks, k_scales=k_scales, v_scales=v_scales, bits_pools=True)
+    scale = check_inputs(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        bits_pools=True,
+    )
     t, hq, d = q.shape
     s = page_table.shape[0]
     page_size = k_pages.shape[1]
     if t == 0:
         return jnp.zeros_like(q)
-    common: dict[str, Any] = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                  k_scales=k_scales, v_scales=v_scales)
+    common: dict[str, Any] = dict(
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
+    )
     meta_args = (q, page_table, kv_lens, cu_q_lens, num_seqs, page_size)
     outs, dests = [], []
     if block_q is None:
         small = (1, PER_TOKEN_MAX_Q)
         meta, _ = block_metadata(*meta_args, 1, small)
-        o, dst = (tokens_pass or _tokens_pass)(q, k_pages, v_pages, page_table, meta,
-                                               min(t, PER_TOKEN_MAX_Q * s), **common)
+        o, dst = (tokens_pass or _tokens_pass)(
+            q, k_pages, v_pages, page_table, meta, min(t, PER_TOKEN_MAX_Q * s), **common
+        )
         outs.append(o)
         dests.append(dst)
     if block_q is not None or t > PER_TOKEN_MAX_Q:
@@ -258,9 +316,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         meta, bound = block_metadata(*meta_args, bq, big)
         # real blocks come first; a request of >= 5 tokens has at most q_len / 5 blocks
         bound = min(bound, t if block_q else t // (PER_TOKEN_MAX_Q + 1))
-        o, dst = (blocks_pass or _blocks_pass)(q, k_pages, v_pages, page_table, meta, bound,
-                                               bq=bq, max_gather_elems=max_gather_elems,
-                                               **common)
+        o, dst = (blocks_pass or _blocks_pass)(
+            q, k_pages, v_pages, page_table, meta, bound, bq=bq, max_gather_elems=max_gather_elems, **common
+        )
         outs.append(o)
         dests.append(dst)
     out = jnp.zeros_like(q)

@@ -8,8 +8,13 @@ import dataclasses
 
 from pallas_kernels import backend
 
-__all__ = ["DECODE_TUNING_CANDIDATES", "MixedConfig", "PagedAttentionConfig", "default_config",
-           "mixed_config"]
+__all__ = [
+    "DECODE_TUNING_CANDIDATES",
+    "MixedConfig",
+    "PagedAttentionConfig",
+    "default_config",
+    "mixed_config",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +47,9 @@ class PagedAttentionConfig:
 _SMS, _DECODE_PROGRAMS_PER_SM, _MIN_WAVES = 132, 3, 4
 
 
-def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int,
-                   num_kv_heads: int = 1, max_pages: int = 0) -> PagedAttentionConfig:
+def default_config(
+    num_tokens: int, num_seqs_max: int, page_size: int, group: int, num_kv_heads: int = 1, max_pages: int = 0
+) -> PagedAttentionConfig:
     """Static heuristic: decode-dominated shapes (<= 2 query tokens per request on average) use
     the minimum 16 rows per program (each K/V tile serves all G heads; more rows would only burn
     tensor-core time on padding); prefill-heavy shapes use 64 rows for arithmetic intensity.
@@ -60,11 +66,19 @@ def default_config(num_tokens: int, num_seqs_max: int, page_size: int, group: in
     splits = 1
     if decode:
         target = _MIN_WAVES * _SMS * _DECODE_PROGRAMS_PER_SM
-        while (splits < 32 and num_seqs_max * num_kv_heads * splits < target
-               and max_pages >= 2 * splits * 4 * pages_per_block):
+        while (
+            splits < 32
+            and num_seqs_max * num_kv_heads * splits < target
+            and max_pages >= 2 * splits * 4 * pages_per_block
+        ):
             splits *= 2
-    return PagedAttentionConfig(pages_per_block=pages_per_block, block_q=max(1, rows // gp),
-                                num_warps=4 if decode else 8, num_stages=3, kv_splits=splits)
+    return PagedAttentionConfig(
+        pages_per_block=pages_per_block,
+        block_q=max(1, rows // gp),
+        num_warps=4 if decode else 8,
+        num_stages=3,
+        kv_splits=splits,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +95,9 @@ class MixedConfig:
     prefill: PagedAttentionConfig
 
 
-def mixed_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int,
-                 num_kv_heads: int = 1, max_pages: int = 0) -> MixedConfig | None:
+def mixed_config(
+    num_tokens: int, num_seqs_max: int, page_size: int, group: int, num_kv_heads: int = 1, max_pages: int = 0
+) -> MixedConfig | None:
     """The two-launch config for prefill-shaped batches of several requests; None where one
     launch is the right shape (decode-dominated, or a single request). The decode launch does
     not split the key range: its partials would be sized by ALL the batch's tokens (T x Hq x D
@@ -90,12 +105,11 @@ def mixed_config(num_tokens: int, num_seqs_max: int, page_size: int, group: int,
     (0.227 vs 0.163 ms) for 3% gained at 60 decodes at 8k + 2k prefill tokens."""
     if num_tokens <= 2 * num_seqs_max or num_seqs_max < 2:
         return None
-    decode = default_config(num_seqs_max, num_seqs_max, page_size, group, num_kv_heads,
-                            max_pages)
+    decode = default_config(num_seqs_max, num_seqs_max, page_size, group, num_kv_heads, max_pages)
     return MixedConfig(
         decode=dataclasses.replace(decode, kv_splits=1),
-        prefill=default_config(num_tokens, num_seqs_max, page_size, group, num_kv_heads,
-                               max_pages))
+        prefill=default_config(num_tokens, num_seqs_max, page_size, group, num_kv_heads, max_pages),
+    )
 
 
 # Alternatives to the decode default (tile size, pipeline stages, kv_splits) for 32k-context

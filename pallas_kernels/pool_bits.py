@@ -48,8 +48,7 @@ def storage_dtype(dtype: Any) -> jnp.dtype:
 
 def holds(pool_dtype: Any, dtype: Any) -> bool:
     """True when a pool of `pool_dtype` holds values of `dtype` (itself, or its bits)."""
-    return bool(jnp.dtype(pool_dtype) == jnp.dtype(dtype)
-                or jnp.dtype(pool_dtype) == _bits_of(dtype))
+    return bool(jnp.dtype(pool_dtype) == jnp.dtype(dtype) or jnp.dtype(pool_dtype) == _bits_of(dtype))
 
 
 def take(pool: jax.Array, index: Any, dtype: Any) -> jax.Array:
@@ -60,13 +59,13 @@ def take(pool: jax.Array, index: Any, dtype: Any) -> jax.Array:
     return rows
 
 
-def scatter_set(pool: jax.Array, index: Any, values: jax.Array, *,
-                mode: str = "drop") -> jax.Array:
+def scatter_set(pool: jax.Array, index: Any, values: jax.Array, *, mode: str = "drop") -> jax.Array:
     """`pool.at[index].set(values, mode=mode)`; a uint16 / uint8 pool takes 16- / 8-bit float
     values as their bits, any other pool takes `values.astype(pool.dtype)`."""
     if pool.dtype in (BITS, BITS8):
         if _bits_of(values.dtype) != pool.dtype:
-            raise ValueError(f"{values.dtype=}: a {pool.dtype} pool holds "
-                             f"{8 * pool.dtype.itemsize}-bit float bits")
+            raise ValueError(
+                f"{values.dtype=}: a {pool.dtype} pool holds {8 * pool.dtype.itemsize}-bit float bits"
+            )
         return pool.at[index].set(lax.bitcast_convert_type(values, pool.dtype), mode=mode)
     return pool.at[index].set(values.astype(pool.dtype), mode=mode)

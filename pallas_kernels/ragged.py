@@ -15,18 +15,23 @@ import jax
 import jax.numpy as jnp
 
 
-def check_ragged_metadata(page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array,
-                          num_seqs: jax.Array) -> None:
+def check_ragged_metadata(
+    page_table: jax.Array, kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array
+) -> None:
     """ValueError unless page_table is int [S, max_pages], kv_lens int [S], cu_q_lens int [S+1]
     and num_seqs int [1] (the ragged-batch contract both kernels share)."""
     if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
         raise ValueError(f"{page_table.shape=} ({page_table.dtype}) must be int [S, max_pages]")
     s = page_table.shape[0]
-    for name, arr, shape in (("kv_lens", kv_lens, (s,)), ("cu_q_lens", cu_q_lens, (s + 1,)),
-                             ("num_seqs", num_seqs, (1,))):
+    for name, arr, shape in (
+        ("kv_lens", kv_lens, (s,)),
+        ("cu_q_lens", cu_q_lens, (s + 1,)),
+        ("num_seqs", num_seqs, (1,)),
+    ):
         if arr.shape != shape or not jnp.issubdtype(arr.dtype, jnp.integer):
-            raise ValueError(f"{name}.shape={arr.shape} ({arr.dtype}) must be int {shape} "
-                             f"for {page_table.shape=}")
+            raise ValueError(
+                f"{name}.shape={arr.shape} ({arr.dtype}) must be int {shape} for {page_table.shape=}"
+            )
 
 
 class TokenLayout(NamedTuple):
@@ -42,8 +47,9 @@ class TokenLayout(NamedTuple):
     chunk_start: jax.Array
 
 
-def sanitize(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
-             max_kv_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sanitize(
+    cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, max_kv_len: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Clamp traced metadata so garbage in padding rows can never index out of bounds.
 
     Returns (cu i32[S+1] non-decreasing in [0, T] and constant after num_seqs, kv i32[S] in
@@ -60,8 +66,9 @@ def sanitize(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_
     return cu, kv, q_len
 
 
-def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
-                 num_tokens: int, max_kv_len: int) -> TokenLayout:
+def token_layout(
+    cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, max_kv_len: int
+) -> TokenLayout:
     """Map each of the `num_tokens` packed tokens to (request, absolute position, validity)."""
     cu, kv, _ = sanitize(cu_q_lens, kv_lens, num_seqs, num_tokens, max_kv_len)
     s = kv.shape[0]

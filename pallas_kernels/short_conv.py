@@ -45,20 +45,29 @@ class ShortConvConfig:
         backend.check_config(self, powers_of_2=("block_t", "block_c", "num_warps"))
 
 
-def _check_inputs(x: jax.Array, conv_pages: jax.Array, page_table: jax.Array,
-                  kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-                  weight: jax.Array, bias: jax.Array | None, bits_pools: bool = False) -> None:
+def _check_inputs(
+    x: jax.Array,
+    conv_pages: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    bits_pools: bool = False,
+) -> None:
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{x.shape=} ({x.dtype}) must be float [T, C]")
     t, c = x.shape
     if conv_pages.ndim != 3 or conv_pages.shape[2] != c:
-        raise ValueError(f"{conv_pages.shape=} must be [P, page_size, C] with C={c} "
-                         f"({x.shape=})")
+        raise ValueError(f"{conv_pages.shape=} must be [P, page_size, C] with C={c} ({x.shape=})")
     # the reference also takes a bf16 / f16 pool as its uint16 bits (pool_bits)
     bits = bits_pools and pool_bits.holds(conv_pages.dtype, x.dtype)
     if not (jnp.issubdtype(conv_pages.dtype, jnp.floating) or bits):
-        raise ValueError(f"{conv_pages.dtype=} must be floating" + (
-            f" (or uint16 bits of {x.dtype=})" if bits_pools else ""))
+        raise ValueError(
+            f"{conv_pages.dtype=} must be floating"
+            + (f" (or uint16 bits of {x.dtype=})" if bits_pools else "")
+        )
     if weight.ndim != 2 or weight.shape[1] != c or weight.shape[0] < 1:
         raise ValueError(f"{weight.shape=} must be [K >= 1, C] with C={c}")
     if bias is not None and bias.shape != (c,):
@@ -66,43 +75,69 @@ def _check_inputs(x: jax.Array, conv_pages: jax.Array, page_table: jax.Array,
     check_ragged_metadata(page_table, kv_lens, cu_q_lens, num_seqs)
 
 
-def _kernel(meta_ref: Ref, pt_ref: Ref, x_ref: Ref, pool_ref: Ref, w_ref: Ref, b_ref: Ref,
-            y_ref: Ref, *, taps: int, block_t: int,
-            block_c: int, num_tokens: int, channels: int, page_size: int,
-            pool_tokens: int) -> None:
+def _kernel(
+    meta_ref: Ref,
+    pt_ref: Ref,
+    x_ref: Ref,
+    pool_ref: Ref,
+    w_ref: Ref,
+    b_ref: Ref,
+    y_ref: Ref,
+    *,
+    taps: int,
+    block_t: int,
+    block_c: int,
+    num_tokens: int,
+    channels: int,
+    page_size: int,
+    pool_tokens: int,
+) -> None:
     t = pl.program_id(0) * block_t + lax.iota(jnp.int32, block_t)
     c = pl.program_id(1) * block_c + lax.iota(jnp.int32, block_c)
     t_ok, c_ok = t < num_tokens, c < channels
     t_idx = jnp.where(t_ok, t, num_tokens)  # out-of-range sentinel for masked lanes
-    seq, pos, valid, start = (backend.load(meta_ref, (i, t_idx), mask=t_ok, other=0)
-                              for i in range(4))
+    seq, pos, valid, start = (backend.load(meta_ref, (i, t_idx), mask=t_ok, other=0) for i in range(4))
     valid = t_ok & (valid != 0)
     acc = jnp.zeros((block_t, block_c), jnp.float32)
     for j in range(taps):  # K is small (2-4 in LFM2): unrolled
         p = pos - (taps - 1) + j
         from_x = valid & (p >= start)
         from_pool = valid & (p < start) & (p >= 0)
-        xv = backend.load(x_ref, (jnp.where(from_x, t - (taps - 1) + j, num_tokens)[:, None],
-                                  c[None, :]),
-                          mask=from_x[:, None] & c_ok[None, :], other=0.0)
+        xv = backend.load(
+            x_ref,
+            (jnp.where(from_x, t - (taps - 1) + j, num_tokens)[:, None], c[None, :]),
+            mask=from_x[:, None] & c_ok[None, :],
+            other=0.0,
+        )
         slot = jnp.where(from_pool, p // page_size, 0)
         page = backend.load(pt_ref, (seq, slot), mask=from_pool, other=0)
         flat = jnp.where(from_pool, page * page_size + p % page_size, pool_tokens)
-        pv = backend.load(pool_ref, (flat[:, None], c[None, :]),
-                          mask=from_pool[:, None] & c_ok[None, :], other=0.0)
+        pv = backend.load(
+            pool_ref, (flat[:, None], c[None, :]), mask=from_pool[:, None] & c_ok[None, :], other=0.0
+        )
         tap = jnp.where(from_x[:, None], xv.astype(jnp.float32), pv.astype(jnp.float32))
         w = backend.load(w_ref, (j, c), mask=c_ok, other=0.0).astype(jnp.float32)
         acc = acc + tap * w[None, :]
     acc = acc + backend.load(b_ref, (c,), mask=c_ok, other=0.0).astype(jnp.float32)[None, :]
     y = jnp.where(valid[:, None], acc, 0.0)
-    backend.store(y_ref, (t_idx[:, None], c[None, :]), y.astype(y_ref.dtype),
-                  mask=t_ok[:, None] & c_ok[None, :])
+    backend.store(
+        y_ref, (t_idx[:, None], c[None, :]), y.astype(y_ref.dtype), mask=t_ok[:, None] & c_ok[None, :]
+    )
 
 
-def short_conv(x: jax.Array, conv_pages: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
-               cu_q_lens: jax.Array, num_seqs: jax.Array, weight: jax.Array,
-               bias: jax.Array | None = None, *, interpret: bool = False,
-               config: ShortConvConfig | None = None) -> jax.Array:
+def short_conv(
+    x: jax.Array,
+    conv_pages: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    interpret: bool = False,
+    config: ShortConvConfig | None = None,
+) -> jax.Array:
     """Causal depthwise conv of this step's tokens, earlier taps read through the page table.
 
     Args:
@@ -124,26 +159,51 @@ def short_conv(x: jax.Array, conv_pages: jax.Array, page_table: jax.Array, kv_le
     lay = token_layout(cu_q_lens, kv_lens, num_seqs, t, page_table.shape[1] * page_size)
     meta = jnp.stack([lay.seq, lay.pos, lay.valid.astype(jnp.int32), lay.chunk_start])
     kernel = functools.partial(
-        _kernel, taps=weight.shape[0], block_t=cfg.block_t, block_c=cfg.block_c, num_tokens=t,
-        channels=c, page_size=page_size, pool_tokens=num_pages * page_size)
+        _kernel,
+        taps=weight.shape[0],
+        block_t=cfg.block_t,
+        block_c=cfg.block_c,
+        num_tokens=t,
+        channels=c,
+        page_size=page_size,
+        pool_tokens=num_pages * page_size,
+    )
     call = backend.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        grid=(pl.cdiv(t, cfg.block_t), pl.cdiv(c, cfg.block_c)), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, interpret=interpret, name=f"short_conv_k{weight.shape[0]}")
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(pl.cdiv(t, cfg.block_t), pl.cdiv(c, cfg.block_c)),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+        name=f"short_conv_k{weight.shape[0]}",
+    )
     b = bias if bias is not None else jnp.zeros((c,), weight.dtype)
-    y: jax.Array = call(meta.astype(jnp.int32), page_table.astype(jnp.int32), x,
-                        conv_pages.reshape(num_pages * page_size, c), weight, b)
+    y: jax.Array = call(
+        meta.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        x,
+        conv_pages.reshape(num_pages * page_size, c),
+        weight,
+        b,
+    )
     return y
 
 
-def short_conv_reference(x: jax.Array, conv_pages: jax.Array, page_table: jax.Array,
-                         kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-                         weight: jax.Array, bias: jax.Array | None = None, *,
-                         interpret: bool = False) -> jax.Array:
+def short_conv_reference(
+    x: jax.Array,
+    conv_pages: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
     """Pure-jnp twin of `short_conv` (same arguments and result; `interpret` is ignored)."""
     del interpret
-    _check_inputs(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs, weight, bias,
-                  bits_pools=True)
+    _check_inputs(x, conv_pages, page_table, kv_lens, cu_q_lens, num_seqs, weight, bias, bits_pools=True)
     t, c = x.shape
     _, page_size, _ = conv_pages.shape
     max_pages = page_table.shape[1]
@@ -163,4 +223,3 @@ def short_conv_reference(x: jax.Array, conv_pages: jax.Array, page_table: jax.Ar
     if bias is not None:
         acc = acc + bias.astype(jnp.float32)
     return jnp.where(lay.valid[:, None], acc, 0.0).astype(x.dtype)
-

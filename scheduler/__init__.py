@@ -18,11 +18,24 @@ from scheduler.sliding_window import SlidingWindowManager, StateManager
 from scheduler.step_ops import PLACEHOLDER_TOKEN, GroupLayout, GroupStepOps, StepOps
 
 __all__ = [
-    "NULL_PAGE", "BlockPool", "BlockTable", "CacheCoordinator", "CacheGroupManager",
-    "FullHistoryManager", "GroupLayout", "GroupStepOps", "PLACEHOLDER_TOKEN", "PagedCacheGroupSpec",
-    "SamplingOptions", "SlidingWindowManager", "StateManager", "StepOps",
-    "compute_max_logical_pages_for_capture", "compute_paged_cache_group_page_counts",
-    "group_specs_from_layer_types", "layer_group_indices",
+    "NULL_PAGE",
+    "BlockPool",
+    "BlockTable",
+    "CacheCoordinator",
+    "CacheGroupManager",
+    "FullHistoryManager",
+    "GroupLayout",
+    "GroupStepOps",
+    "PLACEHOLDER_TOKEN",
+    "PagedCacheGroupSpec",
+    "SamplingOptions",
+    "SlidingWindowManager",
+    "StateManager",
+    "StepOps",
+    "compute_max_logical_pages_for_capture",
+    "compute_paged_cache_group_page_counts",
+    "group_specs_from_layer_types",
+    "layer_group_indices",
 ]
 
 from scheduler.cache_layout import CacheLayout, cache_layout  # noqa: E402
@@ -31,5 +44,4 @@ from scheduler.request import RequestOutput  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
 from scheduler.step_update import StepUpdate  # noqa: E402
 
-__all__ += ["CacheLayout", "RequestOutput", "Scheduler", "SchedulerConfig", "StepUpdate",
-            "cache_layout"]
+__all__ += ["CacheLayout", "RequestOutput", "Scheduler", "SchedulerConfig", "StepUpdate", "cache_layout"]

@@ -47,8 +47,10 @@ def check_prompt(prompt_token_ids: list[int], max_new_tokens: int, max_context_l
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     total = len(prompt) + max_new_tokens
     if total > max_context_len:
-        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} "
-                         f"exceeds max_context_len {max_context_len}")
+        raise ValueError(
+            f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} "
+            f"exceeds max_context_len {max_context_len}"
+        )
     return prompt
 
 
@@ -56,8 +58,7 @@ def requeue(waiting: list[Request], req: Request) -> None:
     """Put a retracted request back: retracted requests resume before new arrivals, oldest
     first (the waiting queue is served in order, FCFS)."""
     pos = 0
-    while (pos < len(waiting) and waiting[pos].num_retractions > 0
-           and waiting[pos].arrival < req.arrival):
+    while pos < len(waiting) and waiting[pos].num_retractions > 0 and waiting[pos].arrival < req.arrival:
         pos += 1
     waiting.insert(pos, req)
 
@@ -65,8 +66,9 @@ def requeue(waiting: list[Request], req: Request) -> None:
 class Admission:
     """One scheduler's admission control (see the module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, coord: CacheCoordinator,
-                 layouts: Sequence[GroupLayout]) -> None:
+    def __init__(
+        self, config: SchedulerConfig, coord: CacheCoordinator, layouts: Sequence[GroupLayout]
+    ) -> None:
         self.config = config
         self.coord = coord
         self.pool = coord.pool
@@ -90,8 +92,9 @@ class Admission:
         req.reserved = 0
 
     # ------------------------------------------------------------------ waiting requests
-    def fit(self, req: Request, budget: int, headroom: int,
-            sizer: Callable[[int], int] | None = None) -> Admitted | None:
+    def fit(
+        self, req: Request, budget: int, headroom: int, sizer: Callable[[int], int] | None = None
+    ) -> Admitted | None:
         """Whether the waiting `req` can start now with at most `budget` tokens, keeping
         `headroom` pages free for the running decoders; if so, claim its prefix pages.
         sizer: maps the first chunk's length to the one to schedule (`bucket_fit.fit_chunk`)."""
@@ -164,8 +167,9 @@ class Admission:
         return total
 
     # ------------------------------------------------------------------ every row
-    def acquire_row(self, req: Request, n: int, holes: list[list[int]],
-                    samples: bool | None = None) -> ScheduledRow:
+    def acquire_row(
+        self, req: Request, n: int, holes: list[list[int]], samples: bool | None = None
+    ) -> ScheduledRow:
         """Acquire the pages of `req`'s next `n` tokens (the caller made room: `available_for`)
         and describe the row; `holes` are the slots reclaim punched for it. samples: whether the
         row samples (None: iff it reaches the end of the request's tokens; a speculative row
@@ -184,8 +188,16 @@ class Admission:
         else:
             req.prefill_done = samples
         req.needs_refresh = False
-        return ScheduledRow(req=req, start=req.num_scheduled, num_tokens=n, full_refresh=refresh,
-                            samples=samples, begins=begins, sizes=sizes, holes=holes)
+        return ScheduledRow(
+            req=req,
+            start=req.num_scheduled,
+            num_tokens=n,
+            full_refresh=refresh,
+            samples=samples,
+            begins=begins,
+            sizes=sizes,
+            holes=holes,
+        )
 
     def needs_full_refresh(self, req: Request, holes: list[list[int]]) -> bool:
         r"""Whether this row must rewrite the request's device row whole (DESIGN §6). Decided

@@ -43,5 +43,7 @@ class BlockTable:
         self.num_published = 0
 
     def __repr__(self) -> str:
-        return (f"BlockTable(pages={self.pages}, tail_avail={self.tail_avail}, "
-                f"reclaim_floor={self.reclaim_floor})")
+        return (
+            f"BlockTable(pages={self.pages}, tail_avail={self.tail_avail}, "
+            f"reclaim_floor={self.reclaim_floor})"
+        )

@@ -44,23 +44,33 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_pages", "page_size", "max_batch_requests", "max_scheduled_tokens",
-                     "max_context_len"):
+        for name in (
+            "num_pages",
+            "page_size",
+            "max_batch_requests",
+            "max_scheduled_tokens",
+            "max_context_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
         if self.num_pages < 2:
-            raise ValueError(f"SchedulerConfig.num_pages must be >= 2 (page 0 is the null page), "
-                             f"got {self.num_pages}")
+            raise ValueError(
+                f"SchedulerConfig.num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}"
+            )
         if self.max_live_requests is not None and self.max_live_requests <= 0:
-            raise ValueError(f"SchedulerConfig.max_live_requests must be positive, got "
-                             f"{self.max_live_requests}")
+            raise ValueError(
+                f"SchedulerConfig.max_live_requests must be positive, got {self.max_live_requests}"
+            )
         if self.max_prefill_chunk_tokens is not None and self.max_prefill_chunk_tokens <= 0:
-            raise ValueError(f"SchedulerConfig.max_prefill_chunk_tokens must be positive, got "
-                             f"{self.max_prefill_chunk_tokens}")
+            raise ValueError(
+                f"SchedulerConfig.max_prefill_chunk_tokens must be positive, got "
+                f"{self.max_prefill_chunk_tokens}"
+            )
         if self.decode_reserve_tokens < 0:
-            raise ValueError(f"SchedulerConfig.decode_reserve_tokens must be >= 0, got "
-                             f"{self.decode_reserve_tokens}")
+            raise ValueError(
+                f"SchedulerConfig.decode_reserve_tokens must be >= 0, got {self.decode_reserve_tokens}"
+            )
         if self.groups is None:
             self.groups = [PagedCacheGroupSpec.make("full", "full_history", page_size=self.page_size)]
         elif not self.groups:
@@ -72,20 +82,26 @@ class SchedulerConfig:
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         k = spec.num_speculative_tokens
         if k + 1 > self.max_scheduled_tokens:
-            raise ValueError(f"speculative_config.num_speculative_tokens {k} + 1 exceeds "
-                             f"max_scheduled_tokens {self.max_scheduled_tokens}")
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens {k} + 1 exceeds "
+                f"max_scheduled_tokens {self.max_scheduled_tokens}"
+            )
         for g in cast("list[PagedCacheGroupSpec]", self.groups):
             if g.family == "state":
-                raise ValueError(f"speculative decoding is not supported with recurrent-state "
-                                 f"cache group {g.group_id!r} (its state cannot roll back)")
+                raise ValueError(
+                    f"speculative decoding is not supported with recurrent-state "
+                    f"cache group {g.group_id!r} (its state cannot roll back)"
+                )
             if g.live_tail_alloc:
                 # A live-tail group decides real pages vs holes at the acquire's frontier; the
                 # drafts must not push it past a slot the accepted frontier still reads.
                 limit = g.page_size + cast(int, g.sliding_window_tokens) - 3
                 if k > limit:
-                    raise ValueError(f"speculative_config.num_speculative_tokens {k} exceeds "
-                                     f"{limit} for live-tail cache group {g.group_id!r} (page "
-                                     f"size {g.page_size}, window {g.sliding_window_tokens})")
+                    raise ValueError(
+                        f"speculative_config.num_speculative_tokens {k} exceeds "
+                        f"{limit} for live-tail cache group {g.group_id!r} (page "
+                        f"size {g.page_size}, window {g.sliding_window_tokens})"
+                    )
 
     @property
     def num_live_slots(self) -> int:
@@ -98,6 +114,7 @@ class SchedulerConfig:
         for spec in cast("list[PagedCacheGroupSpec]", self.groups):
             width = ceil_div(self.max_context_len, spec.page_size)
             delta = min(width, ceil_div(self.max_scheduled_tokens, spec.page_size) + 1)
-            out.append(GroupLayout(group_id=spec.group_id, page_size=spec.page_size, width=width,
-                                   delta_width=delta))
+            out.append(
+                GroupLayout(group_id=spec.group_id, page_size=spec.page_size, width=width, delta_width=delta)
+            )
         return tuple(out)

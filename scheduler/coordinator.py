@@ -31,8 +31,11 @@ class CacheCoordinator:
         # base pages per group page: group page i is keyed by base hash (i+1)*k - 1
         self._base_per_page = [b // self.base for b in sizes]
         # (group, W - 1, B) of every sliding group: the reclaim-due test of `grow_in_tail`
-        self._sliding = [(g, m.window - 1, m.page_size) for g, m in enumerate(self.managers)
-                         if isinstance(m, SlidingWindowManager)]
+        self._sliding = [
+            (g, m.window - 1, m.page_size)
+            for g, m in enumerate(self.managers)
+            if isinstance(m, SlidingWindowManager)
+        ]
 
     def _make_manager(self, spec: PagedCacheGroupSpec) -> CacheGroupManager:
         b = spec.page_size
@@ -40,8 +43,9 @@ class CacheCoordinator:
             return StateManager(b)
         if spec.retention == "full_history":
             return FullHistoryManager(b)
-        return SlidingWindowManager(b, window_tokens(spec),
-                                    live_tail_alignment=self.lcm if spec.live_tail_alloc else 0)
+        return SlidingWindowManager(
+            b, window_tokens(spec), live_tail_alignment=self.lcm if spec.live_tail_alloc else 0
+        )
 
     # ------------------------------------------------------------------ growth
     def new_tables(self) -> list[BlockTable]:
@@ -50,13 +54,15 @@ class CacheCoordinator:
     def blocks_needed_for(self, tables: list[BlockTable], num_tokens: int) -> int:
         return sum(m.blocks_needed_for(t, num_tokens) for m, t in zip(self.managers, tables))
 
-    def blocks_needed_for_sequential(self, tables: list[BlockTable], first_tokens: int,
-                                     extra_tokens: int) -> int:
-        return sum(m.blocks_needed_for_sequential(t, first_tokens, extra_tokens)
-                   for m, t in zip(self.managers, tables))
+    def blocks_needed_for_sequential(
+        self, tables: list[BlockTable], first_tokens: int, extra_tokens: int
+    ) -> int:
+        return sum(
+            m.blocks_needed_for_sequential(t, first_tokens, extra_tokens)
+            for m, t in zip(self.managers, tables)
+        )
 
-    def acquire(self, tables: list[BlockTable], num_tokens: int,
-                available: int | None = None) -> bool:
+    def acquire(self, tables: list[BlockTable], num_tokens: int, available: int | None = None) -> bool:
         """Grow every group by `num_tokens`, or change nothing. `available` caps the pages this
         call may take (default: all free pages), so reservations of others can be honoured."""
         need = self.blocks_needed_for(tables, num_tokens)
@@ -100,8 +106,9 @@ class CacheCoordinator:
             keep = ceil_div(num_tokens, b)
             if keep < len(t.pages):
                 gone = [p for p in t.pages[keep:] if p != NULL_PAGE]
-                assert all(self.pool.refcount(p) == 1 and self.pool.key_of(p) is None
-                           for p in gone), "rolled-back pages must be private and unpublished"
+                assert all(self.pool.refcount(p) == 1 and self.pool.key_of(p) is None for p in gone), (
+                    "rolled-back pages must be private and unpublished"
+                )
                 del t.pages[keep:]
                 self.pool.free(gone)
                 t.num_published = min(t.num_published, keep)
@@ -120,8 +127,9 @@ class CacheCoordinator:
         return [m.reclaim_slots(self.pool, t, num_tokens) for m, t in zip(self.managers, tables)]
 
     def blocks_reclaimable_at(self, tables: list[BlockTable], num_tokens: int) -> int:
-        return sum(m.blocks_reclaimable_at(t, num_tokens, pool=self.pool)
-                   for m, t in zip(self.managers, tables))
+        return sum(
+            m.blocks_reclaimable_at(t, num_tokens, pool=self.pool) for m, t in zip(self.managers, tables)
+        )
 
     # ------------------------------------------------------------------ prefix cache
     def _lookup(self, g: int, base_hashes: list[bytes]) -> Callable[[int], int | None]:
@@ -170,8 +178,14 @@ class CacheCoordinator:
         """Hit pages that claiming would pull out of the free list (they cost free pages)."""
         return sum(1 for row in rows for p in set(row) if p != NULL_PAGE and self.pool.is_free(p))
 
-    def publish(self, tables: list[BlockTable], base_hashes: list[bytes], num_tokens: int,
-                adopt: bool = True, chunk_end: bool = True) -> list[list[int]]:
+    def publish(
+        self,
+        tables: list[BlockTable],
+        base_hashes: list[bytes],
+        num_tokens: int,
+        adopt: bool = True,
+        chunk_end: bool = True,
+    ) -> list[list[int]]:
         """Register completed pages (computed tokens < num_tokens) under their hashes.
 
         Holes and already-hashed pages are skipped. With `adopt`, a page whose hash already has a
@@ -207,8 +221,7 @@ class CacheCoordinator:
         return changed
 
 
-def solo_peak_pages(specs: list[PagedCacheGroupSpec], total_tokens: int,
-                    max_chunk_tokens: int) -> int:
+def solo_peak_pages(specs: list[PagedCacheGroupSpec], total_tokens: int, max_chunk_tokens: int) -> int:
     """Upper bound on the pages one request of `total_tokens` pins at once when it runs alone
     with chunks of at most `max_chunk_tokens` (sliding groups: window + chunk). From the specs
     alone, so a preflight check needs no Scheduler."""

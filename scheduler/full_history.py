@@ -57,8 +57,7 @@ class CacheGroupManager:
         """Pages `acquire(table, num_tokens)` would take from the pool (exact mirror)."""
         return self._demand(len(table.pages), table.tail_avail, num_tokens)[0]
 
-    def blocks_needed_for_sequential(self, table: BlockTable, first_tokens: int,
-                                     extra_tokens: int) -> int:
+    def blocks_needed_for_sequential(self, table: BlockTable, first_tokens: int, extra_tokens: int) -> int:
         """Peak pages pinned by `acquire(first_tokens)` then `acquire(extra_tokens)`."""
         d1, k1, tail1 = self._demand(len(table.pages), table.tail_avail, first_tokens)
         d2 = self._demand(len(table.pages) + k1, tail1, extra_tokens)[0]
@@ -76,8 +75,9 @@ class CacheGroupManager:
             else:
                 end = first * self.page_size - table.tail_avail + num_tokens
                 fresh = iter(pool.allocate(need))
-                table.pages.extend(next(fresh) if self._is_real(s, end) else NULL_PAGE
-                                   for s in range(first, first + k))
+                table.pages.extend(
+                    next(fresh) if self._is_real(s, end) else NULL_PAGE for s in range(first, first + k)
+                )
         table.tail_avail = new_tail
         return True
 
@@ -90,8 +90,9 @@ class CacheGroupManager:
         """Number of slots turned into holes by this call."""
         return len(self.reclaim_slots(pool, table, num_tokens))
 
-    def blocks_reclaimable_at(self, table: BlockTable, num_tokens: int,
-                              count_uncached: bool = True, pool: BlockPool | None = None) -> int:
+    def blocks_reclaimable_at(
+        self, table: BlockTable, num_tokens: int, count_uncached: bool = True, pool: BlockPool | None = None
+    ) -> int:
         return 0
 
     def free(self, pool: BlockPool, table: BlockTable) -> None:

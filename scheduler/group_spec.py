@@ -47,28 +47,40 @@ class PagedCacheGroupSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"group {g!r}: {name} must be a positive int, got {value!r}")
-        if self.block_size is not None and (not isinstance(self.block_size, int)
-                                            or self.block_size <= 0):
-            raise ValueError(f"group {g!r}: block_size must be a positive int, got "
-                             f"{self.block_size!r}")
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size <= 0):
+            raise ValueError(f"group {g!r}: block_size must be a positive int, got {self.block_size!r}")
         if self.retention == "sliding_window":
             w = self.sliding_window_tokens
             if not isinstance(w, int) or w <= 0:
-                raise ValueError(f"group {g!r}: a sliding group needs a positive "
-                                 f"sliding_window_tokens, got {w!r}")
+                raise ValueError(
+                    f"group {g!r}: a sliding group needs a positive sliding_window_tokens, got {w!r}"
+                )
         if self.live_tail_alloc and self.retention != "sliding_window":
             raise ValueError(f"group {g!r}: live_tail_alloc is only valid on sliding groups")
         if self.family == "state" and self.retention != "sliding_window":
             raise ValueError(f"group {g!r}: a state group must use sliding_window retention")
 
     @classmethod
-    def make(cls, group_id: str, retention: Retention, *, page_size: int,
-             sliding_window_tokens: int | None = None, family: Family = "history",
-             live_tail_alloc: bool = False) -> PagedCacheGroupSpec:
+    def make(
+        cls,
+        group_id: str,
+        retention: Retention,
+        *,
+        page_size: int,
+        sliding_window_tokens: int | None = None,
+        family: Family = "history",
+        live_tail_alloc: bool = False,
+    ) -> PagedCacheGroupSpec:
         """A group of `page_size`-token pages (one token per row), built by keyword."""
-        return cls(group_id, retention, rows_per_page=page_size, entry_stride_tokens=1,
-                   sliding_window_tokens=sliding_window_tokens, family=family,
-                   live_tail_alloc=live_tail_alloc)
+        return cls(
+            group_id,
+            retention,
+            rows_per_page=page_size,
+            entry_stride_tokens=1,
+            sliding_window_tokens=sliding_window_tokens,
+            family=family,
+            live_tail_alloc=live_tail_alloc,
+        )
 
     @property
     def page_size(self) -> int:
@@ -78,10 +90,15 @@ class PagedCacheGroupSpec:
         return self.rows_per_page * self.entry_stride_tokens
 
 
-def group_specs_from_layer_types(*, layer_types: list[str] | tuple[str, ...],
-                                 sliding_window_tokens: int | None, page_size: int,
-                                 conv_kernel_size: int | None = None, conv_page_size: int = 8,
-                                 state_page_size: int | None = None) -> list[PagedCacheGroupSpec]:
+def group_specs_from_layer_types(
+    *,
+    layer_types: list[str] | tuple[str, ...],
+    sliding_window_tokens: int | None,
+    page_size: int,
+    conv_kernel_size: int | None = None,
+    conv_page_size: int = 8,
+    state_page_size: int | None = None,
+) -> list[PagedCacheGroupSpec]:
     """One group per kind of layer present, in order of first appearance.
 
     full_attention -> "full" (full history, `page_size` tokens per page); sliding_attention ->
@@ -97,8 +114,9 @@ def group_specs_from_layer_types(*, layer_types: list[str] | tuple[str, ...],
     for i, layer_type in enumerate(layer_types):
         kind = LAYER_TYPE_GROUPS.get(layer_type)
         if kind is None:
-            raise ValueError(f"layer {i}: unknown layer type {layer_type!r} "
-                             f"(known: {sorted(LAYER_TYPE_GROUPS)})")
+            raise ValueError(
+                f"layer {i}: unknown layer type {layer_type!r} (known: {sorted(LAYER_TYPE_GROUPS)})"
+            )
         if kind in specs:
             continue
         make = PagedCacheGroupSpec.make
@@ -106,19 +124,33 @@ def group_specs_from_layer_types(*, layer_types: list[str] | tuple[str, ...],
             spec = make("full", "full_history", page_size=page_size)
         elif kind == "sliding":
             if not sliding_window_tokens or sliding_window_tokens <= 0:
-                raise ValueError(f"layer {i} ({layer_type}) needs a positive "
-                                 f"sliding_window_tokens, got {sliding_window_tokens!r}")
-            spec = make("sliding", "sliding_window", page_size=page_size,
-                        sliding_window_tokens=sliding_window_tokens)
+                raise ValueError(
+                    f"layer {i} ({layer_type}) needs a positive "
+                    f"sliding_window_tokens, got {sliding_window_tokens!r}"
+                )
+            spec = make(
+                "sliding", "sliding_window", page_size=page_size, sliding_window_tokens=sliding_window_tokens
+            )
         elif kind == "state":
-            spec = make("state", "sliding_window", page_size=state_page_size or page_size,
-                        sliding_window_tokens=2, family="state")
+            spec = make(
+                "state",
+                "sliding_window",
+                page_size=state_page_size or page_size,
+                sliding_window_tokens=2,
+                family="state",
+            )
         else:
             if not conv_kernel_size or conv_kernel_size <= 0:
-                raise ValueError(f"layer {i} (conv) needs a positive conv_kernel_size, got "
-                                 f"{conv_kernel_size!r}")
-            spec = make("conv", "sliding_window", page_size=conv_page_size,
-                        sliding_window_tokens=conv_kernel_size, live_tail_alloc=True)
+                raise ValueError(
+                    f"layer {i} (conv) needs a positive conv_kernel_size, got {conv_kernel_size!r}"
+                )
+            spec = make(
+                "conv",
+                "sliding_window",
+                page_size=conv_page_size,
+                sliding_window_tokens=conv_kernel_size,
+                live_tail_alloc=True,
+            )
         specs[kind] = spec
     return list(specs.values())
 
@@ -142,13 +174,25 @@ def _check_counts(**counts: int) -> None:
 
 
 def compute_paged_cache_group_page_counts(
-        specs: list[PagedCacheGroupSpec], *, max_live_requests: int, max_scheduled_tokens: int,
-        max_total_tokens: int, max_context_len: int, decode_input_tokens: int = 1,
-        overlap_schedule_depth: int = 0, safety_margin: int = 0) -> dict[str, int]:
+    specs: list[PagedCacheGroupSpec],
+    *,
+    max_live_requests: int,
+    max_scheduled_tokens: int,
+    max_total_tokens: int,
+    max_context_len: int,
+    decode_input_tokens: int = 1,
+    overlap_schedule_depth: int = 0,
+    safety_margin: int = 0,
+) -> dict[str, int]:
     """Pages each group needs (null page included), per DESIGN.md §8."""
-    _check_counts(max_live_requests=max_live_requests, max_scheduled_tokens=max_scheduled_tokens,
-                  max_total_tokens=max_total_tokens, max_context_len=max_context_len,
-                  decode_input_tokens=decode_input_tokens, safety_margin=safety_margin)
+    _check_counts(
+        max_live_requests=max_live_requests,
+        max_scheduled_tokens=max_scheduled_tokens,
+        max_total_tokens=max_total_tokens,
+        max_context_len=max_context_len,
+        decode_input_tokens=decode_input_tokens,
+        safety_margin=safety_margin,
+    )
     if overlap_schedule_depth not in (0, 1):
         raise ValueError(f"overlap_schedule_depth must be 0 or 1, got {overlap_schedule_depth!r}")
     r, s, t, c = max_live_requests, max_scheduled_tokens, max_total_tokens, max_context_len
@@ -167,9 +211,13 @@ def compute_paged_cache_group_page_counts(
     return out
 
 
-def compute_max_logical_pages_for_capture(spec: PagedCacheGroupSpec, *, max_context_len: int,
-                                          max_tokens_per_req: int = 1,
-                                          overlap_schedule_depth: int = 0) -> int:
+def compute_max_logical_pages_for_capture(
+    spec: PagedCacheGroupSpec,
+    *,
+    max_context_len: int,
+    max_tokens_per_req: int = 1,
+    overlap_schedule_depth: int = 0,
+) -> int:
     """Page-table width a captured (fixed-shape) step needs for this group (DESIGN.md §8)."""
     _check_counts(max_context_len=max_context_len, max_tokens_per_req=max_tokens_per_req)
     if overlap_schedule_depth not in (0, 1):

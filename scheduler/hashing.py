@@ -45,5 +45,5 @@ class PrefixHasher:
         full = len(tokens) // b
         prev = self.hashes[-1] if done else self._root
         for i in range(done, full):
-            prev = page_hash(prev, tokens[i * b:(i + 1) * b], self.extra_keys)
+            prev = page_hash(prev, tokens[i * b : (i + 1) * b], self.extra_keys)
             self.hashes.append(prev)

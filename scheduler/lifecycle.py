@@ -42,16 +42,32 @@ class RequestLifecycle:
         self._num_finishing = 0  # Status.FINISHING: released, last token still in flight
         self._admission = Admission(config, self.coord, self.layouts)  # pages and reservations
         self._num_groups = len(cast("list[PagedCacheGroupSpec]", config.groups))
-        self._stats = {"num_retractions": 0, "prefix_hit_tokens": 0, "prefix_query_tokens": 0,
-                       "adopted_pages": 0, "num_steps": 0, "num_aborted": 0,
-                       "num_full_refresh_rows": 0, "num_dropped_tokens": 0,
-                       "spec_num_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self._stats = {
+            "num_retractions": 0,
+            "prefix_hit_tokens": 0,
+            "prefix_query_tokens": 0,
+            "adopted_pages": 0,
+            "num_steps": 0,
+            "num_aborted": 0,
+            "num_full_refresh_rows": 0,
+            "num_dropped_tokens": 0,
+            "spec_num_rows": 0,
+            "spec_draft_tokens": 0,
+            "spec_accepted_tokens": 0,
+        }
         self._arrival = itertools.count()  # arrival order: FCFS, and retracted ones resume by it
 
     # ------------------------------------------------------------------ entry
-    def add_request(self, request_id: str, prompt_token_ids: list[int], max_new_tokens: int, *,
-                    sampling: SamplingOptions | None = None, speculate: bool = True,
-                    **options: Any) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_new_tokens: int,
+        *,
+        sampling: SamplingOptions | None = None,
+        speculate: bool = True,
+        **options: Any,
+    ) -> None:
         """Queue a request sampled as `sampling` says. Without it, the keyword options build the
         record (`SamplingOptions.from_options`: its field names, e.g. stop_token_ids,
         temperature, top_p, top_k, seed, prompt_logprobs, penalties, logit_bias, top_logprobs).
@@ -70,8 +86,10 @@ class RequestLifecycle:
             raise ValueError(f"request {request_id!r}: {e}") from None
         need = self.coord.solo_peak_pages(len(prompt) + max_new_tokens, cfg.max_scheduled_tokens)
         if need > self.pool.num_pages - 1:
-            raise ValueError(f"request {request_id!r}: needs {need} cache pages even alone, the "
-                             f"pool has {self.pool.num_pages - 1}")
+            raise ValueError(
+                f"request {request_id!r}: needs {need} cache pages even alone, the "
+                f"pool has {self.pool.num_pages - 1}"
+            )
         salt = options.pop("cache_salt", None)
         try:
             if sampling is None:
@@ -82,10 +100,22 @@ class RequestLifecycle:
                 raise ValueError(f"options {sorted(options)} beside sampling= (put them in it)")
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
-        speculate = (speculate and cfg.speculative is not None and not sampling.needs_extras
-                     and not sampling.prompt_logprobs)
-        req = Request(request_id, prompt, max_new_tokens, sampling=sampling, cache_salt=salt,
-                      arrival=next(self._arrival), hash_base=self.coord.base, speculate=speculate)
+        speculate = (
+            speculate
+            and cfg.speculative is not None
+            and not sampling.needs_extras
+            and not sampling.prompt_logprobs
+        )
+        req = Request(
+            request_id,
+            prompt,
+            max_new_tokens,
+            sampling=sampling,
+            cache_salt=salt,
+            arrival=next(self._arrival),
+            hash_base=self.coord.base,
+            speculate=speculate,
+        )
         self._requests[request_id] = req
         self._waiting.append(req)
 
@@ -181,8 +211,13 @@ class RequestLifecycle:
         if computed // coord.base <= req.published_base_pages:
             return
         req.hasher.extend(req.tokens)
-        moved = coord.publish(cast("list[BlockTable]", req.tables), req.hasher.hashes, computed,
-                              adopt=self.config.enable_adoption, chunk_end=True)
+        moved = coord.publish(
+            cast("list[BlockTable]", req.tables),
+            req.hasher.hashes,
+            computed,
+            adopt=self.config.enable_adoption,
+            chunk_end=True,
+        )
         req.published_base_pages = computed // coord.base
         if any(moved):
             req.needs_refresh = True

@@ -31,15 +31,17 @@ class MirrorChecker:
         `ops`) in every slot the step touches; count the slots where the tail-only one does not."""
         for g, gops in enumerate(ops.groups):
             clamped = apply_group_ops(self.exact[g], ops, gops)
-            assert not clamped, (f"group {g}: rows of {[ops.request_ids[i] for i in clamped]} "
-                                 f"outgrow the mirror width {self.exact[g].shape[1]}")
+            assert not clamped, (
+                f"group {g}: rows of {[ops.request_ids[i] for i in clamped]} "
+                f"outgrow the mirror width {self.exact[g].shape[1]}"
+            )
             apply_group_ops(self.tail_only[g], ops, gops, honor_full_refresh=False)
         for i in range(ops.num_seqs):
             slot = int(ops.req_slots[i])
             for g, row in enumerate(rows[slot]):
                 exact = self.exact[g][slot]
-                assert list(exact[:len(row)]) == row and not exact[len(row):].any(), (
-                    f"mirror of {ops.request_ids[i]!r} group {g} diverged: "
-                    f"{list(exact[:len(row)])} != {row}")
-                if list(self.tail_only[g][slot, :len(row)]) != row:
+                assert list(exact[: len(row)]) == row and not exact[len(row) :].any(), (
+                    f"mirror of {ops.request_ids[i]!r} group {g} diverged: {list(exact[: len(row)])} != {row}"
+                )
+                if list(self.tail_only[g][slot, : len(row)]) != row:
                     self.tail_only_divergences += 1

@@ -45,12 +45,13 @@ class OpsBuilder:
         # steps where some row's record needs_extras (else they keep the padding, which is every
         # option's default, as they are for each row that needs no extras).
         assert all(len(c.columns) == 1 for c in COLUMNS if not c.extra), "pairs are extras"
-        self._row_cols = [(operator.attrgetter(c.field), c.columns[0])
-                          for c in COLUMNS if not c.extra]
-        self._extra_cols = [(operator.attrgetter(c.field), c.columns[0])
-                            for c in COLUMNS if c.extra and len(c.columns) == 1]
-        self._extra_pairs = [(operator.attrgetter(c.field), c.columns)
-                             for c in COLUMNS if c.extra and len(c.columns) == 2]
+        self._row_cols = [(operator.attrgetter(c.field), c.columns[0]) for c in COLUMNS if not c.extra]
+        self._extra_cols = [
+            (operator.attrgetter(c.field), c.columns[0]) for c in COLUMNS if c.extra and len(c.columns) == 1
+        ]
+        self._extra_pairs = [
+            (operator.attrgetter(c.field), c.columns) for c in COLUMNS if c.extra and len(c.columns) == 2
+        ]
         self._row_names = [col for _, col in self._row_cols]
         self._sampling_names = [name for c in COLUMNS for name in c.columns]
         # all-padding templates of every sampling column and prompt_lens (StepOps' padding)
@@ -82,7 +83,7 @@ class OpsBuilder:
             pairs = get(sampling)
             for j, name in enumerate(names):
                 slot_cols[name][s] = self._sampling_pad[name][0]  # the slot's previous request
-                slot_cols[name][s, :len(pairs)] = [p[j] for p in pairs]
+                slot_cols[name][s, : len(pairs)] = [p[j] for p in pairs]
         self._slot_prompt_len[s] = req.prompt_len
 
     def build(self, rows: list[ScheduledRow]) -> StepOps:
@@ -117,60 +118,78 @@ class OpsBuilder:
             self._gather_sampling(cols, req_slots[:n], any(o.needs_extras for o in samplings))
             # tokens generated before the one this row samples (pending ones included)
             sample_index[:n] = [len(r.tokens) + r.num_pending - r.prompt_len for r in reqs]
-            np.cumsum(lens, out=cu_q_lens[1:n + 1])
-            cu_q_lens[n + 1:] = q
+            np.cumsum(lens, out=cu_q_lens[1 : n + 1])
+            cu_q_lens[n + 1 :] = q
             if q == n:  # every row has one token (decodes)
                 # a start past the known tokens is the pending token of the step in flight
-                token_ids[:n] = [r.tokens[s] if s < len(r.tokens) else PLACEHOLDER_TOKEN
-                                 for r, s in zip(reqs, starts)]
+                token_ids[:n] = [
+                    r.tokens[s] if s < len(r.tokens) else PLACEHOLDER_TOKEN for r, s in zip(reqs, starts)
+                ]
                 positions[:n] = starts
                 token_rows[:n] = self._row_index[:n]
             else:
                 qs = cu_q_lens[:n]
                 token_rows[:q] = np.repeat(self._row_index[:n], lens)
-                positions[:q] = np.arange(q, dtype=i32) - np.repeat(qs - np.asarray(starts, i32),
-                                                                   lens)
+                positions[:q] = np.arange(q, dtype=i32) - np.repeat(qs - np.asarray(starts, i32), lens)
                 off = 0
                 for req, s, k in zip(reqs, starts, lens):
                     known = min(k, len(req.tokens) - s)
                     if known == 1:
                         token_ids[off] = req.tokens[s]
                     elif known > 0:
-                        token_ids[off:off + known] = req.tokens[s:s + known]
+                        token_ids[off : off + known] = req.tokens[s : s + known]
                     off += k
                     if known < k:  # pending tokens (only the last one, at depth 1)
-                        token_ids[off - k + max(known, 0):off] = PLACEHOLDER_TOKEN
+                        token_ids[off - k + max(known, 0) : off] = PLACEHOLDER_TOKEN
                 for i, row in enumerate(rows):
                     if row.drafts:  # after the row's one known token (a synchronous decode)
                         end = int(cu_q_lens[i + 1])
-                        token_ids[end - len(row.drafts):end] = row.drafts
+                        token_ids[end - len(row.drafts) : end] = row.drafts
                         draft_lens[i] = len(row.drafts)
             off = 0
             wanted = [o.prompt_logprobs for o in samplings]
             for req, want, s, k in zip(reqs, wanted, starts, lens) if any(wanted) else ():
                 if want and s < req.prompt_len - 1:
                     stop = min(s + k, req.prompt_len - 1)
-                    prompt_targets[off:off + stop - s] = req.tokens[s + 1:stop + 1]
+                    prompt_targets[off : off + stop - s] = req.tokens[s + 1 : stop + 1]
                 off += k
         busy = [(i, r) for i, r in enumerate(rows) if not r.plain]
         for g, arrays in enumerate(groups):
             if n:
-                arrays[0][:n] = [len(cast("list[BlockTable]", r.req.tables)[g].pages)
-                                 if r.begins is None else r.begins[g] for r in rows]
+                arrays[0][:n] = [
+                    len(cast("list[BlockTable]", r.req.tables)[g].pages) if r.begins is None else r.begins[g]
+                    for r in rows
+                ]
             self._fill_busy(g, arrays, busy)
         return StepOps(
-            num_seqs=n, num_tokens=q,
+            num_seqs=n,
+            num_tokens=q,
             request_ids=tuple(r.request_id for r in reqs),
-            req_slots=req_slots, full_refresh=full_refresh,
-            cu_q_lens=cu_q_lens, kv_lens=kv_lens, sample_mask=sample_mask, draft_lens=draft_lens,
-            token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
-            positions=positions, token_rows=token_rows,
-            prompt_targets=prompt_targets, sample_index=sample_index, **cols,
-            groups=tuple(GroupStepOps(*arrays) for arrays in groups))
+            req_slots=req_slots,
+            full_refresh=full_refresh,
+            cu_q_lens=cu_q_lens,
+            kv_lens=kv_lens,
+            sample_mask=sample_mask,
+            draft_lens=draft_lens,
+            token_ids=token_ids,
+            token_from_prev=token_ids == PLACEHOLDER_TOKEN,
+            positions=positions,
+            token_rows=token_rows,
+            prompt_targets=prompt_targets,
+            sample_index=sample_index,
+            **cols,
+            groups=tuple(GroupStepOps(*arrays) for arrays in groups),
+        )
 
-    def build_decode(self, reqs: list[Request], slots: list[int], starts: list[int],
-                     tokens: list[int], extras: bool,
-                     busy: list[tuple[int, ScheduledRow]]) -> StepOps:
+    def build_decode(
+        self,
+        reqs: list[Request],
+        slots: list[int],
+        starts: list[int],
+        tokens: list[int],
+        extras: bool,
+        busy: list[tuple[int, ScheduledRow]],
+    ) -> StepOps:
         """The StepOps `build` returns for rows that are all one-token decodes that sample
         without a full refresh, filled with numpy ops over the per-slot arrays. Row i: request
         reqs[i] in slots[i], start starts[i], input id tokens[i] (PLACEHOLDER_TOKEN when
@@ -210,15 +229,24 @@ class OpsBuilder:
             self._fill_busy(g, arrays, busy)
             groups.append(GroupStepOps(*arrays))
         return StepOps(
-            num_seqs=n, num_tokens=n,
+            num_seqs=n,
+            num_tokens=n,
             request_ids=tuple(r.request_id for r in reqs),
-            req_slots=req_slots, full_refresh=np.zeros(R, bool),
-            cu_q_lens=self._qs_decode[n].copy(), kv_lens=kv_lens, sample_mask=sample_mask,
+            req_slots=req_slots,
+            full_refresh=np.zeros(R, bool),
+            cu_q_lens=self._qs_decode[n].copy(),
+            kv_lens=kv_lens,
+            sample_mask=sample_mask,
             draft_lens=np.zeros(R, i32),
-            token_ids=token_ids, token_from_prev=token_ids == PLACEHOLDER_TOKEN,
-            positions=positions, token_rows=token_rows,
-            prompt_targets=self._minus1_T.copy(), sample_index=sample_index, **cols,
-            groups=tuple(groups))
+            token_ids=token_ids,
+            token_from_prev=token_ids == PLACEHOLDER_TOKEN,
+            positions=positions,
+            token_rows=token_rows,
+            prompt_targets=self._minus1_T.copy(),
+            sample_index=sample_index,
+            **cols,
+            groups=tuple(groups),
+        )
 
     @staticmethod
     def _fill_busy(g: int, arrays: list[np.ndarray], busy: list[tuple[int, ScheduledRow]]) -> None:
@@ -227,12 +255,12 @@ class OpsBuilder:
         for i, row in busy:
             pages = cast("list[BlockTable]", row.req.tables)[g].pages  # running: set
             if row.full_refresh:
-                full_rows[i, :len(pages)] = pages
+                full_rows[i, : len(pages)] = pages
                 row_lens[i] = len(pages)
             else:
                 holes = row.holes[g]
                 if holes:
-                    hole_slots[i, :len(holes)] = holes
+                    hole_slots[i, : len(holes)] = holes
             k = row.sizes[g]
             if k:
                 b = cast("list[int]", row.begins)[g]  # set on every non-plain row
@@ -240,10 +268,9 @@ class OpsBuilder:
                 if k == 1:
                     new_pages[i, 0] = pages[b]
                 else:
-                    new_pages[i, :k] = pages[b:b + k]
+                    new_pages[i, :k] = pages[b : b + k]
 
-    def _gather_sampling(self, cols: dict[str, np.ndarray], slots: np.ndarray,
-                         extras: bool) -> None:
+    def _gather_sampling(self, cols: dict[str, np.ndarray], slots: np.ndarray, extras: bool) -> None:
         """Rows 0..len(slots)-1 of the sampling columns and prompt_lens, gathered from the
         per-slot records `bind` wrote; the extra columns only when some row needs them (`extras`,
         else they stay padding, which is every option's default)."""
@@ -254,6 +281,11 @@ class OpsBuilder:
 
     def _empty_group(self, g: int, lay: GroupLayout) -> list[np.ndarray]:
         R = self.R
-        return [np.zeros(R, np.int32), np.zeros(R, np.int32),
-                np.zeros((R, lay.delta_width), np.int32), np.zeros((R, lay.width), np.int32),
-                np.zeros(R, np.int32), self._hole_pad[g].copy()]
+        return [
+            np.zeros(R, np.int32),
+            np.zeros(R, np.int32),
+            np.zeros((R, lay.delta_width), np.int32),
+            np.zeros((R, lay.width), np.int32),
+            np.zeros(R, np.int32),
+            self._hole_pad[g].copy(),
+        ]

@@ -14,10 +14,18 @@ from numpy.typing import ArrayLike
 from scheduler.step_ops import GroupStepOps, StepOps
 
 
-def update_rows_reference(table: np.ndarray, req_slots: ArrayLike, begins: ArrayLike,
-                          sizes: ArrayLike, new_pages: ArrayLike, full_refresh: ArrayLike,
-                          rows: ArrayLike, row_lens: ArrayLike, honor_full_refresh: bool = True,
-                          hole_slots: ArrayLike | None = None) -> list[int]:
+def update_rows_reference(
+    table: np.ndarray,
+    req_slots: ArrayLike,
+    begins: ArrayLike,
+    sizes: ArrayLike,
+    new_pages: ArrayLike,
+    full_refresh: ArrayLike,
+    rows: ArrayLike,
+    row_lens: ArrayLike,
+    honor_full_refresh: bool = True,
+    hole_slots: ArrayLike | None = None,
+) -> list[int]:
     """Applies one step's update to `table` (i32[S, W]) IN PLACE, one batch row at a time.
 
     Arguments as SPEC.md `update_rows` (req_slots i32[B], -1 or >= S = padding; new_pages
@@ -40,7 +48,7 @@ def update_rows_reference(table: np.ndarray, req_slots: ArrayLike, begins: Array
         if refresh[i]:
             size = max(0, min(lens[i], full.shape[1]))
             table[slot] = 0
-            table[slot, :min(size, width)] = full[i, :min(size, width)]
+            table[slot, : min(size, width)] = full[i, : min(size, width)]
         else:
             begin, size = starts[i], max(0, min(counts[i], new.shape[1]))
             cols = np.arange(begin, begin + size)
@@ -49,15 +57,29 @@ def update_rows_reference(table: np.ndarray, req_slots: ArrayLike, begins: Array
         if hole_slots is not None:
             holes = np.asarray(hole_slots)[i]
             table[slot, holes[(holes >= 0) & (holes < width)]] = 0
-    over = clamped_rows(req_slots, begins, np.minimum(np.asarray(sizes), new.shape[1]),
-                        full_refresh, np.minimum(np.asarray(row_lens), full.shape[1]), width,
-                        honor_full_refresh, num_slots)
+    over = clamped_rows(
+        req_slots,
+        begins,
+        np.minimum(np.asarray(sizes), new.shape[1]),
+        full_refresh,
+        np.minimum(np.asarray(row_lens), full.shape[1]),
+        width,
+        honor_full_refresh,
+        num_slots,
+    )
     return [int(i) for i in over]
 
 
-def clamped_rows(req_slots: ArrayLike, begins: ArrayLike, sizes: ArrayLike,
-                 full_refresh: ArrayLike, row_lens: ArrayLike, width: int,
-                 honor_full_refresh: bool = True, num_slots: int | None = None) -> np.ndarray:
+def clamped_rows(
+    req_slots: ArrayLike,
+    begins: ArrayLike,
+    sizes: ArrayLike,
+    full_refresh: ArrayLike,
+    row_lens: ArrayLike,
+    width: int,
+    honor_full_refresh: bool = True,
+    num_slots: int | None = None,
+) -> np.ndarray:
     """Batch rows (int64[k]) whose update does not fit a mirror of `width` columns: after the
     full-refresh substitution (begin 0, size row_len), `begin + size > width` (DESIGN §6 rule 3).
 
@@ -72,9 +94,19 @@ def clamped_rows(req_slots: ArrayLike, begins: ArrayLike, sizes: ArrayLike,
     return np.flatnonzero(live & (size > 0) & (begin + size > width))
 
 
-def apply_group_ops(mirror: np.ndarray, ops: StepOps, gops: GroupStepOps, *,
-                    honor_full_refresh: bool = True) -> list[int]:
+def apply_group_ops(
+    mirror: np.ndarray, ops: StepOps, gops: GroupStepOps, *, honor_full_refresh: bool = True
+) -> list[int]:
     """`update_rows_reference` on one cache group's mirror, fed from a StepOps."""
-    return update_rows_reference(mirror, ops.req_slots, gops.begins, gops.sizes, gops.new_pages,
-                                 ops.full_refresh, gops.rows, gops.row_lens, honor_full_refresh,
-                                 gops.hole_slots)
+    return update_rows_reference(
+        mirror,
+        ops.req_slots,
+        gops.begins,
+        gops.sizes,
+        gops.new_pages,
+        ops.full_refresh,
+        gops.rows,
+        gops.row_lens,
+        honor_full_refresh,
+        gops.hole_slots,
+    )

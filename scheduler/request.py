@@ -49,16 +49,48 @@ class Request:
     request keeps `tokens` (its output folded in) and resumes with a fresh prefix match.
     """
 
-    __slots__ = ("request_id", "prompt_len", "tokens", "max_new_tokens", "sampling", "arrival",
-                 "hasher", "status", "tables", "slot", "num_computed", "reserved",
-                 "prefill_done", "num_decode_rows", "needs_refresh", "num_cached_tokens",
-                 "num_retractions", "finish_reason", "published_base_pages", "admitted_once",
-                 "num_inflight", "num_pending", "epoch", "speculate", "drafts", "proposal",
-                 "spec_run")
+    __slots__ = (
+        "request_id",
+        "prompt_len",
+        "tokens",
+        "max_new_tokens",
+        "sampling",
+        "arrival",
+        "hasher",
+        "status",
+        "tables",
+        "slot",
+        "num_computed",
+        "reserved",
+        "prefill_done",
+        "num_decode_rows",
+        "needs_refresh",
+        "num_cached_tokens",
+        "num_retractions",
+        "finish_reason",
+        "published_base_pages",
+        "admitted_once",
+        "num_inflight",
+        "num_pending",
+        "epoch",
+        "speculate",
+        "drafts",
+        "proposal",
+        "spec_run",
+    )
 
-    def __init__(self, request_id: str, prompt: list[int], max_new_tokens: int, *,
-                 sampling: SamplingOptions, arrival: int, hash_base: int,
-                 cache_salt: str | bytes | None = None, speculate: bool = False) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_new_tokens: int,
+        *,
+        sampling: SamplingOptions,
+        arrival: int,
+        hash_base: int,
+        cache_salt: str | bytes | None = None,
+        speculate: bool = False,
+    ) -> None:
         self.request_id = request_id
         self.prompt_len = len(prompt)
         self.tokens = list(prompt)
@@ -112,7 +144,11 @@ class Request:
         return check_stop(self, max_context_len, ahead=self.num_pending) == "length"
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.tokens[:self.prompt_len],
-                             self.tokens[self.prompt_len:], self.finish_reason or "abort",
-                             self.num_cached_tokens, self.num_retractions)
-
+        return RequestOutput(
+            self.request_id,
+            self.tokens[: self.prompt_len],
+            self.tokens[self.prompt_len :],
+            self.finish_reason or "abort",
+            self.num_cached_tokens,
+            self.num_retractions,
+        )

@@ -68,14 +68,18 @@ class Limit:
         if self.kind == "ids":
             return "token ids (ints >= 0)"
         if self.kind == "bias":
-            return (f"{{token id >= 0: bias}} with each bias {Limit(self.lo, self.hi)}, at most "
-                    f"{self.max_len} entries")
+            return (
+                f"{{token id >= 0: bias}} with each bias {Limit(self.lo, self.hi)}, at most "
+                f"{self.max_len} entries"
+            )
         what = "an int" if self.integer else "a finite number"
         if self.hi == math.inf:
             rule = f"{what} {'>' if self.lo_open else '>='} {self.lo:g}"
         else:
-            rule = (f"{what} in {'(' if self.lo_open else '['}{self.lo:g}, "
-                    f"{self.hi:g}{')' if self.hi_open else ']'}")
+            rule = (
+                f"{what} in {'(' if self.lo_open else '['}{self.lo:g}, "
+                f"{self.hi:g}{')' if self.hi_open else ']'}"
+            )
         return " or ".join([*(repr(a) for a in self.also), rule])
 
 
@@ -92,15 +96,22 @@ class ParamError(ValueError):
         self.param = param
 
 
-def _option(default: Any, limit: Limit, column: str | tuple[str, ...] = (), *, extra: bool = False,
-            penalty: bool = False) -> Any:
+def _option(
+    default: Any,
+    limit: Limit,
+    column: str | tuple[str, ...] = (),
+    *,
+    extra: bool = False,
+    penalty: bool = False,
+) -> Any:
     """A `SamplingOptions` field. column: the StepOps column(s) it fills (a field of (id, value)
     pairs fills two [R, B] columns). extra: filled only on rows whose record `needs_extras`
     (others keep the padding); the rest are filled on every row (the decode fast path gathers
     them per device slot). penalty: a non-default value makes `has_penalties` true."""
     columns = (column,) if isinstance(column, str) else column
-    return dataclasses.field(default=default, metadata={
-        "limit": limit, "columns": columns, "extra": extra, "penalty": penalty})
+    return dataclasses.field(
+        default=default, metadata={"limit": limit, "columns": columns, "extra": extra, "penalty": penalty}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +135,17 @@ class SamplingOptions:
     seed: int | None = _option(None, Limit(0, integer=True, also=(None,)), "seeds")
     stop_token_ids: frozenset[int] = _option(frozenset(), Limit(kind="ids"))
     prompt_logprobs: bool = _option(False, Limit(kind="flag"))
-    presence_penalty: float = _option(0.0, Limit(-2.0, 2.0), "presence_penalty", extra=True,
-                                      penalty=True)
-    frequency_penalty: float = _option(0.0, Limit(-2.0, 2.0), "frequency_penalty", extra=True,
-                                       penalty=True)
-    repetition_penalty: float = _option(1.0, Limit(0.0, 1e4, lo_open=True), "repetition_penalty",
-                                        extra=True, penalty=True)
+    presence_penalty: float = _option(0.0, Limit(-2.0, 2.0), "presence_penalty", extra=True, penalty=True)
+    frequency_penalty: float = _option(0.0, Limit(-2.0, 2.0), "frequency_penalty", extra=True, penalty=True)
+    repetition_penalty: float = _option(
+        1.0, Limit(0.0, 1e4, lo_open=True), "repetition_penalty", extra=True, penalty=True
+    )
     logit_bias: tuple[tuple[int, float], ...] = _option(
-        (), Limit(-100.0, 100.0, kind="bias", max_len=LOGIT_BIAS_WIDTH),
-        ("logit_bias_ids", "logit_bias_values"), extra=True)
+        (),
+        Limit(-100.0, 100.0, kind="bias", max_len=LOGIT_BIAS_WIDTH),
+        ("logit_bias_ids", "logit_bias_values"),
+        extra=True,
+    )
     top_logprobs: int = _option(0, Limit(0, 20, integer=True), "top_logprobs", extra=True)
 
     def __post_init__(self) -> None:
@@ -186,8 +199,9 @@ class Column(NamedTuple):
     extra: bool
 
 
-COLUMNS = tuple(Column(f.name, f.metadata["columns"], f.metadata["extra"])
-                for f in _FIELDS if f.metadata["columns"])
+COLUMNS = tuple(
+    Column(f.name, f.metadata["columns"], f.metadata["extra"]) for f in _FIELDS if f.metadata["columns"]
+)
 
 
 def check(name: str, value: Any, owner: str = "") -> Any:
@@ -218,8 +232,9 @@ def check(name: str, value: Any, owner: str = "") -> Any:
         raise ParamError(name, f"{owner}{name} must be {limit}, got {value!r:.80}") from None
     bad = [t for t, b in pairs if t < 0 or not limit.allows(b)]
     if bad:
-        raise ParamError(name, f"{owner}{name} must be {limit}, got token {bad[0]} with "
-                         f"{dict(pairs)[bad[0]]}")
+        raise ParamError(
+            name, f"{owner}{name} must be {limit}, got token {bad[0]} with {dict(pairs)[bad[0]]}"
+        )
     if limit.max_len is not None and len(pairs) > limit.max_len:
         raise ParamError(name, f"{owner}{name} must be {limit}, got {len(pairs)} entries")
     return tuple(pairs)

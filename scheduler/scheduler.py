@@ -63,10 +63,10 @@ class Scheduler(RequestLifecycle):
         self.spec_model = AcceptanceModel() if cost_policy else None
         self.step_costs = StepCosts() if cost_policy else None
         # steps scheduled but not yet fed back: (ops, [(request, epoch) per row]), oldest first
-        self._flights: collections.deque[tuple[StepOps, list[tuple[Request, int]]]] = (
-            collections.deque())
-        self.mirror_checker = (MirrorChecker(self.layouts, config.num_live_slots)
-                               if config.debug_checks else None)
+        self._flights: collections.deque[tuple[StepOps, list[tuple[Request, int]]]] = collections.deque()
+        self.mirror_checker = (
+            MirrorChecker(self.layouts, config.num_live_slots) if config.debug_checks else None
+        )
 
     def padding_ops(self) -> StepOps:
         """An all-padding StepOps of this config's shapes (device warm-up; changes nothing)."""
@@ -141,13 +141,20 @@ class Scheduler(RequestLifecycle):
                 room = pool.num_free >= adm.reserved_total  # adoption frees private copies
             drafts = plan.drafts.get(req) if plan.drafts else None
             if drafts:  # the step's budget may have run short of what `_plan_drafts` assumed
-                drafts = drafts[:plan.budget - 1] or None
+                drafts = drafts[: plan.budget - 1] or None
             # Decode fast path: one token, no refresh, room in every tail, nothing to reclaim
             # and no reservation shortfall. Exactly what the general path below would decide.
-            if (fast and room and not drafts and req.num_decode_rows and not req.needs_refresh
-                    and not req.reserved and req.prefill_done
-                    and len(tokens) + pending - start == 1
-                    and coord.grow_in_tail(cast("list[BlockTable]", req.tables), extent)):
+            if (
+                fast
+                and room
+                and not drafts
+                and req.num_decode_rows
+                and not req.needs_refresh
+                and not req.reserved
+                and req.prefill_done
+                and len(tokens) + pending - start == 1
+                and coord.grow_in_tail(cast("list[BlockTable]", req.tables), extent)
+            ):
                 req.num_decode_rows += 1
                 # the input is the last known token, or the one the step in flight samples
                 plan.add_decode(req, req, start, PLACEHOLDER_TOKEN if pending else tokens[-1])
@@ -164,8 +171,9 @@ class Scheduler(RequestLifecycle):
                 # a decode that took a page or punched a hole: still one column of the
                 # decode builder, plus its group deltas
                 plan.busy.append((len(plan.rows), row))
-                plan.add_decode(row, req, row.start,
-                                tokens[row.start] if row.start < len(tokens) else PLACEHOLDER_TOKEN)
+                plan.add_decode(
+                    row, req, row.start, tokens[row.start] if row.start < len(tokens) else PLACEHOLDER_TOKEN
+                )
             else:
                 plan.add_general(row)
             i += 1
@@ -175,7 +183,7 @@ class Scheduler(RequestLifecycle):
         decode row still to come after it (so a long chunk never starves them), then cut to
         the token buckets (`bucket_fit.fit_chunk`)."""
         ending = plan.ending
-        after = sum(1 for r in running[i + 1:] if r.remaining == 1 and r not in ending)
+        after = sum(1 for r in running[i + 1 :] if r.remaining == 1 and r not in ending)
         after = min(after, self.config.max_batch_requests - len(plan.rows) - 1)
         budget = max(1, plan.budget - after)
         want = min(running[i].remaining, budget, self._admission.chunk_cap)
@@ -223,10 +231,16 @@ class Scheduler(RequestLifecycle):
         """The step's drafts per speculating decode row (`drafting.plan_drafts`), chosen before
         any row is planned so the step's token bucket follows the proposals."""
         plan.drafts = plan_drafts(
-            cast("SpeculativeConfig", self._spec), self._running, plan.ending,
-            max_rows=self.config.max_batch_requests, max_context_len=self.config.max_context_len,
-            chunk_cap=self._admission.chunk_cap, token_buckets=self.token_buckets,
-            step_costs=self.step_costs, spec_model=self.spec_model)
+            cast("SpeculativeConfig", self._spec),
+            self._running,
+            plan.ending,
+            max_rows=self.config.max_batch_requests,
+            max_context_len=self.config.max_context_len,
+            chunk_cap=self._admission.chunk_cap,
+            token_buckets=self.token_buckets,
+            step_costs=self.step_costs,
+            spec_model=self.spec_model,
+        )
 
     def note_step_seconds(self, ops: StepOps, bucket: int, seconds: float) -> None:
         """The engine's wall time of one synchronous step (plan, device, update) that ran in
@@ -240,8 +254,9 @@ class Scheduler(RequestLifecycle):
         if int(ops.num_tokens) == n + int(ops.draft_lens[:n].sum()):
             costs.observe(bucket, seconds)
 
-    def _schedule_running(self, req: Request, budget: int, extent: int,
-                          drafts: list[int] | None = None) -> ScheduledRow | None:
+    def _schedule_running(
+        self, req: Request, budget: int, extent: int, drafts: list[int] | None = None
+    ) -> ScheduledRow | None:
         coord = self.coord
         n = min(req.remaining, budget, self._admission.chunk_cap)
         tables = cast("list[BlockTable]", req.tables)  # running: set
@@ -266,13 +281,15 @@ class Scheduler(RequestLifecycle):
         return self._admission.acquire_row(req, n, holes)
 
     # ------------------------------------------------------------------ update
-    def update(self, ops: StepOps, sampled_token_ids: np.ndarray,
-               accepted: np.ndarray | None = None) -> list[RequestOutput]:
+    def update(
+        self, ops: StepOps, sampled_token_ids: np.ndarray, accepted: np.ndarray | None = None
+    ) -> list[RequestOutput]:
         """`update_step(ops, sampled_token_ids, accepted).finished`: the requests that finished."""
         return self.update_step(ops, sampled_token_ids, accepted).finished
 
-    def update_step(self, ops: StepOps, sampled_token_ids: np.ndarray,
-                    accepted: np.ndarray | None = None) -> StepUpdate:
+    def update_step(
+        self, ops: StepOps, sampled_token_ids: np.ndarray, accepted: np.ndarray | None = None
+    ) -> StepUpdate:
         """Feed back one step: `sampled_token_ids` i32[max_batch_requests], entry i for row i;
         `accepted` i32[max_batch_requests]: drafts the device accepted per row (needed when a
         row has `draft_lens` > 0; row i then appends its first accepted[i] drafts and then
@@ -323,8 +340,10 @@ class Scheduler(RequestLifecycle):
     def _pop_flight(self, ops: StepOps) -> list[tuple[Request, int]]:
         """The (request, epoch) rows of `ops`, which must be the oldest step in flight."""
         if not self._flights or self._flights[0][0] is not ops:
-            raise ValueError("update() must get the oldest scheduled, not yet updated StepOps "
-                             f"({len(self._flights)} in flight)")
+            raise ValueError(
+                "update() must get the oldest scheduled, not yet updated StepOps "
+                f"({len(self._flights)} in flight)"
+            )
         return self._flights.popleft()[1]
 
     # ------------------------------------------------------------------ introspection
@@ -335,20 +354,26 @@ class Scheduler(RequestLifecycle):
             for g, t in enumerate(cast("list[BlockTable]", req.tables)):
                 per_group[g] += sum(1 for p in t.pages if p)
         out: dict[str, Any] = dict(self._stats)
-        out.update(free_pages=pool.num_free, total_pages=pool.num_pages - 1,
-                   used_pages=pool.num_used, reserved_pages=self._admission.reserved_total,
-                   num_running=len(self._running), num_waiting=len(self._waiting),
-                   num_evictions=pool.num_evictions,
-                   group_pages={s.group_id: n for s, n in
-                                zip(cast("list[PagedCacheGroupSpec]", self.config.groups), per_group)})
+        out.update(
+            free_pages=pool.num_free,
+            total_pages=pool.num_pages - 1,
+            used_pages=pool.num_used,
+            reserved_pages=self._admission.reserved_total,
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_evictions=pool.num_evictions,
+            group_pages={
+                s.group_id: n
+                for s, n in zip(cast("list[PagedCacheGroupSpec]", self.config.groups), per_group)
+            },
+        )
         q = out["prefix_query_tokens"]
         out["prefix_hit_rate"] = out["prefix_hit_tokens"] / q if q else 0.0
         if self._spec is not None:
             drafted, rows = out["spec_draft_tokens"], out["spec_num_rows"]
             out["spec_acceptance_rate"] = out["spec_accepted_tokens"] / drafted if drafted else 0.0
             # tokens one speculative row yields: accepted drafts + the device's own token
-            out["spec_mean_accepted_len"] = ((out["spec_accepted_tokens"] + rows) / rows
-                                             if rows else 0.0)
+            out["spec_mean_accepted_len"] = (out["spec_accepted_tokens"] + rows) / rows if rows else 0.0
         if self.mirror_checker is not None:
             out["tail_only_divergences"] = self.mirror_checker.tail_only_divergences
         return out

@@ -24,8 +24,10 @@ class SlidingWindowManager(CacheGroupManager):
         if not isinstance(window, int) or window <= 0:
             raise ValueError(f"sliding window must be a positive int, got {window!r}")
         if live_tail_alignment < 0 or (live_tail_alignment and live_tail_alignment % block_size):
-            raise ValueError(f"live_tail_alignment {live_tail_alignment} must be 0 or a multiple "
-                             f"of block_size {block_size}")
+            raise ValueError(
+                f"live_tail_alignment {live_tail_alignment} must be 0 or a multiple "
+                f"of block_size {block_size}"
+            )
         self.window = window
         self.live_tail_alignment = live_tail_alignment
         self._resume = ceil_div(window - 1, block_size)
@@ -46,8 +48,7 @@ class SlidingWindowManager(CacheGroupManager):
     def _is_real(self, slot: int, end: int) -> bool:
         if self._live_tail_off():
             return True
-        return (slot >= self.slid_out_bound(end)
-                or slot % self._period >= self._period - self._resume)
+        return slot >= self.slid_out_bound(end) or slot % self._period >= self._period - self._resume
 
     def _checkpoints_below(self, x: int) -> int:
         """Slots s in [0, x) with s % period >= period - resume."""
@@ -83,8 +84,9 @@ class SlidingWindowManager(CacheGroupManager):
         pool.free(freed, reverse=False)
         return slots
 
-    def blocks_reclaimable_at(self, table: BlockTable, num_tokens: int,
-                              count_uncached: bool = True, pool: BlockPool | None = None) -> int:
+    def blocks_reclaimable_at(
+        self, table: BlockTable, num_tokens: int, count_uncached: bool = True, pool: BlockPool | None = None
+    ) -> int:
         """Pages `reclaim_expired(num_tokens)` would return to the free list.
 
         With `pool`, only pages whose refcount would reach 0 count, and `count_uncached=False`
@@ -96,8 +98,9 @@ class SlidingWindowManager(CacheGroupManager):
             page = pages[slot]
             if page == NULL_PAGE:
                 continue
-            if pool is not None and (pool.refcount(page) != 1
-                                     or (not count_uncached and pool.key_of(page) is None)):
+            if pool is not None and (
+                pool.refcount(page) != 1 or (not count_uncached and pool.key_of(page) is None)
+            ):
                 continue
             n += 1
         return n

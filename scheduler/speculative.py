@@ -58,18 +58,21 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got "
-                             f"{self.method!r}")
+            raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an int >= 1, got {value!r}")
         if self.draft_policy not in DRAFT_POLICIES:
-            raise ValueError(f"speculative_config.draft_policy must be one of "
-                             f"{list(DRAFT_POLICIES)}, got {self.draft_policy!r}")
+            raise ValueError(
+                f"speculative_config.draft_policy must be one of "
+                f"{list(DRAFT_POLICIES)}, got {self.draft_policy!r}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
-                             f"> prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
+                f"> prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
@@ -187,10 +190,15 @@ class StepCosts:
         return self._median[near] * (bucket + self.HALF) / (near + self.HALF)
 
 
-def choose_drafts(spec: SpeculativeConfig, proposals: list[tuple[int, int]], num_rows: int,
-                  token_buckets: tuple[int, ...], max_rows: int,
-                  costs: StepCosts | None = None, model: AcceptanceModel | None = None,
-                  ) -> list[int]:
+def choose_drafts(
+    spec: SpeculativeConfig,
+    proposals: list[tuple[int, int]],
+    num_rows: int,
+    token_buckets: tuple[int, ...],
+    max_rows: int,
+    costs: StepCosts | None = None,
+    model: AcceptanceModel | None = None,
+) -> list[int]:
     """How many drafts each proposing row carries this step.
 
     proposals: (proposal length, the row's run) per row that proposed, in row order (lengths
@@ -218,8 +226,8 @@ def choose_drafts(spec: SpeculativeConfig, proposals: list[tuple[int, int]], num
     # the best c of them are a prefix of each row's proposal (ties: earlier row, earlier draft)
     ranked = heapq.nsmallest(
         max(0, token_buckets[-1] - rows),
-        ((-g, i, j) for i, (n, run) in enumerate(proposals)
-         for j, g in enumerate(model.gains(run, n))))
+        ((-g, i, j) for i, (n, run) in enumerate(proposals) for j, g in enumerate(model.gains(run, n))),
+    )
     best_value, best_room = rows / costs.cost(b0), 0
     gained = 0.0
     taken = 0
@@ -252,7 +260,7 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
         return []
     buf = np.asarray(tokens, np.int32).tobytes()
     for n in range(min(n_max, size - 1), n_min - 1, -1):
-        pattern = buf[(size - n) * 4:]
+        pattern = buf[(size - n) * 4 :]
         end = (size - 1) * 4  # earlier occurrences end before the last token
         while True:
             at = buf.rfind(pattern, 0, end)
@@ -260,6 +268,6 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
                 break
             if at % 4 == 0:
                 first = at // 4 + n
-                return list(tokens[first:first + k])
+                return list(tokens[first : first + k])
             end = at + len(pattern) - 1
     return []

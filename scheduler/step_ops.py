@@ -45,6 +45,7 @@ def _dev(axis: str, dtype: str = "i32", pad: float | None = None) -> Any:
         meta["pad"] = pad
     return dataclasses.field(metadata=meta)
 
+
 # Host-side id of an input token that only the device knows yet (sampled by the step in flight);
 # `StepOps.token_from_prev` marks it and the device substitutes its slot's last sampled token.
 PLACEHOLDER_TOKEN = -1
@@ -150,8 +151,11 @@ class StepOps:
 
 def device_schema(cls: type) -> tuple[tuple[str, str, str], ...]:
     """(name, axis, dtype) of every device field of `StepOps` or `GroupStepOps`, in field order."""
-    return tuple((f.name, f.metadata["axis"], f.metadata["dtype"])
-                 for f in dataclasses.fields(cls) if "axis" in f.metadata)
+    return tuple(
+        (f.name, f.metadata["axis"], f.metadata["dtype"])
+        for f in dataclasses.fields(cls)
+        if "axis" in f.metadata
+    )
 
 
 _NP_DTYPES = {"i32": np.int32, "bool": np.bool_, "u32": np.uint32, "f32": np.float32}
@@ -171,5 +175,8 @@ def sampling_padding(num_rows: int) -> dict[str, np.ndarray]:
     """All-padding arrays of the padded per-request fields beyond `CORE_SAMPLING_COLUMNS`
     (prompt_lens, the penalty / logit_bias / top_logprobs fields and any later option's), so a
     StepOps built by hand stays complete when an option is added."""
-    return {f.name: padding(f.name, num_rows) for f in dataclasses.fields(StepOps)
-            if "pad" in f.metadata and f.name not in CORE_SAMPLING_COLUMNS}
+    return {
+        f.name: padding(f.name, num_rows)
+        for f in dataclasses.fields(StepOps)
+        if "pad" in f.metadata and f.name not in CORE_SAMPLING_COLUMNS
+    }

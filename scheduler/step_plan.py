@@ -51,8 +51,7 @@ class StepPlan:
         (after the build: the builder reads the pre-step ones)."""
         if not self.general:  # every row a one-token decode (or none): numpy over the columns
             reqs = [row if isinstance(row, Request) else row.req for row in self.rows]
-            ops = builder.build_decode(reqs, self.slots, self.starts, self.toks, self.extras,
-                                       self.busy)
+            ops = builder.build_decode(reqs, self.slots, self.starts, self.toks, self.extras, self.busy)
             for req in reqs:
                 req.num_inflight += 1
                 req.num_pending += 1
@@ -61,10 +60,22 @@ class StepPlan:
         # row's per-group values are shared by the step's plain rows (never mutated)
         no_sizes = [0] * len(builder.layouts)
         no_holes: list[list[int]] = [[] for _ in builder.layouts]
-        built = [ScheduledRow(req=row, start=row.num_scheduled, num_tokens=1, full_refresh=False,
-                              samples=True, begins=None, sizes=no_sizes, holes=no_holes,
-                              plain=True)
-                 if isinstance(row, Request) else row for row in self.rows]
+        built = [
+            ScheduledRow(
+                req=row,
+                start=row.num_scheduled,
+                num_tokens=1,
+                full_refresh=False,
+                samples=True,
+                begins=None,
+                sizes=no_sizes,
+                holes=no_holes,
+                plain=True,
+            )
+            if isinstance(row, Request)
+            else row
+            for row in self.rows
+        ]
         ops = builder.build(built)
         for row in built:
             req = row.req

@@ -54,7 +54,7 @@ class StepResults:
         """accepted: drafts the device accepted per row; needed when some row has drafts."""
         n = ops.num_seqs
         self.sample_mask: list[int] = ops.sample_mask[:n].tolist()
-        self.cu_q_lens: list[int] = ops.cu_q_lens[:n + 1].tolist()
+        self.cu_q_lens: list[int] = ops.cu_q_lens[: n + 1].tolist()
         self.sampled: list[int] = sampled[:n].tolist()
         self.num_drafts: list[int] = ops.draft_lens[:n].tolist()
         self.accepted: list[int] = []
@@ -104,7 +104,7 @@ def append_until_stop(req: Request, new: list[int], max_context_len: int) -> Non
         reason = check_stop(req, max_context_len, tok)
         if reason is not None:
             req.finish_reason = reason
-            del new[j + 1:]
+            del new[j + 1 :]
             return
 
 
@@ -112,6 +112,9 @@ def roll_back_drafts(req: Request, coord: CacheCoordinator) -> None:
     """A live speculative row that goes on: give back the positions of its rejected drafts
     (tail room, and pages they alone took). The device row still lists dropped pages, so it
     refreshes whole next time. A finished or retracted request has released everything."""
-    if (req.status is Status.RUNNING and req.finish_reason is None
-            and coord.truncate(cast("list[BlockTable]", req.tables), req.num_computed)):
+    if (
+        req.status is Status.RUNNING
+        and req.finish_reason is None
+        and coord.truncate(cast("list[BlockTable]", req.tables), req.num_computed)
+    ):
         req.needs_refresh = True

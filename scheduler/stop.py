@@ -19,8 +19,9 @@ if TYPE_CHECKING:  # request.py asks this rule (finishes_by_length): a type-only
 FinishReason = Literal["stop", "length"]
 
 
-def check_stop(req: Request, max_context_len: int, token: int | None = None, *,
-               ahead: int = 0) -> FinishReason | None:
+def check_stop(
+    req: Request, max_context_len: int, token: int | None = None, *, ahead: int = 0
+) -> FinishReason | None:
     """Why `req` is finished with its known tokens (None: it goes on). token: its newest
     token, already appended, when it is known (a stop id ends the request first); ahead:
     tokens still to come that count toward the length (those still on the device).

@@ -32,6 +32,8 @@ def need_native(name: str) -> None:
         return
     why = native.unavailable(name) or "not built (no reason recorded)"
     if native_required():
-        pytest.fail(f"native kernel {name!r} did not build and ${REQUIRE_NATIVE_ENV} requires "
-                    f"it: {why}", pytrace=False)
+        pytest.fail(
+            f"native kernel {name!r} did not build and ${REQUIRE_NATIVE_ENV} requires it: {why}",
+            pytrace=False,
+        )
     pytest.skip(f"native kernel {name!r} unavailable here: {why}")

@@ -21,7 +21,9 @@ import batch1  # noqa: E402
 # shadows the `kernels` package transformers imports in later test files of this worker
 sys.path[:] = [*_saved_path, _BENCH]
 
-_ECHO = _peer.CHILD_IO + r'''
+_ECHO = (
+    _peer.CHILD_IO
+    + r"""
 kw = json.loads(open(sys.argv[1]).read())
 out = channel()
 print("noise on stdout goes to the log")  # must not be read as protocol
@@ -30,12 +32,14 @@ for cmd in commands():
     if cmd.get("die"):
         sys.exit(3)
     send(out, "RESULT", {"twice": 2 * cmd["x"]})
-'''
+"""
+)
 
 
 def test_engine_child_protocol(tmp_path) -> None:
-    with _peer.EngineChild("echo", sys.executable, _ECHO, {"name": "e"}, dict(os.environ),
-                           str(tmp_path)) as c:
+    with _peer.EngineChild(
+        "echo", sys.executable, _ECHO, {"name": "e"}, dict(os.environ), str(tmp_path)
+    ) as c:
         assert c.info == {"hello": "e"}
         assert c.ask({"x": 4}) == {"twice": 8}
         assert c.ask({"x": 5}) == {"twice": 10}
@@ -57,8 +61,7 @@ def test_interleave_rotates_and_measures() -> None:
         return {}
 
     res = _peer.interleave(["a", "b", "c"], 3, run, lambda name: os.getpid(), freeze=False)
-    assert order == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1),
-                     ("c", 2), ("a", 2), ("b", 2)]
+    assert order == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1), ("c", 2), ("a", 2), ("b", 2)]
     assert all(len(v) == 3 for v in res.values())
     assert all(r["busy_cores"] > 0 and r["wall_s"] > 0 for v in res.values() for r in v)
 
@@ -69,10 +72,10 @@ def _state(pid: int) -> str:
 
 
 def test_interleave_freezes_the_waiting_engines(tmp_path) -> None:
-    with _peer.EngineChild("a", sys.executable, _ECHO, {"name": "a"}, dict(os.environ),
-                           str(tmp_path)) as a, \
-            _peer.EngineChild("b", sys.executable, _ECHO, {"name": "b"}, dict(os.environ),
-                              str(tmp_path)) as b:
+    with (
+        _peer.EngineChild("a", sys.executable, _ECHO, {"name": "a"}, dict(os.environ), str(tmp_path)) as a,
+        _peer.EngineChild("b", sys.executable, _ECHO, {"name": "b"}, dict(os.environ), str(tmp_path)) as b,
+    ):
         kids = {"a": a, "b": b}
         seen = []
 
@@ -138,6 +141,8 @@ def test_vllm_logged_binding(tmp_path) -> None:
         " reserve_cpu_num=1\n"
         "(EngineCore pid=1) INFO 12-05 11:36:21 [ompmultiprocessing.py:185] \tlocal_rank=0, "
         "core ids=[0]\n"
-        "(EngineCore pid=1) INFO 12-05 11:36:21 [ompmultiprocessing.py:185] \treserved_cpus=[1]\n")
+        "(EngineCore pid=1) INFO 12-05 11:36:21 [ompmultiprocessing.py:185] \treserved_cpus=[1]\n"
+    )
     assert _peer.vllm_logged_binding(str(log)) == (
-        "local_world_size=1, reserve_cpu_num=1; local_rank=0, core ids=[0]; reserved_cpus=[1]")
+        "local_world_size=1, reserve_cpu_num=1; local_rank=0, core ids=[0]; reserved_cpus=[1]"
+    )

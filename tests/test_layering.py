@@ -41,25 +41,39 @@ def test_pallas_kernels_imports_only_jax():
 def test_cli_and_load_generator_do_not_import_jax():
     """The CLI's parsing, the workload definition and `bench serve`'s HTTP load generator load
     without jax (`tokenspeed_jax/__init__` imports LLM on first use only)."""
-    loaded = _loaded_after_import("tokenspeed_jax.cli, tokenspeed_jax.cli.bench_serve, "
-                                  "tokenspeed_jax.workloads.loadgen, tokenspeed_jax.workloads.agentic")
+    loaded = _loaded_after_import(
+        "tokenspeed_jax.cli, tokenspeed_jax.cli.bench_serve, "
+        "tokenspeed_jax.workloads.loadgen, tokenspeed_jax.workloads.agentic"
+    )
     assert not _top(loaded) & JAX
 
 
 def test_host_packages_do_not_import_jax():
     """The host loop and the package files of cli/workloads/engine/distributed/structured stay
     jax-free."""
-    for module in ("tokenspeed_jax.engine", "tokenspeed_jax.engine.engine",
-                   "tokenspeed_jax.engine.replicas", "tokenspeed_jax.cli",
-                   "tokenspeed_jax.workloads", "tokenspeed_jax.distributed",
-                   "tokenspeed_jax.structured", "tokenspeed_jax.engine_args"):
+    for module in (
+        "tokenspeed_jax.engine",
+        "tokenspeed_jax.engine.engine",
+        "tokenspeed_jax.engine.replicas",
+        "tokenspeed_jax.cli",
+        "tokenspeed_jax.workloads",
+        "tokenspeed_jax.distributed",
+        "tokenspeed_jax.structured",
+        "tokenspeed_jax.engine_args",
+    ):
         assert not _top(_loaded_after_import(module)) & JAX, module
 
 
 def test_models_import_neither_runtime_nor_engine():
     loaded = _loaded_after_import("tokenspeed_jax.models, tokenspeed_jax.models.registry")
-    above = ("tokenspeed_jax.runtime", "tokenspeed_jax.engine", "tokenspeed_jax.distributed",
-             "tokenspeed_jax.server", "tokenspeed_jax.cli", "tokenspeed_jax.llm")
+    above = (
+        "tokenspeed_jax.runtime",
+        "tokenspeed_jax.engine",
+        "tokenspeed_jax.distributed",
+        "tokenspeed_jax.server",
+        "tokenspeed_jax.cli",
+        "tokenspeed_jax.llm",
+    )
     # the option record (engine_args, jax-free) is below the models: they read its choice lists
     bad = {m for m in loaded if any(m == a or m.startswith(a + ".") for a in above)}
     assert not bad, sorted(bad)
@@ -91,8 +105,9 @@ def _imports(path: pathlib.Path, name: str, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
-                                + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [base] + [f"{base}.{a.name}" for a in node.names]
         for t in targets:
             while t and t not in modules:
@@ -117,7 +132,7 @@ def test_no_import_cycles():
         stack.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep) :] + [dep]))
             if dep not in state:
                 visit(dep)
         stack.pop()

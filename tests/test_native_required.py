@@ -28,6 +28,7 @@ def _outcome(name: str) -> tuple[type | None, str]:
 def broken_build(monkeypatch) -> None:
     """Every native kernel fails to build in this test, with ERROR (fresh load state, so a kernel
     this process already loaded is built again)."""
+
     def fail(name: str) -> str:
         raise RuntimeError(ERROR)
 
@@ -45,8 +46,7 @@ def test_required_and_broken_fails_with_the_build_error(broken_build, monkeypatc
 
 
 @pytest.mark.parametrize("value", [None, "", "0"])
-def test_not_required_and_broken_skips_with_the_build_error(broken_build, monkeypatch,
-                                                            value) -> None:
+def test_not_required_and_broken_skips_with_the_build_error(broken_build, monkeypatch, value) -> None:
     if value is None:
         monkeypatch.delenv(REQUIRE_NATIVE_ENV, raising=False)
     else:

@@ -17,8 +17,11 @@ if TYPE_CHECKING:
 
 __all__ = ["LLM", "CompletionOutput", "SamplingParams"]
 __version__ = "0.1.0"
-_HOMES = {"LLM": "tokenspeed_jax.llm", "CompletionOutput": "tokenspeed_jax.outputs",
-          "SamplingParams": "tokenspeed_jax.sampling_params"}
+_HOMES = {
+    "LLM": "tokenspeed_jax.llm",
+    "CompletionOutput": "tokenspeed_jax.outputs",
+    "SamplingParams": "tokenspeed_jax.sampling_params",
+}
 
 
 def __getattr__(name: str) -> Any:

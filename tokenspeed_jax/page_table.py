@@ -107,4 +107,3 @@ def apply_holes(table: jax.Array, req_slots: jax.Array, hole_slots: jax.Array) -
     h_rows = jnp.where(keep, req_slots[:, None], num_slots)
     h_cols = jnp.where(keep, hole_slots, width)
     return table.at[h_rows, h_cols].set(0, mode="drop")
-

@@ -52,10 +52,14 @@ class SamplingParams:
     structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, numbers.Integral) \
-                or self.max_tokens < 1:
-            raise ParamError("max_tokens", f"SamplingParams.max_tokens must be an int >= 1, got "
-                                           f"{self.max_tokens!r}")
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, numbers.Integral)
+            or self.max_tokens < 1
+        ):
+            raise ParamError(
+                "max_tokens", f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}"
+            )
         object.__setattr__(self, "max_tokens", int(self.max_tokens))  # numpy ints too
         for f in dataclasses.fields(self):
             if f.name in LIMITS:  # normalised: numbers as int / float, stop ids a tuple
@@ -66,8 +70,11 @@ class SamplingParams:
         if self.structured_outputs is not None:
             from tokenspeed_jax.structured.spec import compile_spec
 
-            spec = dict(self.structured_outputs) if isinstance(
-                self.structured_outputs, dict) else self.structured_outputs
+            spec = (
+                dict(self.structured_outputs)
+                if isinstance(self.structured_outputs, dict)
+                else self.structured_outputs
+            )
             try:
                 grammar = compile_spec(spec)  # ValueError naming structured_outputs.<kind>
             except ValueError as e:

@@ -55,8 +55,9 @@ def test_bf16_matches_float32(hf_checkpoints, family):
         caches = llm.engine.runner.state.caches
         # the CPU reference keeps bf16 pools as their uint16 bits (pallas_kernels.pool_bits)
         want = jnp.dtype(pool_dtype(llm.engine.runner.backend, dtype))
-        assert want == (jnp.uint16 if dtype == "bfloat16" and jax.default_backend() == "cpu"
-                        else jnp.dtype(dtype))
+        assert want == (
+            jnp.uint16 if dtype == "bfloat16" and jax.default_backend() == "cpu" else jnp.dtype(dtype)
+        )
         assert all(a.dtype == want for c in caches for a in c.values())
         assert llm.model_config.dtype == dtype
     hf_max, hf_mean = _transformers_bf16_error(path, prompts)
@@ -72,9 +73,11 @@ def test_bf16_matches_float32(hf_checkpoints, family):
         if n:
             worst_gen = max(worst_gen, float(np.abs(np.subtract(f32.logprobs[:n], b16.logprobs[:n])).max()))
     bound_max, bound_mean = RELATIVE * hf_max + SLACK, RELATIVE * hf_mean + SLACK
-    print(f"\n{family} bf16 vs float32: greedy agreement {np.mean(agree):.2f} ({agree}); prompt "
-          f"|dlogprob| max {worst_prompt:.3f} mean {np.mean(mean_prompt):.4f} (transformers' own bf16: "
-          f"max {hf_max:.3f} mean {hf_mean:.4f}); agreeing generated tokens max {worst_gen:.3f}")
+    print(
+        f"\n{family} bf16 vs float32: greedy agreement {np.mean(agree):.2f} ({agree}); prompt "
+        f"|dlogprob| max {worst_prompt:.3f} mean {np.mean(mean_prompt):.4f} (transformers' own bf16: "
+        f"max {hf_max:.3f} mean {hf_mean:.4f}); agreeing generated tokens max {worst_gen:.3f}"
+    )
     assert worst_prompt <= bound_max and np.mean(mean_prompt) <= bound_mean
     assert worst_gen <= bound_max
     if family in AGREEMENT_CHECKED:

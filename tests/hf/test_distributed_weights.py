@@ -38,8 +38,7 @@ def test_checkpoint_source_reads_only_its_slice(tmp_path):
     gu = rng.standard_normal((2, 4, 16)).astype(np.float32)  # GPT-OSS [E, H, 2I]
     f = str(tmp_path / "m.safetensors")
     save_file({"w": w, "conv": conv, "gu": gu}, f)
-    src = {n: ps.CheckpointSource(f, n, a.shape, a.dtype) for n, a in
-           (("w", w), ("conv", conv), ("gu", gu))}
+    src = {n: ps.CheckpointSource(f, n, a.shape, a.dtype) for n, a in (("w", w), ("conv", conv), ("gu", gu))}
     perm = rng.permutation(12)
     cases = [  # (lazy source, eager array, sharded axis, bytes read per element needed)
         (src["w"].T, w.T, 1, 1),

@@ -81,7 +81,10 @@ def test_gemma3_local_global_layers_and_legacy_config(hf_checkpoints):
     old = model_config_from_hf(legacy)
     assert old.layer_types == (("sliding_attention",) * 5 + ("full_attention",)) * 2
     assert (old.rope_theta, old.rope_local_theta, old.rope_scaling) == (
-        cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling)
+        cfg.rope_theta,
+        cfg.rope_local_theta,
+        cfg.rope_scaling,
+    )
     assert old.tie_word_embeddings and old.hidden_act == "gelu_pytorch_tanh"
     with pytest.raises(ValueError, match="bidirectional"):
         model_config_from_hf({**legacy, "use_bidirectional_attention": True})

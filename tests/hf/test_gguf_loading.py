@@ -122,7 +122,11 @@ def test_weights_config_and_tokenizer(tiny_gguf):
     path, hf = tiny_gguf
     cfg, model, tok = load_gguf(path)
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
-        LAYERS, HEADS, KV_HEADS, HEAD_DIM)
+        LAYERS,
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+    )
     assert cfg.tie_word_embeddings and model.lm_head is None and cfg.max_position_embeddings == 256
     attn = model.layers[1].self_attn
     for ours, key in ((attn.q_proj, "attn_q"), (attn.k_proj, "attn_k"), (attn.v_proj, "attn_v"),

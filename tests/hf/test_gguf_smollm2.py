@@ -86,7 +86,7 @@ class Oracle:
                 gen = self.ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                         max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=2,
                                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
-            want = gen.sequences[0, len(prompt):].tolist()
+            want = gen.sequences[0, len(prompt) :].tolist()
             logps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(gen.logits, want)]
             self._greedy[key] = (want, logps)
         return self._greedy[key]
@@ -123,8 +123,14 @@ def _native_llm(**kwargs: Any) -> LLM:
 @pytest.fixture(scope="module", params=["native", "reference"])
 def smollm(request, oracle):
     # 4 requests of ~80-100 tokens need ~24 pages; 14 forces retraction, 1 fits any request.
-    kwargs = dict(page_size=16, num_pages=14, max_batch_requests=4, max_scheduled_tokens=32,
-                  max_context_len=160, debug_checks=True)
+    kwargs = dict(
+        page_size=16,
+        num_pages=14,
+        max_batch_requests=4,
+        max_scheduled_tokens=32,
+        max_context_len=160,
+        debug_checks=True,
+    )
     if request.param == "native":
         llm = _native_llm(**kwargs)
     else:
@@ -174,8 +180,10 @@ def test_prompt_logprobs_match_transformers(smollm):
     for prompt, out in zip(prompts, outs, strict=True):
         want = oracle.prompt_logprobs(prompt)
         delta = np.abs(np.asarray(out.prompt_logprobs[1:], np.float64) - want).max()
-        print(f"\nsmollm2 prompt logprobs ({llm.engine.runner.backend}): {len(prompt)} tokens, "
-              f"max |dlogprob| {delta:.2e}")
+        print(
+            f"\nsmollm2 prompt logprobs ({llm.engine.runner.backend}): {len(prompt)} tokens, "
+            f"max |dlogprob| {delta:.2e}"
+        )
         assert delta < TOL
 
 
@@ -192,8 +200,10 @@ def test_greedy_chat_batch_matches_generate(smollm):
         want, logps = oracle.greedy(prompt)
         assert out.token_ids == want, f"{out.text!r} vs transformers' continuation"
         worst = max(worst, float(np.abs(np.asarray(out.logprobs) - logps).max()))
-    print(f"\nsmollm2 greedy ({llm.engine.runner.backend}): 4 x {NEW_TOKENS} tokens identical, "
-          f"max |dlogprob| {worst:.2e}; answer 0: {outs[0].text!r}")
+    print(
+        f"\nsmollm2 greedy ({llm.engine.runner.backend}): 4 x {NEW_TOKENS} tokens identical, "
+        f"max |dlogprob| {worst:.2e}; answer 0: {outs[0].text!r}"
+    )
     assert worst < TOL
     assert "Paris" in outs[0].text
 
@@ -202,8 +212,14 @@ def test_int8_kv_cache_prompt_logprobs_near_transformers(oracle):
     """issue 26: the int8 KV cache (per-token-head scales) in the native kernel against
     transformers' float model on the same chat prompts; the float cache's own error is < TOL
     (test above). Bounds from measurement (max / mean |dlogprob| below, printed)."""
-    llm = _native_llm(page_size=16, num_pages=64, max_batch_requests=4, max_scheduled_tokens=32,
-                      max_context_len=160, kv_cache_dtype="int8")
+    llm = _native_llm(
+        page_size=16,
+        num_pages=64,
+        max_batch_requests=4,
+        max_scheduled_tokens=32,
+        max_context_len=160,
+        kv_cache_dtype="int8",
+    )
     prompts = [_chat(llm.tokenizer, q) for q in QUESTIONS[:2]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=True))
     deltas = []
@@ -211,8 +227,10 @@ def test_int8_kv_cache_prompt_logprobs_near_transformers(oracle):
         want = oracle.prompt_logprobs(prompt)
         deltas.append(np.abs(np.asarray(out.prompt_logprobs[1:], np.float64) - want))
     d = np.concatenate(deltas)
-    print(f"\nsmollm2 int8 KV prompt logprobs: {d.size} tokens, max |dlogprob| {d.max():.3f}, "
-          f"mean {d.mean():.4f}")
+    print(
+        f"\nsmollm2 int8 KV prompt logprobs: {d.size} tokens, max |dlogprob| {d.max():.3f}, "
+        f"mean {d.mean():.4f}"
+    )
     assert d.max() < INT8_KV_TOL[0] and d.mean() < INT8_KV_TOL[1]
 
 
@@ -223,8 +241,15 @@ def test_gguf_blocks_match_transformers_dequantized_file(oracle):
     (32-token chunks: the float lowering) and the logprobs of 8 greedy tokens decoded one row
     at a time (min_token_bucket=1: the split lowering) against transformers run on the prompt
     plus those tokens. Native attention, as `serve` runs such a file."""
-    llm = _native_llm(page_size=16, num_pages=64, max_batch_requests=4, max_scheduled_tokens=32,
-                      max_context_len=160, quantization="gguf", min_token_bucket=1)
+    llm = _native_llm(
+        page_size=16,
+        num_pages=64,
+        max_batch_requests=4,
+        max_scheduled_tokens=32,
+        max_context_len=160,
+        quantization="gguf",
+        min_token_bucket=1,
+    )
     leaves = jax.tree.leaves(llm.engine.runner.params)
     # every Linear and the tied table (Q8_0 in this file: CausalLM.set_table_blocks); tile-major
     # on one CPU device, where q / k / v and gate / up are fused: 4 products a layer
@@ -233,8 +258,9 @@ def test_gguf_blocks_match_transformers_dequantized_file(oracle):
     assert sum(x.dtype == np.int8 for x in leaves) == per_layer * 30 + 1
     assert any(x.dtype == np.int8 and x.size == 49152 * 576 for x in leaves)  # the table
     prompt = _chat(llm.tokenizer, QUESTIONS[0])
-    out = llm.generate([prompt], SamplingParams(max_tokens=8, prompt_logprobs=True, logprobs=True,
-                                                ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=8, prompt_logprobs=True, logprobs=True, ignore_eos=True)
+    )[0]
     want = oracle.prompt_logprobs(prompt + out.token_ids)
     got = np.asarray(out.prompt_logprobs[1:] + out.logprobs, np.float64)
     d = np.abs(got - want)

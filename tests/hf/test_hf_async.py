@@ -18,8 +18,7 @@ from tokenspeed_jax import LLM, SamplingParams  # noqa: E402
 pytestmark = pytest.mark.hf
 
 # the pools of test_hf_parity.py (tight enough to retract)
-NUM_PAGES = {"llama": 22, "qwen3": 30, "mistral": 14, "lfm2": 24, "gpt_oss": 30, "gemma2": 30,
-             "gemma3": 30}
+NUM_PAGES = {"llama": 22, "qwen3": 30, "mistral": 14, "lfm2": 24, "gpt_oss": 30, "gemma2": 30, "gemma3": 30}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -29,13 +28,22 @@ def test_async_equals_sync(family, hf_checkpoints):
     prefix = rng.integers(0, 384, 24).tolist()
     prompts = [prefix + rng.integers(0, 384, n).tolist() for n in (3, 6, 9, 13)]
     # fixed lengths (ignore_eos) and eos-stopped ones (the checkpoints' eos ids 2 and 4)
-    params = [SamplingParams(max_tokens=16, logprobs=True, ignore_eos=i % 2 == 0)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=16, logprobs=True, ignore_eos=i % 2 == 0) for i in range(len(prompts))
+    ]
     outs, stats = {}, {}
     for a in (False, True):
-        llm = LLM(path, page_size=4, num_pages=NUM_PAGES[family], max_batch_requests=4,
-                  max_scheduled_tokens=16, max_context_len=96, attention_backend="reference",
-                  debug_checks=True, async_scheduling=a)
+        llm = LLM(
+            path,
+            page_size=4,
+            num_pages=NUM_PAGES[family],
+            max_batch_requests=4,
+            max_scheduled_tokens=16,
+            max_context_len=96,
+            attention_backend="reference",
+            debug_checks=True,
+            async_scheduling=a,
+        )
         outs[a] = llm.generate(prompts, params)
         stats[a] = llm.stats()
     for x, y in zip(outs[False], outs[True], strict=True):

@@ -18,8 +18,7 @@ from tokenspeed_jax import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "lfm2", "gpt_oss", "gemma3"])
@@ -32,9 +31,17 @@ def test_speculative_equals_plain(family, hf_checkpoints):
     params = [SamplingParams(max_tokens=14, ignore_eos=i % 2 == 0) for i in range(len(prompts))]
     outs, stats = {}, {}
     for spec in (None, SPEC):
-        llm = LLM(path, page_size=4, num_pages=NUM_PAGES[family] + 4, max_batch_requests=4,
-                  max_scheduled_tokens=16, max_context_len=96, attention_backend="reference",
-                  debug_checks=True, speculative_config=spec)
+        llm = LLM(
+            path,
+            page_size=4,
+            num_pages=NUM_PAGES[family] + 4,
+            max_batch_requests=4,
+            max_scheduled_tokens=16,
+            max_context_len=96,
+            attention_backend="reference",
+            debug_checks=True,
+            speculative_config=spec,
+        )
         outs[spec is not None] = llm.generate(prompts, params)
         stats[spec is not None] = llm.stats()
     for x, y in zip(outs[False], outs[True], strict=True):

@@ -28,11 +28,22 @@ from tokenspeed_jax.server.app import build_app  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
-           "properties": {"city": {"type": "string", "maxLength": 20}}}
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": WEATHER}}]
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city"],
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city.",
+            "parameters": WEATHER,
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +52,14 @@ def client():
         resolve_alias("smollm2-135m")
     except ValueError as e:
         pytest.skip(str(e))
-    llm = LLM("smollm2-135m", num_pages=256, max_batch_requests=4, max_scheduled_tokens=256,
-              max_context_len=1024, min_kv_bucket=1024)
+    llm = LLM(
+        "smollm2-135m",
+        num_pages=256,
+        max_batch_requests=4,
+        max_scheduled_tokens=256,
+        max_context_len=1024,
+        min_kv_bucket=1024,
+    )
     server = LiveServer(build_app(llm, "smollm2-135m"))
     server.wait_ready(900)
     yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
@@ -51,8 +68,9 @@ def client():
 
 def test_tool_call_round_trip(client):
     messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
-    first = client.chat.completions.create(model="smollm2-135m", messages=messages, tools=TOOLS,
-                                           tool_choice="auto", max_tokens=64, temperature=0)
+    first = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, tools=TOOLS, tool_choice="auto", max_tokens=64, temperature=0
+    )
     choice = first.choices[0]
     calls = choice.message.tool_calls or []
     if calls:
@@ -63,22 +81,39 @@ def test_tool_call_round_trip(client):
     else:
         assert choice.message.content and choice.finish_reason in ("stop", "length")
         forced = client.chat.completions.create(
-            model="smollm2-135m", messages=messages, tools=TOOLS, max_tokens=64, temperature=0,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            model="smollm2-135m",
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=64,
+            temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
         assert forced.choices[0].finish_reason == "tool_calls"
         calls = forced.choices[0].message.tool_calls
         assert len(calls) == 1
         jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
     call = calls[0]
     messages += [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.id, "type": "function",
-             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": json.dumps(
-            {"city": "Paris", "temperature_c": 18, "sky": "cloudy"})},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": call.id,
+            "content": json.dumps({"city": "Paris", "temperature_c": 18, "sky": "cloudy"}),
+        },
     ]
-    answer = client.chat.completions.create(model="smollm2-135m", messages=messages, tools=TOOLS,
-                                            max_tokens=48, temperature=0)
+    answer = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, tools=TOOLS, max_tokens=48, temperature=0
+    )
     msg = answer.choices[0].message
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert msg.content or msg.tool_calls

@@ -22,10 +22,12 @@ def _tiled(fn):
     """`fn` taking its weight [K, N] tile-major (`pack_tiles`). A weight of a dtype no kernel
     takes goes as it is (its ValueError is under test); one of N not a multiple of TILE is never
     generated here (`_with_impls`), so pack_tiles' own ValueError would fail the test."""
+
     def call(x, w, *rest):
         if w.dtype not in (jnp.int8, jnp.float32, jnp.bfloat16):
             return fn(x, w, *rest)
         return fn(x, block_matmul_cpu.pack_tiles(w), *rest)
+
     return call
 
 
@@ -33,9 +35,12 @@ def _with_impls(cases, n_of) -> list:
     """(impl id, *case) for every implementation id and case, but tile-major ids only for cases
     whose weight has N (`n_of(case)`) a multiple of TILE: a tile-major weight of another N does
     not exist, so such a pair is not a test (it used to be generated and skipped)."""
-    return [(ident, *(case if isinstance(case, tuple) else (case,)))
-            for ident in IMPL_IDS for case in cases
-            if ident.endswith("-kn") or n_of(case) % TILE == 0]
+    return [
+        (ident, *(case if isinstance(case, tuple) else (case,)))
+        for ident in IMPL_IDS
+        for case in cases
+        if ident.endswith("-kn") or n_of(case) % TILE == 0
+    ]
 
 
 def _impl(table, ident: str):
@@ -74,8 +79,7 @@ CASES = {  # (lead shape, K, N, block, mins)
 }
 
 
-@pytest.mark.parametrize("impl,case", _with_impls(sorted(CASES), lambda c: CASES[c][2]),
-                         indirect=["impl"])
+@pytest.mark.parametrize("impl,case", _with_impls(sorted(CASES), lambda c: CASES[c][2]), indirect=["impl"])
 def test_matches_float64_oracle(impl, case):
     lead, k, n, block, mins = CASES[case]
     codes, scales, m = _blocks(k, n, block, mins, seed=len(case))
@@ -84,8 +88,7 @@ def test_matches_float64_oracle(impl, case):
     if m is not None:
         w = w + m[:, None, :]
     want = x.astype(np.float64) @ w.reshape(k, n)
-    got = impl(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scales),
-               None if m is None else jnp.asarray(m))
+    got = impl(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scales), None if m is None else jnp.asarray(m))
     assert got.shape == (*lead, n) and got.dtype == jnp.float32
     # float32 products summed over K: a few ulps of the sum of |terms|
     bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(w.reshape(k, n))) + 1e-6
@@ -98,23 +101,31 @@ def test_bfloat16_activations(impl):
     codes, scales, m = _blocks(64, 32, 32, True, seed=3)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 64)), jnp.bfloat16)
     got = impl(x, jnp.asarray(codes), jnp.asarray(scales), jnp.asarray(m))
-    want = block_matmul_reference(x.astype(jnp.float32), jnp.asarray(codes), jnp.asarray(scales),
-                                  jnp.asarray(m))
+    want = block_matmul_reference(
+        x.astype(jnp.float32), jnp.asarray(codes), jnp.asarray(scales), jnp.asarray(m)
+    )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 # N = 16 (one tile): the tile-major layout takes every case too
 @pytest.mark.parametrize("impl", IMPL_IDS, indirect=True)
-@pytest.mark.parametrize("bad,match", [
-    (dict(codes=np.zeros((64, 16), np.int32)), "codes must be int8"),
-    (dict(x=np.zeros((2, 32), np.float32)), "last axis must be K"),
-    (dict(scales=np.zeros((3, 16), np.float32)), "expected \\[K / B, N\\]"),
-    (dict(scales=np.zeros((2, 4), np.float32)), "expected \\[K / B, N\\]"),
-    (dict(mins=np.zeros((1, 16), np.float32)), "mins.shape"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(codes=np.zeros((64, 16), np.int32)), "codes must be int8"),
+        (dict(x=np.zeros((2, 32), np.float32)), "last axis must be K"),
+        (dict(scales=np.zeros((3, 16), np.float32)), "expected \\[K / B, N\\]"),
+        (dict(scales=np.zeros((2, 4), np.float32)), "expected \\[K / B, N\\]"),
+        (dict(mins=np.zeros((1, 16), np.float32)), "mins.shape"),
+    ],
+)
 def test_invalid_inputs_raise(impl, bad, match):
-    args = dict(x=np.zeros((2, 64), np.float32), codes=np.zeros((64, 16), np.int8),
-                scales=np.zeros((2, 16), np.float32), mins=None)
+    args = dict(
+        x=np.zeros((2, 64), np.float32),
+        codes=np.zeros((64, 16), np.int8),
+        scales=np.zeros((2, 16), np.float32),
+        mins=None,
+    )
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         impl(*(None if v is None else jnp.asarray(v) for v in args.values()))
@@ -123,14 +134,20 @@ def test_invalid_inputs_raise(impl, bad, match):
 def test_lowers_to_one_custom_call_without_a_float_weight_copy():
     need_native("block_matmul")
     codes, scales, m = (jnp.asarray(a) for a in _blocks(576, 1536, 32, True, seed=0))
-    hlo = jax.jit(block_matmul_cpu.block_matmul_cpu).lower(
-        jnp.zeros((4, 576), jnp.float32), codes, scales, m).compile().as_text()
-    assert hlo.count("custom_call_target=\"tokenspeed_block_matmul\"") == 1
+    hlo = (
+        jax.jit(block_matmul_cpu.block_matmul_cpu)
+        .lower(jnp.zeros((4, 576), jnp.float32), codes, scales, m)
+        .compile()
+        .as_text()
+    )
+    assert hlo.count('custom_call_target="tokenspeed_block_matmul"') == 1
     assert "f32[576,1536]" not in hlo
 
 
-DENSE_IMPLS = {"reference": block_matmul_cpu.dense_matmul_reference,
-               "native": block_matmul_cpu.dense_matmul_cpu}
+DENSE_IMPLS = {
+    "reference": block_matmul_cpu.dense_matmul_reference,
+    "native": block_matmul_cpu.dense_matmul_cpu,
+}
 
 
 @pytest.fixture
@@ -140,11 +157,22 @@ def dense_impl(request):
 
 
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("dense_impl,lead,k,n", _with_impls(
-    [((1,), 64, 48), ((7,), 96, 37), ((2, 3), 128, 64), ((70,), 64, 16), ((0,), 32, 16),
-     ((7,), 600, 48),  # K in 3 (f32) / 2 (bf16) chunks
-     ((25,), 600, 512)],  # AVX-512: 12-row passes of tile pairs
-    lambda c: c[2]), indirect=["dense_impl"])
+@pytest.mark.parametrize(
+    "dense_impl,lead,k,n",
+    _with_impls(
+        [
+            ((1,), 64, 48),
+            ((7,), 96, 37),
+            ((2, 3), 128, 64),
+            ((70,), 64, 16),
+            ((0,), 32, 16),
+            ((7,), 600, 48),  # K in 3 (f32) / 2 (bf16) chunks
+            ((25,), 600, 512),
+        ],  # AVX-512: 12-row passes of tile pairs
+        lambda c: c[2],
+    ),
+    indirect=["dense_impl"],
+)
 def test_dense_matches_float64_oracle(dense_impl, wdtype, lead, k, n):
     """Float weights through the same kernel (one block, scale 1): every row count's pass
     (6 rows, then 1-5 left over; with AVX-512, float32 tile pairs: 12 rows, then 1-11),
@@ -159,9 +187,14 @@ def test_dense_matches_float64_oracle(dense_impl, wdtype, lead, k, n):
     assert (np.abs(np.asarray(got, np.float64) - x.astype(np.float64) @ w64) <= bound).all()
 
 
-@pytest.mark.parametrize("dense_impl,lead,k,n", _with_impls(
-    [((1,), 64, 512), ((25,), 600, 512), ((13,), 601, 512), ((3,), 7, 512), ((7,), 96, 48)],
-    lambda c: c[2]), indirect=["dense_impl"])
+@pytest.mark.parametrize(
+    "dense_impl,lead,k,n",
+    _with_impls(
+        [((1,), 64, 512), ((25,), 600, 512), ((13,), 601, 512), ((3,), 7, 512), ((7,), 96, 48)],
+        lambda c: c[2],
+    ),
+    indirect=["dense_impl"],
+)
 def test_dense_bf16_activations_match_float64_oracle(dense_impl, lead, k, n):
     """bf16 x and bf16 weights (a bf16 model's products): with AVX512-BF16 the tile pairs take
     the bf16 dot product (odd K: the last row paired with zeros), still float32 sums."""
@@ -177,8 +210,13 @@ def test_dense_bf16_activations_match_float64_oracle(dense_impl, lead, k, n):
 
 # N = 16 (one tile): the tile-major layout takes every case too
 @pytest.mark.parametrize("dense_impl", IMPL_IDS, indirect=True)
-@pytest.mark.parametrize("w,match", [(np.zeros((64, 16), np.float16), "float32 or bfloat16"),
-                                     (np.zeros((32, 16), np.float32), "last axis must be K")])
+@pytest.mark.parametrize(
+    "w,match",
+    [
+        (np.zeros((64, 16), np.float16), "float32 or bfloat16"),
+        (np.zeros((32, 16), np.float32), "last axis must be K"),
+    ],
+)
 def test_dense_invalid_inputs_raise(dense_impl, w, match):
     with pytest.raises(ValueError, match=match):
         dense_impl(jnp.zeros((2, 64), jnp.float32), jnp.asarray(w))
@@ -202,8 +240,11 @@ def test_tiled_codes_lower_to_one_custom_call_without_a_relayout():
     """Tile-major codes go to the kernel as they are: no transpose back to [K, N] in the step."""
     need_native("block_matmul")
     codes, scales, m = (jnp.asarray(a) for a in _blocks(576, 1536, 32, True, seed=0))
-    hlo = jax.jit(block_matmul_cpu.block_matmul_cpu).lower(
-        jnp.zeros((4, 576), jnp.float32), block_matmul_cpu.pack_tiles(codes), scales,
-        m).compile().as_text()
-    assert hlo.count("custom_call_target=\"tokenspeed_block_matmul\"") == 1
+    hlo = (
+        jax.jit(block_matmul_cpu.block_matmul_cpu)
+        .lower(jnp.zeros((4, 576), jnp.float32), block_matmul_cpu.pack_tiles(codes), scales, m)
+        .compile()
+        .as_text()
+    )
+    assert hlo.count('custom_call_target="tokenspeed_block_matmul"') == 1
     assert "s8[576,1536]" not in hlo and "transpose" not in hlo

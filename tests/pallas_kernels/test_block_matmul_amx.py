@@ -88,9 +88,12 @@ def test_model_equals_the_cpu_kernel_on_bf16():
     rng = np.random.default_rng(1)
     w = block_matmul_cpu.pack_tiles(jnp.asarray(rng.standard_normal((576, 96)), jnp.bfloat16))
     x = jnp.asarray(rng.standard_normal((24, 576)), jnp.bfloat16)
-    np.testing.assert_allclose(np.asarray(block_matmul_cpu.dense_matmul_amx_model(x, w)),
-                               np.asarray(block_matmul_cpu.dense_matmul_cpu(x, w)),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(block_matmul_cpu.dense_matmul_amx_model(x, w)),
+        np.asarray(block_matmul_cpu.dense_matmul_cpu(x, w)),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_amx_build_compiles_for_sapphire_rapids():

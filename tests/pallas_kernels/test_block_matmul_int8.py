@@ -69,8 +69,10 @@ def test_q8_without_vnni_or_tiles_is_the_float_product():
     _require_kernel()
     codes, scales, _ = _blocks(64, 32, 32, False, seed=0)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64)), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(bm.block_matmul_cpu(x, codes, scales, x_q8=True)),
-                                  np.asarray(bm.block_matmul_cpu(x, codes, scales)))
+    np.testing.assert_array_equal(
+        np.asarray(bm.block_matmul_cpu(x, codes, scales, x_q8=True)),
+        np.asarray(bm.block_matmul_cpu(x, codes, scales)),
+    )
 
 
 def test_quantize_q8_reference():

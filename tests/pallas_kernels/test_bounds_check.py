@@ -30,9 +30,15 @@ def _gather_kernel(idx_ref, x_ref, o_ref):
 
 
 def _gather(idx: jax.Array, x: jax.Array) -> jax.Array:
-    call = backend.pallas_call(_gather_kernel, out_shape=jax.ShapeDtypeStruct(idx.shape, x.dtype),
-                               grid=(idx.shape[0] // 8,), num_warps=1, num_stages=1,
-                               interpret=True, name="gather")
+    call = backend.pallas_call(
+        _gather_kernel,
+        out_shape=jax.ShapeDtypeStruct(idx.shape, x.dtype),
+        grid=(idx.shape[0] // 8,),
+        num_warps=1,
+        num_stages=1,
+        interpret=True,
+        name="gather",
+    )
     return call(idx, x)
 
 
@@ -61,9 +67,15 @@ def test_checker_reports_stores() -> None:
     x = jnp.arange(16, dtype=jnp.float32)
 
     def run(kernel):
-        return backend.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), x.dtype),
-                                   grid=(2,), num_warps=1, num_stages=1, interpret=True,
-                                   name="shift")(x)
+        return backend.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((16,), x.dtype),
+            grid=(2,),
+            num_warps=1,
+            num_stages=1,
+            interpret=True,
+            name="shift",
+        )(x)
 
     with check_bounds():
         np.testing.assert_array_equal(np.asarray(run(_shift_kernel))[1:], np.arange(15))
@@ -72,13 +84,18 @@ def test_checker_reports_stores() -> None:
         i = pl.program_id(0) * 8 + jax.lax.iota(jnp.int32, 8)
         backend.store(o_ref, (i + 1,), backend.load(x_ref, (i,)), mask=i < 16)
 
-    with pytest.raises(BoundsViolation, match=r"store of ref\[16\] at program_id=\[1\]: "
-                                              r"index \[16\]"), check_bounds():
+    with (
+        pytest.raises(
+            BoundsViolation,
+            match=r"store of ref\[16\] at program_id=\[1\]: "
+            r"index \[16\]",
+        ),
+        check_bounds(),
+    ):
         run(too_wide)
 
 
-def _full_decode_batch(batch: int, ctx: int, page_size: int, hkv: int = 2, group: int = 4,
-                       d: int = 64):
+def _full_decode_batch(batch: int, ctx: int, page_size: int, hkv: int = 2, group: int = 4, d: int = 64):
     """Every row real (no padding row) and every row's kv_len == the table width in tokens: the
     shape of benchmarks/kernels.py's decode batch, where surplus blocks overrun the table."""
     rng = np.random.default_rng(0)
@@ -89,8 +106,15 @@ def _full_decode_batch(batch: int, ctx: int, page_size: int, hkv: int = 2, group
     k[0] = v[0] = np.nan  # the null page
     table = (1 + rng.permutation(batch * pages)).reshape(batch, pages).astype(np.int32)
     q = rng.standard_normal((batch, hkv * group, d)).astype(np.float32)
-    args = (q, k, v, table, np.full(batch, ctx, np.int32), np.arange(batch + 1, dtype=np.int32),
-            np.array([batch], np.int32))
+    args = (
+        q,
+        k,
+        v,
+        table,
+        np.full(batch, ctx, np.int32),
+        np.arange(batch + 1, dtype=np.int32),
+        np.array([batch], np.int32),
+    )
     return tuple(jnp.asarray(a) for a in args)
 
 

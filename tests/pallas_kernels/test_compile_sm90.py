@@ -20,8 +20,9 @@ else:
     VARIANTS = {}
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS) or ["(gpu-compile extra missing)"],
-                         ids=lambda name: name.replace(" ", "_"))
+@pytest.mark.parametrize(
+    "name", sorted(VARIANTS) or ["(gpu-compile extra missing)"], ids=lambda name: name.replace(" ", "_")
+)
 def test_variant_compiles_for_sm90a(name: str) -> None:
     reports = compile_check.compile_variant(VARIANTS[name])
     assert reports, f"{name}: no Pallas Triton kernel in the lowered module"
@@ -43,7 +44,14 @@ def test_checks_catch_a_single_buffered_loop() -> None:
     """The check can fail: the same kernel at num_stages=1 (no prefetch) is flagged."""
     from pallas_kernels import PagedAttentionConfig
 
-    v = compile_check._attention("stages=1", q_lens=64, seqs=64, ctx=8192, page_size=16,
-                                 decode=True, config=PagedAttentionConfig(num_stages=1))
+    v = compile_check._attention(
+        "stages=1",
+        q_lens=64,
+        seqs=64,
+        ctx=8192,
+        page_size=16,
+        decode=True,
+        config=PagedAttentionConfig(num_stages=1),
+    )
     [r] = compile_check.compile_variant(v)
     assert any("single-buffered" in p for p in compile_check.problems(r)), r.row()

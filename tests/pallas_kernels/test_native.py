@@ -26,8 +26,10 @@ def _built() -> None:
 
 
 def _jnp(args, kwargs):
-    return ([jnp.asarray(a) for a in args],
-            {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()})
+    return (
+        [jnp.asarray(a) for a in args],
+        {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()},
+    )
 
 
 def test_built_once_into_the_cache_dir_named_by_source_and_cpu() -> None:
@@ -66,8 +68,10 @@ def test_unavailable_kernel_falls_back_to_the_reference(monkeypatch) -> None:
     assert resolve_backend("native") == "reference"
     assert resolve_backend("auto") == "reference"
     args, kwargs = _jnp(*build(CASES["decode_ps16_g4"]))
-    np.testing.assert_array_equal(np.asarray(paged_attention_cpu.paged_attention_cpu(*args, **kwargs)),
-                                  np.asarray(paged_attention_reference(*args, **kwargs)))
+    np.testing.assert_array_equal(
+        np.asarray(paged_attention_cpu.paged_attention_cpu(*args, **kwargs)),
+        np.asarray(paged_attention_reference(*args, **kwargs)),
+    )
 
 
 def test_auto_is_native_on_cpu() -> None:
@@ -87,11 +91,12 @@ def test_bf16_pools_as_bits_equal_bf16_pools() -> None:
     q, k, v = (a.astype(dtype) for a in (q, k, v))
     bits = [jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (k, v)]
     got = paged_attention_cpu.paged_attention_cpu(q, *bits, *rest, **kwargs)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(
-        paged_attention_cpu.paged_attention_cpu(q, k, v, *rest, **kwargs), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32),
+        np.asarray(paged_attention_cpu.paged_attention_cpu(q, k, v, *rest, **kwargs), np.float32),
+    )
     ref = paged_attention_reference(q, *bits, *rest, **kwargs)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
-                               atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
 
 
 def test_kv_kind_rejects_pools_it_cannot_read() -> None:

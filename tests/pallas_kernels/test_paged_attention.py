@@ -26,6 +26,7 @@ from pallas_kernels.paged_attention_cpu import paged_attention_cpu
 def _kv_bucketed(fn):
     """What the runtime's reference backend does: the page table cut to the smallest power of two
     of pages covering the longest live row (its kv bucket)."""
+
     def call(q, k, v, page_table, kv_lens, cu, num_seqs, **kw):
         if page_table.ndim == 2 and k.ndim == 4:  # malformed inputs go through unchanged
             n = int(np.asarray(num_seqs).reshape(-1)[0])
@@ -81,13 +82,22 @@ CASES = {
     "soft_cap": Case((1, 5, 2), (30, 5, 19), soft_cap=5.0, q_scale=4.0),
     "sinks": Case((1, 4, 1), (25, 4, 2), sinks=True, group=4),
     # 19 short requests (two token-pass chunks of 16) beside a 37-token chunk (two blocks)
-    "many_decodes_long_chunk": Case((1,) * 17 + (2, 37), tuple(range(5, 90, 5)) + (12, 60),
-                                    page_size=8),
+    "many_decodes_long_chunk": Case((1,) * 17 + (2, 37), tuple(range(5, 90, 5)) + (12, 60), page_size=8),
     "sm_scale": Case((2, 1), (9, 17), sm_scale=0.3, page_size=8),
-    "all_f32_ps16_g4": Case((1, 12, 1), (80, 12, 41), page_size=16, group=4, window=24,
-                            soft_cap=8.0, sinks=True, q_scale=3.0),
-    "bf16_mixed_d128": Case((1, 10, 1), (40, 10, 17), page_size=16, head_dim=128, group=4,
-                            window=20, soft_cap=10.0, sinks=True, dtype="bfloat16"),
+    "all_f32_ps16_g4": Case(
+        (1, 12, 1), (80, 12, 41), page_size=16, group=4, window=24, soft_cap=8.0, sinks=True, q_scale=3.0
+    ),
+    "bf16_mixed_d128": Case(
+        (1, 10, 1),
+        (40, 10, 17),
+        page_size=16,
+        head_dim=128,
+        group=4,
+        window=20,
+        soft_cap=10.0,
+        sinks=True,
+        dtype="bfloat16",
+    ),
     "bf16_prefill_g8": Case((24,), (24,), page_size=8, hkv=1, group=8, dtype="bfloat16"),
 }
 
@@ -133,14 +143,17 @@ def build(case: Case):
     dtype = jnp.bfloat16 if case.dtype == "bfloat16" else jnp.float32
     # Round through the kernel dtype so the oracle sees exactly the values the kernel sees.
     q, k, v = (np.asarray(jnp.asarray(a, dtype)) for a in (q, k, v))
-    kwargs = dict(sm_scale=case.sm_scale, sliding_window=case.window, soft_cap=case.soft_cap,
-                  sinks=rng.standard_normal(hq).astype(np.float32) * 2 if case.sinks else None)
+    kwargs = dict(
+        sm_scale=case.sm_scale,
+        sliding_window=case.window,
+        soft_cap=case.soft_cap,
+        sinks=rng.standard_normal(hq).astype(np.float32) * 2 if case.sinks else None,
+    )
     args = (q, k, v, page_table, kv_lens, cu, np.array([n], np.int32))
     return args, kwargs
 
 
-def oracle(q, k, v, page_table, kv_lens, cu, num_seqs, *, sm_scale, sliding_window, soft_cap,
-           sinks):
+def oracle(q, k, v, page_table, kv_lens, cu, num_seqs, *, sm_scale, sliding_window, soft_cap, sinks):
     """Per token, per head, float64 numpy: gather the visible keys, softmax (+ sink), sum."""
     q, k, v = (np.asarray(a, np.float32).astype(np.float64) for a in (q, k, v))
     t, hq, d = q.shape
@@ -173,8 +186,7 @@ def check_matches_oracle(case: Case, impl: Callable[..., jax.Array]) -> None:
     args, kwargs = build(case)
     want = oracle(*args, **kwargs)
     jargs = [jnp.asarray(a) for a in args]
-    jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val)
-           for key, val in kwargs.items()}
+    jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val) for key, val in kwargs.items()}
     got = np.asarray(impl(*jargs, **jkw).astype(jnp.float32)).astype(np.float64)
     assert got.shape == want.shape
     assert np.isfinite(got).all(), "NaN/inf leaked from pages the kernel must not depend on"
@@ -200,30 +212,35 @@ def test_many_pages_per_block_and_block_q() -> None:
     check_matches_oracle(CASES["window_small_holes_ps8"], _interpreted(cfg))
 
 
-@pytest.mark.parametrize(("name", "splits"), [("all_f32_ps16_g4", 4), ("window_small_holes_ps8", 2),
-                                            ("bf16_mixed_d128", 2), ("mixed_ps16_g8", 8)])
+@pytest.mark.parametrize(
+    ("name", "splits"),
+    [("all_f32_ps16_g4", 4), ("window_small_holes_ps8", 2), ("bf16_mixed_d128", 2), ("mixed_ps16_g8", 8)],
+)
 def test_kv_splits_match_oracle(name: str, splits: int) -> None:
     """Flash-decoding path (partials merged in jnp, sinks merged once) == oracle; more splits
     than tiles leaves empty splits that must not disturb the merge."""
     case = CASES[name]
-    cfg = PagedAttentionConfig(pages_per_block=32 // case.page_size or 1,
-                               block_q=max(1, 16 // case.group), kv_splits=splits)
+    cfg = PagedAttentionConfig(
+        pages_per_block=32 // case.page_size or 1, block_q=max(1, 16 // case.group), kv_splits=splits
+    )
     check_matches_oracle(case, _interpreted(cfg))
 
 
 @pytest.mark.parametrize("decode_splits", [1, 2])
-@pytest.mark.parametrize("name", ["all_f32_ps16_g4", "many_decodes_long_chunk",
-                                  "bf16_mixed_d128", "mixed_ps16_g8"])
+@pytest.mark.parametrize(
+    "name", ["all_f32_ps16_g4", "many_decodes_long_chunk", "bf16_mixed_d128", "mixed_ps16_g8"]
+)
 def test_mixed_two_launches_match_oracle(name: str, decode_splits: int) -> None:
     """MixedConfig: the decode launch (with or without kv splits, sinks merged outside) writes
     only its requests' rows, the prefill launch the rest, into one aliased output."""
     case = CASES[name]
     ppb = 32 // case.page_size or 1
     cfg = MixedConfig(
-        decode=PagedAttentionConfig(pages_per_block=ppb, block_q=max(1, 16 // case.group),
-                                    kv_splits=decode_splits),
-        prefill=PagedAttentionConfig(pages_per_block=ppb, block_q=max(1, 64 // case.group),
-                                     num_warps=8))
+        decode=PagedAttentionConfig(
+            pages_per_block=ppb, block_q=max(1, 16 // case.group), kv_splits=decode_splits
+        ),
+        prefill=PagedAttentionConfig(pages_per_block=ppb, block_q=max(1, 64 // case.group), num_warps=8),
+    )
     check_matches_oracle(case, _interpreted(cfg))
 
 
@@ -290,8 +307,9 @@ def test_invalid_inputs_raise(impl: str, bad: str) -> None:
         IMPLS[impl](*args, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(block_q=3), dict(pages_per_block=0),
-                                    dict(num_warps=6), dict(num_stages=0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(block_q=3), dict(pages_per_block=0), dict(num_warps=6), dict(num_stages=0)]
+)
 def test_invalid_config_raises(kwargs) -> None:
     with pytest.raises(ValueError, match="PagedAttentionConfig"):
         PagedAttentionConfig(**kwargs)
@@ -302,8 +320,7 @@ def test_config_incompatible_with_shapes_raises() -> None:
     with pytest.raises(ValueError, match="rows"):
         paged_attention(*args, interpret=True, config=PagedAttentionConfig(block_q=4))
     with pytest.raises(ValueError, match="tokens"):
-        paged_attention(*args, interpret=True,
-                        config=PagedAttentionConfig(pages_per_block=1, block_q=8))
+        paged_attention(*args, interpret=True, config=PagedAttentionConfig(pages_per_block=1, block_q=8))
     q, k, v, *rest = args
     k12 = jnp.zeros((4, 12, *k.shape[2:]), k.dtype)
     with pytest.raises(ValueError, match="page_size"):
@@ -312,19 +329,30 @@ def test_config_incompatible_with_shapes_raises() -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("tokens", [64, 1024])  # decode-shaped and prefill-shaped defaults
-@pytest.mark.skipif(gpu_compile.needs_plugin_to_lower() and gpu_compile.missing() is not None,
-                    reason="this jaxlib compiles Triton while lowering: needs the gpu-compile extra")
+@pytest.mark.skipif(
+    gpu_compile.needs_plugin_to_lower() and gpu_compile.missing() is not None,
+    reason="this jaxlib compiles Triton while lowering: needs the gpu-compile extra",
+)
 def test_lowers_to_triton(dtype: str, tokens: int) -> None:
     """Cross-lower for CUDA on this CPU machine: catches Triton-lowering errors (unsupported ops,
     non-power-of-two tiles) without a GPU. Does not run Triton's own compiler passes."""
     dt = jnp.dtype(dtype)
     t, hq, d, p, ps, hkv, s, mp = tokens, 32, 128, 256, 16, 8, 64, 128
     spec = jax.ShapeDtypeStruct
-    shapes = (spec((t, hq, d), dt), spec((p, ps, hkv, d), dt), spec((p, ps, hkv, d), dt),
-              spec((s, mp), jnp.int32), spec((s,), jnp.int32), spec((s + 1,), jnp.int32),
-              spec((1,), jnp.int32))
-    fn = jax.jit(lambda *a: paged_attention(*a, sliding_window=4096, soft_cap=30.0,
-                                            sinks=jnp.zeros((hq,), jnp.float32)))
+    shapes = (
+        spec((t, hq, d), dt),
+        spec((p, ps, hkv, d), dt),
+        spec((p, ps, hkv, d), dt),
+        spec((s, mp), jnp.int32),
+        spec((s,), jnp.int32),
+        spec((s + 1,), jnp.int32),
+        spec((1,), jnp.int32),
+    )
+    fn = jax.jit(
+        lambda *a: paged_attention(
+            *a, sliding_window=4096, soft_cap=30.0, sinks=jnp.zeros((hq,), jnp.float32)
+        )
+    )
     text = gpu_compile.lower_for_cuda(fn, *shapes).as_text()
     # jaxlib <= 0.10.2: a Triton IR custom call; later: the compiled kernel's FFI call
     assert "xla.gpu.triton" in text or "triton_kernel_call" in text
@@ -339,7 +367,6 @@ def test_reference_in_block_batches(name: str, block_q: int) -> None:
     case = CASES[name]
     args, kwargs = build(case)
     jargs = [jnp.asarray(a) for a in args]
-    jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val)
-           for key, val in kwargs.items()}
+    jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val) for key, val in kwargs.items()}
     got = paged_attention_reference(*jargs, **jkw, block_q=block_q, max_gather_elems=1)
     np.testing.assert_allclose(np.asarray(got), oracle(*args, **kwargs), atol=2e-5, rtol=2e-5)

@@ -25,8 +25,13 @@ KINDS = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}
 QUANT_TOL = {"int8": 0.03, "fp8_e4m3": 0.13}
 # ragged decode; holes + window; window + soft cap + sinks over a mixed batch; bf16 with all of
 # them at d=128; a d=128 prefill (the float cases' full list runs in test_paged_attention)
-NAMES = ["decode_ps16_g4", "window_small_holes_ps8", "all_f32_ps16_g4", "bf16_mixed_d128",
-         "prefill_ps8_g1_d128"]
+NAMES = [
+    "decode_ps16_g4",
+    "window_small_holes_ps8",
+    "all_f32_ps16_g4",
+    "bf16_mixed_d128",
+    "prefill_ps8_g1_d128",
+]
 
 
 def quantized_args(name: str, kind: str, *, bits: bool):
@@ -39,8 +44,7 @@ def quantized_args(name: str, kind: str, *, bits: bool):
     if bits:  # the reference backend's storage: fp8 as uint8 bits, f16 scales as uint16 bits
         kq, vq, ks, vs = (lax_bits(a) for a in (kq, vq, ks, vs))
     jargs = [jnp.asarray(q), kq, vq, *(jnp.asarray(a) for a in rest)]
-    jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val)
-           for key, val in kwargs.items()}
+    jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val) for key, val in kwargs.items()}
     return args, kwargs, jargs, {**jkw, "k_scales": ks, "v_scales": vs}, deq
 
 
@@ -66,9 +70,12 @@ def test_quantized_cache_matches_oracle(name: str, impl: str, kind: str) -> None
     case = CASES[name]
     bits = impl.startswith(("reference", "cpu"))  # the CPU backends store bits (pool_bits)
     args, kwargs, jargs, jkw, (kd, vd) = quantized_args(name, kind, bits=bits)
-    assert np.isnan(np.asarray(jkw["k_scales"] if not bits else
-                               jax.lax.bitcast_convert_type(jkw["k_scales"], jnp.float16),
-                               np.float32)).any(), "the scale pools carry NaN garbage"
+    assert np.isnan(
+        np.asarray(
+            jkw["k_scales"] if not bits else jax.lax.bitcast_convert_type(jkw["k_scales"], jnp.float16),
+            np.float32,
+        )
+    ).any(), "the scale pools carry NaN garbage"
     got = np.asarray(IMPLS[impl](*jargs, **jkw).astype(jnp.float32)).astype(np.float64)
     assert np.isfinite(got).all(), "NaN/inf leaked from pages or scales it must not read"
     n_real = int(args[5][len(case.q_lens)])
@@ -85,8 +92,10 @@ def test_quantized_kv_splits_and_tiling(kind: str) -> None:
     """Flash-decoding partials and another tiling read the scales the same way."""
     args, kwargs, jargs, jkw, (kd, vd) = quantized_args("all_f32_ps16_g4", kind, bits=False)
     want = oracle(args[0], kd, vd, *args[3:], **kwargs)
-    for cfg in (PagedAttentionConfig(pages_per_block=2, block_q=4, kv_splits=4),
-                PagedAttentionConfig(pages_per_block=1, block_q=16)):
+    for cfg in (
+        PagedAttentionConfig(pages_per_block=2, block_q=4, kv_splits=4),
+        PagedAttentionConfig(pages_per_block=1, block_q=16),
+    ):
         got = paged_attention(*jargs, **jkw, interpret=True, config=cfg)
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
 
@@ -128,7 +137,6 @@ def test_quantize_round_trip_and_layout() -> None:
         kv_quant.quantized_dtype("int4")
     # D int8 + an f16 scale per row vs 2D bytes in bf16: >= 1.9x the rows in the same memory
     for d in (64, 128):
-        ratio = kv_quant.bytes_per_row("auto", "bfloat16", d) / kv_quant.bytes_per_row(
-            "int8", "bfloat16", d)
+        ratio = kv_quant.bytes_per_row("auto", "bfloat16", d) / kv_quant.bytes_per_row("int8", "bfloat16", d)
         assert ratio >= 1.9, (d, ratio)
     assert dataclasses.is_dataclass(CASES["decode_ps16_g4"])

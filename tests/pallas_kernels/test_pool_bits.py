@@ -70,8 +70,7 @@ def test_scatter_into_a_float_pool_casts_and_bits_refuse_other_values():
     got = pool_bits.scatter_set(pool, jnp.asarray([1]), jnp.ones((1, 4, 3), jnp.bfloat16))
     assert got.dtype == jnp.float32 and float(got[1].sum()) == 12.0
     with pytest.raises(ValueError, match="uint16 pool holds 16-bit float bits"):
-        pool_bits.scatter_set(jnp.zeros((4, 2), jnp.uint16), jnp.asarray([0]),
-                              jnp.ones((1, 2), jnp.float32))
+        pool_bits.scatter_set(jnp.zeros((4, 2), jnp.uint16), jnp.asarray([0]), jnp.ones((1, 2), jnp.float32))
 
 
 def _pool_sized(fn, pool, dtype: str) -> int:
@@ -109,8 +108,7 @@ def test_references_read_bits_pools_like_float_pools():
     k, v = (a.at[0].set(jnp.nan).at[7].set(jnp.nan) for a in (k, v))
     q = jnp.asarray(rng.standard_normal((t, 4, d)), jnp.bfloat16)
     table = jnp.asarray([[1, 2, 0, 4, 5]], jnp.int32)  # a hole at column 2
-    meta = (jnp.asarray([18], jnp.int32), jnp.asarray([0, t], jnp.int32),
-            jnp.asarray([1], jnp.int32))
+    meta = (jnp.asarray([18], jnp.int32), jnp.asarray([0, t], jnp.int32), jnp.asarray([1], jnp.int32))
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)  # noqa: E731
     for window in (None, 6):
         want = paged_attention_reference(q, k, v, table, *meta, sliding_window=window)

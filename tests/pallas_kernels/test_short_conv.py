@@ -12,12 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (
-    ShortConvConfig,
-    gpu_compile,
-    short_conv,
-    short_conv_reference,
-)
+from pallas_kernels import ShortConvConfig, gpu_compile, short_conv, short_conv_reference
 
 
 def _kv_bucketed(x, conv_pages, page_table, kv_lens, cu, num_seqs, *args, **kw):
@@ -167,14 +162,23 @@ def test_invalid_config_raises(kwargs) -> None:
         ShortConvConfig(**kwargs)
 
 
-@pytest.mark.skipif(gpu_compile.needs_plugin_to_lower() and gpu_compile.missing() is not None,
-                    reason="this jaxlib compiles Triton while lowering: needs the gpu-compile extra")
+@pytest.mark.skipif(
+    gpu_compile.needs_plugin_to_lower() and gpu_compile.missing() is not None,
+    reason="this jaxlib compiles Triton while lowering: needs the gpu-compile extra",
+)
 def test_lowers_to_triton() -> None:
     spec = jax.ShapeDtypeStruct
     t, c, p, ps, s, mp = 256, 1024, 512, 16, 64, 64
-    shapes = (spec((t, c), jnp.bfloat16), spec((p, ps, c), jnp.bfloat16), spec((s, mp), jnp.int32),
-              spec((s,), jnp.int32), spec((s + 1,), jnp.int32), spec((1,), jnp.int32),
-              spec((3, c), jnp.bfloat16), spec((c,), jnp.bfloat16))
+    shapes = (
+        spec((t, c), jnp.bfloat16),
+        spec((p, ps, c), jnp.bfloat16),
+        spec((s, mp), jnp.int32),
+        spec((s,), jnp.int32),
+        spec((s + 1,), jnp.int32),
+        spec((1,), jnp.int32),
+        spec((3, c), jnp.bfloat16),
+        spec((c,), jnp.bfloat16),
+    )
     text = gpu_compile.lower_for_cuda(short_conv, *shapes).as_text()
     # jaxlib <= 0.10.2: a Triton IR custom call; later: the compiled kernel's FFI call
     assert ("xla.gpu.triton" in text or "triton_kernel_call" in text) and "short_conv_k3" in text

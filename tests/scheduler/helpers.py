@@ -28,8 +28,12 @@ from scheduler.page_table_oracle import apply_group_ops
 VOCAB = 40  # FakeDevice samples ids in [0, VOCAB)
 STOP = 3  # the stop token of the FakeDevice workloads
 HYBRID = group_specs_from_layer_types(
-    layer_types=["conv", "full_attention", "sliding_attention"], sliding_window_tokens=6,
-    page_size=4, conv_kernel_size=3, conv_page_size=2)
+    layer_types=["conv", "full_attention", "sliding_attention"],
+    sliding_window_tokens=6,
+    page_size=4,
+    conv_kernel_size=3,
+    conv_page_size=2,
+)
 
 
 class FakeDevice:
@@ -64,7 +68,7 @@ class FakeDevice:
             if not ops.sample_mask[i]:
                 continue
             slot, kv_len = ops.req_slots[i], ops.kv_lens[i]
-            pages = mirror[slot, :-(-kv_len // self.block)]
+            pages = mirror[slot, : -(-kv_len // self.block)]
             ctx = self.kv[pages].reshape(-1)[:kv_len]
             out[i] = zlib.crc32(ctx.tobytes()) % VOCAB
             self.last[slot] = out[i]
@@ -73,8 +77,14 @@ class FakeDevice:
 
 def small_config(**kw) -> SchedulerConfig:
     """A small debug-checked config (full-history group only unless `groups=HYBRID`)."""
-    cfg = dict(num_pages=40, page_size=4, max_batch_requests=5, max_scheduled_tokens=16,
-               max_context_len=64, debug_checks=True)
+    cfg = dict(
+        num_pages=40,
+        page_size=4,
+        max_batch_requests=5,
+        max_scheduled_tokens=16,
+        max_context_len=64,
+        debug_checks=True,
+    )
     cfg.update(kw)
     return SchedulerConfig(**cfg)
 
@@ -102,9 +112,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cfg = SchedulerConfig(num_pages=40, page_size=4, max_batch_requests=4,
-                                   max_scheduled_tokens=12, max_context_len=48, groups=HYBRID,
-                                   debug_checks=True)
+        self.cfg = SchedulerConfig(
+            num_pages=40,
+            page_size=4,
+            max_batch_requests=4,
+            max_scheduled_tokens=12,
+            max_context_len=48,
+            groups=HYBRID,
+            debug_checks=True,
+        )
         self.sched = Scheduler(self.cfg)
         self.rng = np.random.default_rng(0)
         self.expect: dict[str, tuple[int, bool]] = {}  # id -> (max_new, stop allowed)
@@ -112,9 +128,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.shapes = None
         self.n = 0
 
-    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4, 5, 6, 1, 2], [9] * 12, [9] * 13]),
-          own=st.lists(st.integers(0, 12), min_size=0, max_size=14),
-          max_new=st.integers(1, 16), stop=st.booleans())
+    @rule(
+        prefix=st.sampled_from([[], [1, 2, 3, 4, 5, 6, 1, 2], [9] * 12, [9] * 13]),
+        own=st.lists(st.integers(0, 12), min_size=0, max_size=14),
+        max_new=st.integers(1, 16),
+        stop=st.booleans(),
+    )
     def add(self, prefix, own, max_new, stop):
         prompt = prefix + own
         rid = f"r{self.n:03d}"

@@ -14,19 +14,22 @@ from scheduler.bucket_fit import fit_chunk
 LADDER = (16, 32, 64, 128, 256, 512)
 
 
-@pytest.mark.parametrize("used,n,after,want", [
-    (0, 256, 15, 241),  # 15 decodes after a new prompt: 271 -> exactly 256
-    (15, 256, 0, 241),  # the same with the decodes planned first
-    (0, 256, 0, 256),  # already a bucket
-    (0, 400, 0, 400),  # defers 144 > half of 256 saved: stays whole
-    (0, 384, 0, 256),  # defers 128 = half: cut
-    (250, 10, 10, 10),  # the decodes alone pass the bucket below: nothing to cut
-    (0, 600, 0, 600),  # beyond the largest bucket (the runner clamps or rejects elsewhere)
-    (0, 12, 0, 12),  # in the smallest bucket
-    (10, 1, 10, 1),  # one token is never cut
-    (0, 20, 0, 16),  # 20 -> 16, 4 deferred <= 8
-    (0, 25, 0, 25),  # 25 -> 16 would defer 9 > 8
-])
+@pytest.mark.parametrize(
+    "used,n,after,want",
+    [
+        (0, 256, 15, 241),  # 15 decodes after a new prompt: 271 -> exactly 256
+        (15, 256, 0, 241),  # the same with the decodes planned first
+        (0, 256, 0, 256),  # already a bucket
+        (0, 400, 0, 400),  # defers 144 > half of 256 saved: stays whole
+        (0, 384, 0, 256),  # defers 128 = half: cut
+        (250, 10, 10, 10),  # the decodes alone pass the bucket below: nothing to cut
+        (0, 600, 0, 600),  # beyond the largest bucket (the runner clamps or rejects elsewhere)
+        (0, 12, 0, 12),  # in the smallest bucket
+        (10, 1, 10, 1),  # one token is never cut
+        (0, 20, 0, 16),  # 20 -> 16, 4 deferred <= 8
+        (0, 25, 0, 25),  # 25 -> 16 would defer 9 > 8
+    ],
+)
 def test_fit_chunk_cases(used, n, after, want):
     assert fit_chunk(used, n, after, LADDER) == want
 
@@ -35,8 +38,12 @@ def test_no_buckets_no_cut():
     assert fit_chunk(15, 256, 0, ()) == 256
 
 
-@given(st.integers(0, 600), st.integers(1, 600), st.integers(0, 64),
-       st.lists(st.integers(1, 700), min_size=1, max_size=8, unique=True))
+@given(
+    st.integers(0, 600),
+    st.integers(1, 600),
+    st.integers(0, 64),
+    st.lists(st.integers(1, 700), min_size=1, max_size=8, unique=True),
+)
 def test_fit_chunk_ends_on_a_bucket_or_keeps_the_chunk(used, n, after, buckets):
     buckets = tuple(sorted(buckets))
     got = fit_chunk(used, n, after, buckets)
@@ -58,8 +65,14 @@ def _decoding(s: Scheduler, num: int, prompt_len: int = 4) -> None:
 
 
 def _sched(buckets=LADDER, **kw) -> Scheduler:
-    cfg = dict(num_pages=400, page_size=16, max_batch_requests=32, max_scheduled_tokens=512,
-               max_context_len=1024, debug_checks=True)
+    cfg = dict(
+        num_pages=400,
+        page_size=16,
+        max_batch_requests=32,
+        max_scheduled_tokens=512,
+        max_context_len=1024,
+        debug_checks=True,
+    )
     cfg.update(kw)
     s = Scheduler(SchedulerConfig(**cfg))
     s.token_buckets = buckets

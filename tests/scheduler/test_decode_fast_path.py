@@ -37,8 +37,7 @@ def _requests(seed: int, n: int) -> list[tuple[str, list[int], int, dict]]:
             opts.update(presence_penalty=0.5, logit_bias={5: 1.5, 7: -2.0}, top_logprobs=3)
         elif kind == 3:
             opts.update(repetition_penalty=1.2, temperature=1.3)
-        out.append((f"r{i}", (system if i % 3 else system[:5]) + own,
-                    int(rng.integers(1, 30)), opts))
+        out.append((f"r{i}", (system if i % 3 else system[:5]) + own, int(rng.integers(1, 30)), opts))
     return out
 
 
@@ -56,8 +55,9 @@ def _assert_same(a: StepOps, b: StepOps, where: str) -> None:
             assert x == y, f"{where}: {f.name}"
 
 
-def _run_pair(cfg: SchedulerConfig, seed: int, n: int, overlapped: bool,
-              abort_at: dict[int, str] | None = None) -> tuple[int, int]:
+def _run_pair(
+    cfg: SchedulerConfig, seed: int, n: int, overlapped: bool, abort_at: dict[int, str] | None = None
+) -> tuple[int, int]:
     """Run both schedulers in lockstep; returns (steps, steps built by build_decode)."""
     scheds = [Scheduler(cfg), Scheduler(cfg)]
     scheds[1].decode_fast_path = False
@@ -115,15 +115,20 @@ CONFIGS = {
 def test_fast_path_equals_general_path(kind, overlapped):
     used = 0
     for seed in range(3):
-        _, fast_steps = _run_pair(CONFIGS[kind](), seed, 10, overlapped,
-                                  abort_at={6: "r2", 11: "r5"} if seed == 1 else None)
+        _, fast_steps = _run_pair(
+            CONFIGS[kind](), seed, 10, overlapped, abort_at={6: "r2", 11: "r5"} if seed == 1 else None
+        )
         used += fast_steps
     assert used > 0, "build_decode never ran: the comparison would be vacuous"
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), kind=st.sampled_from(sorted(CONFIGS)),
-       overlapped=st.booleans(), n=st.integers(1, 14))
+@given(
+    seed=st.integers(0, 10_000),
+    kind=st.sampled_from(sorted(CONFIGS)),
+    overlapped=st.booleans(),
+    n=st.integers(1, 14),
+)
 def test_fast_path_equals_general_path_random(seed, kind, overlapped, n):
     _run_pair(CONFIGS[kind](), seed, n, overlapped)
 
@@ -144,10 +149,26 @@ def test_build_decode_equals_build_directly():
     from scheduler.ops_builder import ScheduledRow
 
     reqs = list(sched._running)
-    rows = [ScheduledRow(req=r, start=r.num_scheduled, num_tokens=1, full_refresh=False,
-                         samples=True, begins=None, sizes=[0] * len(cfg.groups),
-                         holes=[[] for _ in cfg.groups], plain=True) for r in reqs]
-    fast = builder.build_decode(reqs, [r.slot for r in reqs], [r.num_scheduled for r in reqs],
-                                [r.tokens[-1] for r in reqs],
-                                any(r.sampling.needs_extras for r in reqs), [])
+    rows = [
+        ScheduledRow(
+            req=r,
+            start=r.num_scheduled,
+            num_tokens=1,
+            full_refresh=False,
+            samples=True,
+            begins=None,
+            sizes=[0] * len(cfg.groups),
+            holes=[[] for _ in cfg.groups],
+            plain=True,
+        )
+        for r in reqs
+    ]
+    fast = builder.build_decode(
+        reqs,
+        [r.slot for r in reqs],
+        [r.num_scheduled for r in reqs],
+        [r.tokens[-1] for r in reqs],
+        any(r.sampling.needs_extras for r in reqs),
+        [],
+    )
     _assert_same(fast, builder.build(rows), "direct")

@@ -74,8 +74,7 @@ def test_acceptance_model_learns_per_run():
     assert model.q(0) == pytest.approx(AcceptanceModel.PRIOR[0])
     assert model.q(99) == model.q(AcceptanceModel.BINS - 1)
     g = model.gains(1, 3)  # drafts move the run up: q(1), q(1) q(2), q(1) q(2) q(3)
-    assert g == pytest.approx([model.q(1), model.q(1) * model.q(2),
-                               model.q(1) * model.q(2) * model.q(3)])
+    assert g == pytest.approx([model.q(1), model.q(1) * model.q(2), model.q(1) * model.q(2) * model.q(3)])
     for _ in range(50):  # at run 0, first guesses always wrong
         model.observe(0, 0, True)
     assert model.q(0) < 0.05 and model.q(1) == pytest.approx(AcceptanceModel.PRIOR[1])
@@ -108,10 +107,15 @@ def test_step_costs():
 def _sched(**spec) -> Scheduler:
     """A speculative scheduler on a CPU runner's ladder. Prompts below are 16 tokens, one
     bucket exactly (`fit_chunk` cuts others to a bucket's edge first)."""
-    cfg = SchedulerConfig(num_pages=32, page_size=4, max_batch_requests=2,
-                          max_scheduled_tokens=32, max_context_len=64, debug_checks=True,
-                          speculative={"num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                                       "prompt_lookup_max": 3, **spec})
+    cfg = SchedulerConfig(
+        num_pages=32,
+        page_size=4,
+        max_batch_requests=2,
+        max_scheduled_tokens=32,
+        max_context_len=64,
+        debug_checks=True,
+        speculative={"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, **spec},
+    )
     sched = Scheduler(cfg)
     sched.token_buckets = (1, 16, 32)  # a CPU runner's ladder (the engine sets it)
     return sched
@@ -119,8 +123,11 @@ def _sched(**spec) -> Scheduler:
 
 def _step(sched, sampled, accepted=None):
     ops = sched.schedule()
-    sched.update(ops, np.array([sampled, -1], np.int32),
-                 None if accepted is None else np.array([accepted, 0], np.int32))
+    sched.update(
+        ops,
+        np.array([sampled, -1], np.int32),
+        None if accepted is None else np.array([accepted, 0], np.int32),
+    )
     return ops
 
 
@@ -162,7 +169,7 @@ def test_rejected_drafts_reset_the_run():
 
 
 def test_padding_policy_keeps_the_old_ladder_rule():
-    """"padding" never leaves the bucket its one-token rows need: on (1, 16, 32) a lone decode
+    """ "padding" never leaves the bucket its one-token rows need: on (1, 16, 32) a lone decode
     has no padding, so it drafts nothing (why the runner gives "padding" no 1-token bucket)."""
     sched = _sched(draft_policy="padding")
     sched.add_request("a", list(range(20, 29)) + [1, 2, 3, 4, 1, 2, 3], 30)

@@ -12,8 +12,7 @@ from scheduler import (
     layer_group_indices,
 )
 
-KW = dict(max_live_requests=32, max_scheduled_tokens=8192, max_total_tokens=1_000_000,
-          max_context_len=131072)
+KW = dict(max_live_requests=32, max_scheduled_tokens=8192, max_total_tokens=1_000_000, max_context_len=131072)
 
 
 def test_design_sizing_example():
@@ -32,15 +31,17 @@ def test_state_and_overlap_and_margin():
     assert compute_paged_cache_group_page_counts([state], **KW) == {"state": 3940}
     full = PagedCacheGroupSpec("full", "full_history", 256, 1, None)
     # protected = R * ceil(o*d/P) = 32 * 1
-    got = compute_paged_cache_group_page_counts([full], **KW, overlap_schedule_depth=1,
-                                                safety_margin=5)
+    got = compute_paged_cache_group_page_counts([full], **KW, overlap_schedule_depth=1, safety_margin=5)
     assert got == {"full": 3940 + 32 + 5}
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(overlap_schedule_depth=2), "overlap_schedule_depth"),
-    (dict(max_live_requests=-1), "max_live_requests"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(overlap_schedule_depth=2), "overlap_schedule_depth"),
+        (dict(max_live_requests=-1), "max_live_requests"),
+    ],
+)
 def test_sizing_rejects_bad_counts(kwargs, match):
     full = PagedCacheGroupSpec("full", "full_history", 16, 1, None)
     with pytest.raises(ValueError, match=match):
@@ -59,7 +60,10 @@ def test_spec_validation_names_the_group():
 def test_specs_from_layer_types():
     specs = group_specs_from_layer_types(
         layer_types=["conv", "full_attention", "conv", "sliding_attention", "linear_attention"],
-        sliding_window_tokens=64, page_size=16, conv_kernel_size=3)
+        sliding_window_tokens=64,
+        page_size=16,
+        conv_kernel_size=3,
+    )
     assert [s.group_id for s in specs] == ["conv", "full", "sliding", "state"]
     conv, full, swa, state = specs
     assert conv.live_tail_alloc and conv.sliding_window_tokens == 3 and conv.page_size == 8
@@ -68,8 +72,10 @@ def test_specs_from_layer_types():
     assert state.family == "state" and state.sliding_window_tokens == 2
     assert layer_group_indices(["conv", "full_attention", "sliding_attention"], specs) == [0, 1, 2]
     with pytest.raises(ValueError, match="layer 1.*'mamba'"):
-        group_specs_from_layer_types(layer_types=["full_attention", "mamba"],
-                                     sliding_window_tokens=None, page_size=16)
+        group_specs_from_layer_types(
+            layer_types=["full_attention", "mamba"], sliding_window_tokens=None, page_size=16
+        )
     with pytest.raises(ValueError, match="layer 0.*sliding_window_tokens"):
-        group_specs_from_layer_types(layer_types=["sliding_attention"], sliding_window_tokens=None,
-                                     page_size=16)
+        group_specs_from_layer_types(
+            layer_types=["sliding_attention"], sliding_window_tokens=None, page_size=16
+        )

@@ -60,11 +60,14 @@ def test_live_tail_300_fresh():
     assert t.page_ids()[30:32] == [1, 2] and t.page_ids()[36:] == [3, 4]
 
 
-@pytest.mark.parametrize("m,tokens", [
-    (SlidingWindowManager(8, 512, live_tail_alignment=256), 256),  # W >= extent
-    (SlidingWindowManager(128, 132, live_tail_alignment=256), 1024),  # resume span >= alignment
-    (SlidingWindowManager(8, 12, live_tail_alignment=0), 8192),  # A = 0: plain allocation
-])
+@pytest.mark.parametrize(
+    "m,tokens",
+    [
+        (SlidingWindowManager(8, 512, live_tail_alignment=256), 256),  # W >= extent
+        (SlidingWindowManager(128, 132, live_tail_alignment=256), 1024),  # resume span >= alignment
+        (SlidingWindowManager(8, 12, live_tail_alignment=0), 8192),  # A = 0: plain allocation
+    ],
+)
 def test_live_tail_degenerates_to_full_allocation(m, tokens):
     t = BlockTable()
     plain = SlidingWindowManager(m.page_size, m.window)

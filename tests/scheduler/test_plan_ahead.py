@@ -36,8 +36,7 @@ def _workload(sched: Scheduler, seed: int, n: int = 10) -> None:
     for i in range(n):
         own = rng.integers(4, VOCAB, int(rng.integers(1, 12))).tolist()
         prompt = (system if i % 3 else system[:5]) + own
-        sched.add_request(f"r{i}", prompt, int(rng.integers(1, 30)),
-                          stop_token_ids=[STOP] if i % 2 else [])
+        sched.add_request(f"r{i}", prompt, int(rng.integers(1, 30)), stop_token_ids=[STOP] if i % 2 else [])
 
 
 def run_sync(cfg: SchedulerConfig, seed: int):
@@ -77,10 +76,12 @@ def run_overlapped(cfg: SchedulerConfig, seed: int, abort_at: dict[int, str] | N
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("kind", ["roomy", "tight", "chunked", "hybrid"])
 def test_overlapped_equals_synchronous(kind, seed):
-    cfg = {"roomy": lambda: small_config(num_pages=120),
-           "tight": lambda: small_config(num_pages=24),
-           "chunked": lambda: small_config(num_pages=60, max_prefill_chunk_tokens=5),
-           "hybrid": lambda: small_config(num_pages=50, groups=HYBRID)}[kind]()
+    cfg = {
+        "roomy": lambda: small_config(num_pages=120),
+        "tight": lambda: small_config(num_pages=24),
+        "chunked": lambda: small_config(num_pages=60, max_prefill_chunk_tokens=5),
+        "hybrid": lambda: small_config(num_pages=50, groups=HYBRID),
+    }[kind]()
     s_sync, sync, sync_rows = run_sync(cfg, seed)
     s_async, ovl, ovl_rows = run_overlapped(cfg, seed)
     assert sorted(ovl) == sorted(sync)
@@ -170,7 +171,8 @@ def test_length_finish_frees_slot_and_pages_when_the_next_step_is_planned():
             assert sched.get_request("a").tables is None  # released before its token landed
             update = sched.update_step(s0, np.full(5, 30, np.int32))
             assert [(o.request_id, o.token_ids, o.finish_reason) for o in update.finished] == [
-                ("a", [30], "length")]
+                ("a", [30], "length")
+            ]
             assert update.applied == [True]
         sched.update(s1, np.full(5, 31, np.int32))
         while sched.has_unfinished():
@@ -251,8 +253,9 @@ class OverlappedMachine(SchedulerMachine):
     def step(self, positional=False):
         ops = self.sched.schedule()
         assert ops.num_tokens <= self.cfg.max_scheduled_tokens
-        assert not np.any(ops.token_from_prev[:ops.num_tokens] != (
-            ops.token_ids[:ops.num_tokens] == PLACEHOLDER_TOKEN))
+        assert not np.any(
+            ops.token_from_prev[: ops.num_tokens] != (ops.token_ids[: ops.num_tokens] == PLACEHOLDER_TOKEN)
+        )
         if positional:
             sampled = ((ops.kv_lens * 5 + 3) % 12).astype(np.int32)
         else:

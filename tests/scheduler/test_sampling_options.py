@@ -14,8 +14,14 @@ from scheduler.step_ops import LOGIT_BIAS_WIDTH
 
 
 def _sched(**kw):
-    cfg = dict(num_pages=32, page_size=4, max_batch_requests=4, max_scheduled_tokens=16,
-               max_context_len=32, debug_checks=True)
+    cfg = dict(
+        num_pages=32,
+        page_size=4,
+        max_batch_requests=4,
+        max_scheduled_tokens=16,
+        max_context_len=32,
+        debug_checks=True,
+    )
     cfg.update(kw)
     return Scheduler(SchedulerConfig(**cfg))
 
@@ -45,15 +51,25 @@ def test_derived_flags_follow_the_fields():
 
 # (field, a value it allows, a value it refuses): every field of the record
 CASES = [
-    ("temperature", 0.7, -0.5), ("temperature", 0, float("inf")), ("top_p", 1.0, 0.0),
-    ("top_p", 0.5, 1.5), ("top_k", -1, 0), ("top_k", 5, -2), ("top_k", 5, 2.5), ("seed", 2**40, -1),
-    ("seed", None, 1.5), ("stop_token_ids", [1, 2], [1, -2]), ("stop_token_ids", None, 7),
-    ("presence_penalty", -2.0, 2.5), ("frequency_penalty", 2, float("nan")),
-    ("repetition_penalty", 1e4, 0.0), ("logit_bias", {5: 100.0}, {5: 100.5}),
+    ("temperature", 0.7, -0.5),
+    ("temperature", 0, float("inf")),
+    ("top_p", 1.0, 0.0),
+    ("top_p", 0.5, 1.5),
+    ("top_k", -1, 0),
+    ("top_k", 5, -2),
+    ("top_k", 5, 2.5),
+    ("seed", 2**40, -1),
+    ("seed", None, 1.5),
+    ("stop_token_ids", [1, 2], [1, -2]),
+    ("stop_token_ids", None, 7),
+    ("presence_penalty", -2.0, 2.5),
+    ("frequency_penalty", 2, float("nan")),
+    ("repetition_penalty", 1e4, 0.0),
+    ("logit_bias", {5: 100.0}, {5: 100.5}),
     ("logit_bias", {0: -1}, {-1: 1.0}),
-    ("logit_bias", {i: 1.0 for i in range(LOGIT_BIAS_WIDTH)},
-     {i: 1.0 for i in range(LOGIT_BIAS_WIDTH + 1)}),
-    ("top_logprobs", 20, 21), ("top_logprobs", 0, True),
+    ("logit_bias", {i: 1.0 for i in range(LOGIT_BIAS_WIDTH)}, {i: 1.0 for i in range(LOGIT_BIAS_WIDTH + 1)}),
+    ("top_logprobs", 20, 21),
+    ("top_logprobs", 0, True),
 ]
 
 
@@ -79,9 +95,17 @@ def test_one_limits_table_for_record_scheduler_and_params(name, good, bad):
 
 
 def test_record_normalises():
-    o = SamplingOptions.from_options(dict(
-        temperature=1, top_k=np.int64(4), seed=2**32 + 9, stop_token_ids=[7, 7, 3],
-        logit_bias={9: 1, 2: -0.5}, top_logprobs=None, presence_penalty=None))
+    o = SamplingOptions.from_options(
+        dict(
+            temperature=1,
+            top_k=np.int64(4),
+            seed=2**32 + 9,
+            stop_token_ids=[7, 7, 3],
+            logit_bias={9: 1, 2: -0.5},
+            top_logprobs=None,
+            presence_penalty=None,
+        )
+    )
     assert o.temperature == 1.0 and isinstance(o.temperature, float)
     assert o.top_k == 4 and type(o.top_k) is int
     assert o.seed == 9  # low 32 bits
@@ -101,8 +125,17 @@ def test_request_carries_the_record_whole_with_a_resolved_seed():
     kw = s.get_request("kw").sampling
     assert kw == dataclasses.replace(rec, seed=zlib.crc32(b"kw"))
     assert s.get_request("rec").sampling is rec
-    for old in ("temperature", "top_p", "top_k", "seed", "logit_bias", "top_logprobs",
-                "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for old in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "logit_bias",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         assert not hasattr(s.get_request("kw"), old)
 
 
@@ -133,9 +166,19 @@ def test_columns_are_padded_stepops_fields_whose_padding_is_the_default():
 def test_builder_fills_each_row_from_its_record():
     s = _sched()
     s.add_request("a", [1, 2, 3], 4)
-    s.add_request("b", [4, 5], 4, temperature=0.9, top_p=0.8, top_k=7, seed=5,
-                  presence_penalty=0.25, repetition_penalty=1.5, logit_bias={11: 2.0, 3: -1.0},
-                  top_logprobs=4)
+    s.add_request(
+        "b",
+        [4, 5],
+        4,
+        temperature=0.9,
+        top_p=0.8,
+        top_k=7,
+        seed=5,
+        presence_penalty=0.25,
+        repetition_penalty=1.5,
+        logit_bias={11: 2.0, 3: -1.0},
+        top_logprobs=4,
+    )
     ops = s.schedule()
     assert ops.request_ids == ("a", "b")
     b = 1
@@ -154,11 +197,24 @@ def test_builder_fills_each_row_from_its_record():
 def test_sampling_params_build_the_record_in_one_call():
     from tokenspeed_jax.sampling_params import SamplingParams  # jax-free
 
-    p = SamplingParams(max_tokens=3, temperature=0.5, stop_token_ids=[9], seed=4,
-                       logit_bias={2: 1.0}, top_logprobs=3, prompt_logprobs=True)
+    p = SamplingParams(
+        max_tokens=3,
+        temperature=0.5,
+        stop_token_ids=[9],
+        seed=4,
+        logit_bias={2: 1.0},
+        top_logprobs=3,
+        prompt_logprobs=True,
+    )
     o = p.to_options(eos_token_ids=(1, 2))
-    assert o == SamplingOptions(temperature=0.5, stop_token_ids=frozenset({1, 2, 9}), seed=4,
-                                logit_bias=((2, 1.0),), top_logprobs=3, prompt_logprobs=True)
+    assert o == SamplingOptions(
+        temperature=0.5,
+        stop_token_ids=frozenset({1, 2, 9}),
+        seed=4,
+        logit_bias=((2, 1.0),),
+        top_logprobs=3,
+        prompt_logprobs=True,
+    )
     assert dataclasses.replace(p, ignore_eos=True).to_options((1, 2)).stop_token_ids == {9}
     assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
     assert SamplingParams().to_options() == SamplingOptions()

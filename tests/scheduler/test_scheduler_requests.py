@@ -9,19 +9,28 @@ from scheduler import Scheduler, SchedulerConfig
 
 
 def _sched(**kw):
-    cfg = dict(num_pages=32, page_size=4, max_batch_requests=4, max_scheduled_tokens=8,
-               max_context_len=32, debug_checks=True)
+    cfg = dict(
+        num_pages=32,
+        page_size=4,
+        max_batch_requests=4,
+        max_scheduled_tokens=8,
+        max_context_len=32,
+        debug_checks=True,
+    )
     cfg.update(kw)
     return Scheduler(SchedulerConfig(**cfg))
 
 
-@pytest.mark.parametrize("args,match", [
-    (("a", [], 4), "empty prompt"),
-    (("a", [1, 2], 0), "max_new_tokens"),
-    (("a", [1] * 30, 3), "max_context_len"),
-    (("a", [1, -2], 3), "negative token"),
-    (("", [1], 3), "request_id"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("a", [], 4), "empty prompt"),
+        (("a", [1, 2], 0), "max_new_tokens"),
+        (("a", [1] * 30, 3), "max_context_len"),
+        (("a", [1, -2], 3), "negative token"),
+        (("", [1], 3), "request_id"),
+    ],
+)
 def test_bad_requests_raise_and_change_nothing(args, match):
     s = _sched()
     before = s.stats()
@@ -35,8 +44,12 @@ def test_duplicate_id_and_bad_sampling_options():
     s.add_request("a", [1, 2], 3)
     with pytest.raises(ValueError, match="duplicate"):
         s.add_request("a", [3], 3)
-    for opts, match in [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
-                        (dict(top_k=0), "top_k"), (dict(bogus=1), "unknown options")]:
+    for opts, match in [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(bogus=1), "unknown options"),
+    ]:
         with pytest.raises(ValueError, match=match):
             s.add_request("b", [1], 3, **opts)
     assert s.stats()["num_waiting"] == 1
@@ -137,9 +150,17 @@ def test_decode_reserve_never_blocks_a_request_that_fits_alone(max_new):
     """Regression (issue 13): admission reserved decode_reserve_tokens even when the request can
     generate fewer, while add_request's fit check sized it by prompt + max_new_tokens; a request
     that fit alone then waited forever. Now both agree: min(decode_reserve_tokens, tokens left)."""
-    s = Scheduler(SchedulerConfig(num_pages=11, page_size=4, max_batch_requests=2,
-                                  max_scheduled_tokens=64, max_context_len=64,
-                                  decode_reserve_tokens=8, debug_checks=True))
+    s = Scheduler(
+        SchedulerConfig(
+            num_pages=11,
+            page_size=4,
+            max_batch_requests=2,
+            max_scheduled_tokens=64,
+            max_context_len=64,
+            decode_reserve_tokens=8,
+            debug_checks=True,
+        )
+    )
     s.add_request("a", list(range(36 - max_new + 1)), max_new)
     for _ in range(max_new + 1):
         ops = s.schedule()

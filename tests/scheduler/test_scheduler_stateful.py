@@ -23,9 +23,16 @@ TestScheduler.settings = settings(max_examples=40, stateful_step_count=40, deadl
 @pytest.mark.parametrize("chunk_cap", [None, 5])
 def test_pressure_workload_retracts_and_completes(chunk_cap):
     """A deterministic heavy run: the pool is far too small for everyone at once."""
-    cfg = SchedulerConfig(num_pages=30, page_size=4, max_batch_requests=8, max_scheduled_tokens=16,
-                          max_context_len=48, groups=HYBRID, debug_checks=True,
-                          max_prefill_chunk_tokens=chunk_cap)
+    cfg = SchedulerConfig(
+        num_pages=30,
+        page_size=4,
+        max_batch_requests=8,
+        max_scheduled_tokens=16,
+        max_context_len=48,
+        groups=HYBRID,
+        debug_checks=True,
+        max_prefill_chunk_tokens=chunk_cap,
+    )
     sched = Scheduler(cfg)
     rng = np.random.default_rng(1)
     for i in range(12):
@@ -44,8 +51,14 @@ def test_pressure_workload_retracts_and_completes(chunk_cap):
 def test_adoption_during_decode_forces_full_refresh():
     """Two identical requests decode identical tokens; the later one's completed decode pages are
     adopted onto the earlier one's copies while it is in pure decode: its next op must refresh."""
-    cfg = SchedulerConfig(num_pages=40, page_size=4, max_batch_requests=4, max_scheduled_tokens=16,
-                          max_context_len=48, debug_checks=True)
+    cfg = SchedulerConfig(
+        num_pages=40,
+        page_size=4,
+        max_batch_requests=4,
+        max_scheduled_tokens=16,
+        max_context_len=48,
+        debug_checks=True,
+    )
     sched = Scheduler(cfg)
     sched.add_request("x", [1, 2, 3, 4, 5, 6], 20)
     sched.add_request("y", [1, 2, 3, 4, 5, 6], 20)

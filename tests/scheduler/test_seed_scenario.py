@@ -21,9 +21,15 @@ PROMPT_A = PAGE0 + [14, 15, 16]
 
 
 def _run(enable_adoption: bool):
-    cfg = SchedulerConfig(num_pages=6, page_size=4, max_batch_requests=4,
-                          max_scheduled_tokens=64, max_context_len=32,
-                          enable_adoption=enable_adoption, debug_checks=True)
+    cfg = SchedulerConfig(
+        num_pages=6,
+        page_size=4,
+        max_batch_requests=4,
+        max_scheduled_tokens=64,
+        max_context_len=32,
+        enable_adoption=enable_adoption,
+        debug_checks=True,
+    )
     sched = Scheduler(cfg)
     sched.add_request("B", PROMPT_B, 8)
     sched.add_request("A", PROMPT_A, 8)
@@ -33,9 +39,15 @@ def _run(enable_adoption: bool):
         ops = sched.schedule()
         apply_group_ops(tail_only, ops, ops.groups[0], honor_full_refresh=False)
         a = ops.row_of("A")
-        steps.append(dict(ops=ops, a=a, row=sched.get_request("A").tables[0].page_ids(),
-                          tail_only=tail_only[ops.req_slots[a]].tolist(),
-                          retractions=sched.stats()["num_retractions"]))
+        steps.append(
+            dict(
+                ops=ops,
+                a=a,
+                row=sched.get_request("A").tables[0].page_ids(),
+                tail_only=tail_only[ops.req_slots[a]].tolist(),
+                retractions=sched.stats()["num_retractions"],
+            )
+        )
         sched.update(ops, np.full(cfg.max_batch_requests, 99, np.int32))
     return sched, steps
 
@@ -69,7 +81,7 @@ def test_retraction_resume_rebuilds_row_with_full_refresh():
     ops, a = s["ops"], s["a"]
     assert ops.full_refresh[a]
     g = ops.groups[0]
-    assert g.rows[a, :g.row_lens[a]].tolist() == [CACHED, P1, P0]
+    assert g.rows[a, : g.row_lens[a]].tolist() == [CACHED, P1, P0]
     assert (g.begins[a], g.sizes[a]) == (2, 1) and g.new_pages[a, 0] == P0
     assert s["tail_only"][:3] == [P0, P1, P0]  # the bug: logical 0 and 2 share P0
     assert ops.kv_lens[a] == 9 and ops.num_query_tokens(a) == 1  # only the last token recomputed

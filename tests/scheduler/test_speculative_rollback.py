@@ -22,8 +22,12 @@ from scheduler import Scheduler, SchedulerConfig, group_specs_from_layer_types
 from tests.scheduler.helpers import STOP, VOCAB, FakeDevice, full_group
 
 HYBRID4 = group_specs_from_layer_types(
-    layer_types=["conv", "full_attention", "sliding_attention"], sliding_window_tokens=6,
-    page_size=4, conv_kernel_size=3, conv_page_size=4)
+    layer_types=["conv", "full_attention", "sliding_attention"],
+    sliding_window_tokens=6,
+    page_size=4,
+    conv_kernel_size=3,
+    conv_page_size=4,
+)
 
 
 class SpecDevice(FakeDevice):
@@ -55,7 +59,7 @@ class SpecDevice(FakeDevice):
             end = int(ops.cu_q_lens[i + 1])
             for j in range(d + 1):
                 length = kv_len - d + j  # context through the input at this position
-                pages = mirror[slot, :-(-length // self.block)]
+                pages = mirror[slot, : -(-length // self.block)]
                 tok = self.sample(self.kv[pages].reshape(-1)[:length])
                 if j < d and tok == tokens[end - d + j]:
                     continue
@@ -92,18 +96,26 @@ def _workload(seed: int):
     work = []
     for i in range(10):
         prompt = list(prefixes[i % 3]) + rng.integers(0, VOCAB, int(rng.integers(1, 10))).tolist()
-        work.append((int(rng.integers(0, 12)), f"r{i}", prompt, int(rng.integers(1, 30)),
-                     bool(rng.integers(0, 2))))
+        work.append(
+            (int(rng.integers(0, 12)), f"r{i}", prompt, int(rng.integers(1, 30)), bool(rng.integers(0, 2)))
+        )
     aborts = {int(rng.integers(2, 20)): ["r3"], int(rng.integers(2, 20)): ["r7"]}
     return work, aborts
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("groups, num_pages, k", [(None, 40, 4), (HYBRID4, 70, 3),
-                                                   (None, 22, 3)])
+@pytest.mark.parametrize("groups, num_pages, k", [(None, 40, 4), (HYBRID4, 70, 3), (None, 22, 3)])
 def test_speculative_rows_match_plain_rows(seed, groups, num_pages, k):
-    kw = dict(num_pages=num_pages, page_size=4, max_batch_requests=4, max_scheduled_tokens=12,
-              max_context_len=64, groups=groups, debug_checks=True, decode_reserve_tokens=0)
+    kw = dict(
+        num_pages=num_pages,
+        page_size=4,
+        max_batch_requests=4,
+        max_scheduled_tokens=12,
+        max_context_len=64,
+        groups=groups,
+        debug_checks=True,
+        decode_reserve_tokens=0,
+    )
     work, aborts = _workload(seed)
     plain, _ = drive(SchedulerConfig(**kw), work, aborts)
     spec_cfg = {"num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -121,10 +133,15 @@ def test_rollback_frees_pages_only_the_drafts_took():
     """Literal pages: a request at 7 tokens (page size 4: pages [1, 2], 1 free slot) drafts 2
     tokens (positions 7, 8: a third page for position 8); the device rejects both: the third
     page goes back to the pool and the row refreshes."""
-    cfg = SchedulerConfig(num_pages=10, page_size=4, max_batch_requests=2,
-                          max_scheduled_tokens=16, max_context_len=32, debug_checks=True,
-                          speculative={"num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                       "prompt_lookup_max": 2})
+    cfg = SchedulerConfig(
+        num_pages=10,
+        page_size=4,
+        max_batch_requests=2,
+        max_scheduled_tokens=16,
+        max_context_len=32,
+        debug_checks=True,
+        speculative={"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+    )
     sched = Scheduler(cfg)
     sched.add_request("a", [5, 6, 5, 6, 5, 6], 10)
     ops = sched.schedule()  # prefill 6 tokens: pages [1, 2]... sampling 1 token

@@ -16,8 +16,7 @@ import subprocess
 import sys
 import time
 
-SMALL = dict(page_size=4, num_pages=160, max_batch_requests=6, max_scheduled_tokens=32,
-             max_context_len=96)
+SMALL = dict(page_size=4, num_pages=160, max_batch_requests=6, max_scheduled_tokens=32, max_context_len=96)
 
 
 def _shapes_ready(programs) -> int:
@@ -45,8 +44,14 @@ def worker(group: str) -> dict:
 
     def run(name, tp, dp, backend="reference", prompts=prompts, **kw):
         t0 = time.perf_counter()
-        llm = LLM("tiny-random", tensor_parallel_size=tp, data_parallel_size=dp,
-                  attention_backend=backend, **SMALL, **kw)
+        llm = LLM(
+            "tiny-random",
+            tensor_parallel_size=tp,
+            data_parallel_size=dp,
+            attention_backend=backend,
+            **SMALL,
+            **kw,
+        )
         outs = llm.generate(prompts, gen) + llm.generate(prompts[:2], plp)
         out["runs"][name] = {
             "tokens": [o.token_ids for o in outs],
@@ -65,8 +70,9 @@ def worker(group: str) -> dict:
         run("tp1_int8", 1, 1, kv_cache_dtype="int8")
         runner = run("tp2_int8", 2, 1, kv_cache_dtype="int8").engine.runner
         out["int8_shards"] = {
-            f"cache0.{k}": [v.shape, [list(s.data.shape) for s in v.addressable_shards],
-                            str(v.dtype)] for k, v in runner.state.caches[0].items()}
+            f"cache0.{k}": [v.shape, [list(s.data.shape) for s in v.addressable_shards], str(v.dtype)]
+            for k, v in runner.state.caches[0].items()
+        }
         # int8 weights with int8 activations: column-parallel scales split with their columns,
         # the row-parallel layers' per-token activation absmax reduced across shards
         run("tp1_w8a8", 1, 1, quantization="w8a8", prompts=prompts[:3])
@@ -77,7 +83,8 @@ def worker(group: str) -> dict:
         out["q8_0_shards"] = {
             jax.tree_util.keystr(p): [x.shape, list(x.addressable_shards[0].data.shape)]
             for p, x in jax.tree_util.tree_leaves_with_path(runner.params)
-            if "kernel_scale" in jax.tree_util.keystr(p)}
+            if "kernel_scale" in jax.tree_util.keystr(p)
+        }
         run("tp2_pallas", 2, 1, backend="pallas", prompts=prompts[:3])
         run("tp1_pallas", 1, 1, backend="pallas", prompts=prompts[:3])
         return out
@@ -90,37 +97,51 @@ def worker(group: str) -> dict:
     shards = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(runner.params):
         shards[jax.tree_util.keystr(path)] = [
-            leaf.shape, [list(s.data.shape) for s in leaf.addressable_shards],
-            len(leaf.sharding.device_set)]
+            leaf.shape,
+            [list(s.data.shape) for s in leaf.addressable_shards],
+            len(leaf.sharding.device_set),
+        ]
     for i, cache in enumerate(runner.state.caches):
         for k, v in cache.items():
-            shards[f"cache{i}.{k}"] = [v.shape, [list(s.data.shape) for s in v.addressable_shards],
-                                       len(v.sharding.device_set)]
+            shards[f"cache{i}.{k}"] = [
+                v.shape,
+                [list(s.data.shape) for s in v.addressable_shards],
+                len(v.sharding.device_set),
+            ]
     out["shards"] = shards
     out["mirror_replicated"] = all(m.sharding.is_fully_replicated for m in runner.state.mirrors)
 
     llm = run("tp2dp2", 2, 2)
     st = llm.stats()
     out["dp"] = {
-        "num_engines": len(llm.engines), "engine_is_first": llm.engine is llm.engines[0],
-        "devices": [sorted(d.id for d in e.runner.params["norm"]["weight"][...].sharding.device_set)
-                    for e in llm.engines],
+        "num_engines": len(llm.engines),
+        "engine_is_first": llm.engine is llm.engines[0],
+        "devices": [
+            sorted(d.id for d in e.runner.params["norm"]["weight"][...].sharding.device_set)
+            for e in llm.engines
+        ],
         "replica_steps": [s["num_engine_steps"] for s in st["replicas"]],
-        "total_pages": st["total_pages"], "free_pages": st["free_pages"],
+        "total_pages": st["total_pages"],
+        "free_pages": st["free_pages"],
         "replica_total_pages": [s["total_pages"] for s in st["replicas"]],
         "prefix_hit_rate": st["prefix_hit_rate"],
-        "prefix_hit_tokens": st["prefix_hit_tokens"], "prefix_query_tokens": st["prefix_query_tokens"],
+        "prefix_hit_tokens": st["prefix_hit_tokens"],
+        "prefix_query_tokens": st["prefix_query_tokens"],
     }
     run("dp2", 1, 2)
     # scan_layers under tp: stacked params and pools keep their layer's spec behind the run axis
     runner = run("tp2_scan", 2, 1, scan_layers=True).engine.runner
     leaves = jax.tree_util.tree_leaves_with_path((runner.params, runner.state.caches))
-    out["scan_shards"] = {jax.tree_util.keystr(p): [x.shape, list(x.addressable_shards[0].data.shape)]
-                          for p, x in leaves}
+    out["scan_shards"] = {
+        jax.tree_util.keystr(p): [x.shape, list(x.addressable_shards[0].data.shape)] for p, x in leaves
+    }
     out["moe_maxdiff"] = _moe_forward_diff()
     errors = {}
-    for name, kw in {"tp3": dict(tensor_parallel_size=3), "tp4dp2": dict(tensor_parallel_size=4,
-                     data_parallel_size=2), "tp0": dict(tensor_parallel_size=0)}.items():
+    for name, kw in {
+        "tp3": dict(tensor_parallel_size=3),
+        "tp4dp2": dict(tensor_parallel_size=4, data_parallel_size=2),
+        "tp0": dict(tensor_parallel_size=0),
+    }.items():
         try:
             LLM("tiny-random", **kw, **SMALL)
             errors[name] = None
@@ -141,8 +162,14 @@ def _moe_forward_diff() -> float:
     from tokenspeed_jax.models import build_model, tiny_random_config
     from tokenspeed_jax.runtime.sharding import TensorParallel, relayout_conv, replica_meshes
 
-    cfg = tiny_random_config(num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0,
-                             attention_sinks=True, attention_bias=True, conv_bias=True)
+    cfg = tiny_random_config(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        swiglu_limit=7.0,
+        attention_sinks=True,
+        attention_bias=True,
+        conv_bias=True,
+    )
     net = build_model(cfg, 0)
     x = jnp.asarray(np.random.default_rng(1).integers(0, 256, 24))
     ref = np.asarray(net.dense(x))
@@ -165,11 +192,11 @@ def check_same_outputs(result: dict, name: str, base: str, max_logprob_diff) -> 
 
 def run_worker(group: str) -> dict:
     """This file as a script on 4 virtual CPU devices; its JSON record."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--worker", group], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", group], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out: dict = json.loads(proc.stdout.strip().splitlines()[-1])
     out["wall"] = time.perf_counter() - t0

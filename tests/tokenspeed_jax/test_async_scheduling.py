@@ -15,13 +15,18 @@ import pytest
 
 from tokenspeed_jax import LLM, SamplingParams
 
-CFG = dict(page_size=4, max_batch_requests=6, max_scheduled_tokens=32, max_context_len=96,
-           max_prefill_chunk_tokens=12, debug_checks=True)
+CFG = dict(
+    page_size=4,
+    max_batch_requests=6,
+    max_scheduled_tokens=32,
+    max_context_len=96,
+    max_prefill_chunk_tokens=12,
+    debug_checks=True,
+)
 
 
 def _pair(num_pages: int) -> dict[bool, LLM]:
-    return {a: LLM("tiny-random", num_pages=num_pages, async_scheduling=a, **CFG)
-            for a in (False, True)}
+    return {a: LLM("tiny-random", num_pages=num_pages, async_scheduling=a, **CFG) for a in (False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +63,7 @@ def _no_leak(llm: LLM):
 def test_greedy_identical_with_retraction_chunks_prefix_hits(which, request):
     pair = request.getfixturevalue(which)
     prompts = _prompts()
-    params = [SamplingParams(max_tokens=m, logprobs=True, ignore_eos=True)
-              for m in (1, 2, 24, 17, 30, 9)]
+    params = [SamplingParams(max_tokens=m, logprobs=True, ignore_eos=True) for m in (1, 2, 24, 17, 30, 9)]
     ref, before = pair[False].generate(prompts, params), pair[True].stats()
     out = pair[True].generate(prompts, params)
     _same(ref, out)
@@ -77,8 +81,10 @@ def test_stop_tokens_finish_equal_and_the_planned_token_is_dropped(roomy):
     prompts = _prompts(4, seed=2)
     free = roomy[False].generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
     # a token each request really generates mid-way becomes its stop token
-    params = [SamplingParams(max_tokens=20, stop_token_ids=[o.token_ids[3 + i]], logprobs=True,
-                             ignore_eos=True) for i, o in enumerate(free)]
+    params = [
+        SamplingParams(max_tokens=20, stop_token_ids=[o.token_ids[3 + i]], logprobs=True, ignore_eos=True)
+        for i, o in enumerate(free)
+    ]
     ref = roomy[False].generate(prompts, params)
     dropped = roomy[True].stats()["num_dropped_tokens"]
     out = roomy[True].generate(prompts, params)
@@ -91,8 +97,12 @@ def test_stop_tokens_finish_equal_and_the_planned_token_is_dropped(roomy):
 
 def test_seeded_sampling_reproduces(roomy):
     prompts = _prompts(4, seed=5)
-    params = [SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234 + i,
-                             ignore_eos=True, logprobs=True) for i in range(4)]
+    params = [
+        SamplingParams(
+            max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234 + i, ignore_eos=True, logprobs=True
+        )
+        for i in range(4)
+    ]
     ref = roomy[False].generate(prompts, params)
     _same(ref, roomy[True].generate(prompts, params))
     alone = roomy[True].generate([prompts[1]], params[1])[0]
@@ -122,7 +132,7 @@ def test_abort_with_a_step_in_flight(roomy, abort_after):
     assert engine._inflight is not None  # a step is in flight while we abort
     aborted = engine.abort(ids[2])
     assert aborted.finish_reason == "abort"
-    assert aborted.token_ids == ref[2].token_ids[:len(aborted.token_ids)]
+    assert aborted.token_ids == ref[2].token_ids[: len(aborted.token_ids)]
     assert len(aborted.logprobs) == len(aborted.token_ids)
     while engine.has_unfinished():
         outs.update((o.request_id, o) for o in engine.step())
@@ -143,8 +153,13 @@ def test_one_compile_per_bucket():
 
 def test_overlap_stats_are_reported(roomy):
     st = roomy[True].stats()
-    for key in ("host_ms_per_step", "wait_ms_per_step", "critical_ms_per_step",
-                "decode_critical_ms_per_step", "gapless_dispatch_fraction"):
+    for key in (
+        "host_ms_per_step",
+        "wait_ms_per_step",
+        "critical_ms_per_step",
+        "decode_critical_ms_per_step",
+        "gapless_dispatch_fraction",
+    ):
         assert st[key] >= 0.0, key
     assert st["async_scheduling"] is True and roomy[False].stats()["async_scheduling"] is False
     # default: on (CPU too: benchmarks/overlap.py measures it at least as fast there)
@@ -158,8 +173,15 @@ def test_server_with_async_scheduling():
 
     from tokenspeed_jax.server.app import build_app
 
-    llm = LLM("tiny-random", num_pages=200, page_size=8, max_batch_requests=4,
-              max_scheduled_tokens=32, max_context_len=128, async_scheduling=True)
+    llm = LLM(
+        "tiny-random",
+        num_pages=200,
+        page_size=8,
+        max_batch_requests=4,
+        max_scheduled_tokens=32,
+        max_context_len=128,
+        async_scheduling=True,
+    )
     offline = llm.generate("The cache", SamplingParams(max_tokens=6, ignore_eos=True))[0]
     body = {"prompt": "The cache", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     with TestClient(build_app(llm)) as client:

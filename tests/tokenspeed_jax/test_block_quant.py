@@ -32,15 +32,17 @@ def test_read_blocks_equals_the_gguf_dequantizer(kind):
     lo, hi = {"Q8_0": (-128, 127), "Q4_0": (-8, 7), "Q4_1": (0, 15)}[kind]
     assert lo <= codes.min() and codes.max() <= hi
     want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
-    got = dequantize_blocks(jnp.asarray(codes.T), jnp.asarray(scales.T),
-                            None if mins is None else jnp.asarray(mins.T))
+    got = dequantize_blocks(
+        jnp.asarray(codes.T), jnp.asarray(scales.T), None if mins is None else jnp.asarray(mins.T)
+    )
     np.testing.assert_allclose(np.asarray(got).T, want, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "jnp"])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("lead", [(1,), (2, 3), (block_quant.SPLIT_MAX_ROWS + 1,),
-                                  (quant.NATIVE_MAX_ROWS + 1,)])
+@pytest.mark.parametrize(
+    "lead", [(1,), (2, 3), (block_quant.SPLIT_MAX_ROWS + 1,), (quant.NATIVE_MAX_ROWS + 1,)]
+)
 def test_block_matmul_is_the_dequantized_product(kind, lead, native, monkeypatch):
     if not native:  # the split (<= SPLIT_MAX_ROWS rows) and float lowerings
         monkeypatch.setattr(block_quant, "use_native", lambda rows=None: False)
@@ -82,8 +84,9 @@ def test_quantize_blocks_is_llama_cpp_q8_0():
     w = np.asarray(jax.random.normal(jax.random.key(3), (96, 24)))
     codes, d = block_quant.quantize_blocks(jnp.asarray(w))
     # the gguf package's Q8_0 of the same rows (its [out, in] layout) decodes to the same blocks
-    ref_codes, ref_d, _ = read_blocks(gguf.quants.quantize(w.T.astype(np.float32),
-                                                           gguf.GGMLQuantizationType.Q8_0), "Q8_0")
+    ref_codes, ref_d, _ = read_blocks(
+        gguf.quants.quantize(w.T.astype(np.float32), gguf.GGMLQuantizationType.Q8_0), "Q8_0"
+    )
     np.testing.assert_allclose(np.asarray(d).T, ref_d, rtol=1e-3)  # the file rounds d to f16
     assert np.abs(np.asarray(codes).T.astype(int) - ref_codes).max() <= 1
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -124,6 +127,9 @@ def test_q8_0_blocks_are_closer_than_per_channel_int8():
         quantize_model(net, mode)
         err[mode] = np.abs(np.asarray(net.dense(ids)) - ref).max()
         if mode == "q8_0":
-            assert all(m.kernel_scale[...].ndim == 2 for _, m in nnx.iter_graph(net)
-                       if getattr(m, "quant_mode", None) == "q8_0")
+            assert all(
+                m.kernel_scale[...].ndim == 2
+                for _, m in nnx.iter_graph(net)
+                if getattr(m, "quant_mode", None) == "q8_0"
+            )
     assert 0 < err["q8_0"] < err["int8"]  # measured 1.49 against 1.76 (logits up to 31.6)

@@ -15,22 +15,25 @@ def no_loading(monkeypatch):
     monkeypatch.setattr("tokenspeed_jax.llm.LLM", boom)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["run", "--num-pages", "3"], "--num-pages 3"),
-    (["run", "--dtype", "foo"], "--dtype"),
-    (["run", "--sessions", "0"], "--sessions"),
-    (["run", "--page-size", "x"], "--page-size"),
-    (["run", "--max-context-len", "100"], "exceeds --max-context-len 100"),
-    (["serve", "--model", "no/such/model"], "--model"),
-    (["serve", "--num-pages", "3"], "--num-pages 3"),
-    (["serve", "--port", "70000"], "--port"),
-    (["serve", "--data-parallel-size", "0"], "--data-parallel-size"),
-    (["warmup", "--no-compile-cache"], "drop --no-compile-cache"),
-    (["warmup", "--num-pages", "3"], "--num-pages 3"),
-    (["serve", "--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
-    (["serve", "--kv-cache-memory-bytes", "4X"], "--kv-cache-memory-bytes"),
-    (["run", "--num-pages", "64", "--kv-cache-memory-bytes", "1G"], "not both"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["run", "--num-pages", "3"], "--num-pages 3"),
+        (["run", "--dtype", "foo"], "--dtype"),
+        (["run", "--sessions", "0"], "--sessions"),
+        (["run", "--page-size", "x"], "--page-size"),
+        (["run", "--max-context-len", "100"], "exceeds --max-context-len 100"),
+        (["serve", "--model", "no/such/model"], "--model"),
+        (["serve", "--num-pages", "3"], "--num-pages 3"),
+        (["serve", "--port", "70000"], "--port"),
+        (["serve", "--data-parallel-size", "0"], "--data-parallel-size"),
+        (["warmup", "--no-compile-cache"], "drop --no-compile-cache"),
+        (["warmup", "--num-pages", "3"], "--num-pages 3"),
+        (["serve", "--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
+        (["serve", "--kv-cache-memory-bytes", "4X"], "--kv-cache-memory-bytes"),
+        (["run", "--num-pages", "64", "--kv-cache-memory-bytes", "1G"], "not both"),
+    ],
+)
 def test_bad_arguments_one_line_exit_2_before_loading(capsys, argv, needle):
     try:
         rc = cli.main(argv)
@@ -53,27 +56,29 @@ def test_version_and_help_show_real_defaults(capsys):
     assert "sized from device memory" in " ".join(capsys.readouterr().out.split())
 
 
-
 SPEC_JSON = '{"num_speculative_tokens": 3}'
 
 
-@pytest.mark.parametrize("argv,key,want", [
-    (["run", "--scan-layers"], "scan_layers", True), (["run"], "scan_layers", False),
-    (["serve", "--scan-layers"], "scan_layers", True),
-    (["run"], "speculative_config", None),
-    (["run", "--speculative-config", SPEC_JSON], "speculative_config",
-     {"num_speculative_tokens": 3}),
-    (["serve", "--speculative-config", SPEC_JSON], "speculative_config",
-     {"num_speculative_tokens": 3}),
-    (["run"], "kv_cache_dtype", "auto"),
-    (["serve", "--kv-cache-dtype", "fp8_e4m3"], "kv_cache_dtype", "fp8_e4m3"),
-    (["run", "--quantization", "w8a8"], "quantization", "w8a8"),
-    (["run"], "num_pages", 1024), (["serve"], "num_pages", None),
-    (["serve", "--kv-cache-memory-bytes", "4G"], "kv_cache_memory_bytes", 4 << 30),
-    (["serve", "--kv-cache-memory-bytes", "1.5g"], "kv_cache_memory_bytes", 1_500_000_000),
-    (["run", "--kv-cache-memory-bytes", "4096"], "kv_cache_memory_bytes", 4096),
-    (["run", "--kv-cache-memory-bytes", "1M"], "num_pages", None),  # the bytes size the pool
-])
+@pytest.mark.parametrize(
+    "argv,key,want",
+    [
+        (["run", "--scan-layers"], "scan_layers", True),
+        (["run"], "scan_layers", False),
+        (["serve", "--scan-layers"], "scan_layers", True),
+        (["run"], "speculative_config", None),
+        (["run", "--speculative-config", SPEC_JSON], "speculative_config", {"num_speculative_tokens": 3}),
+        (["serve", "--speculative-config", SPEC_JSON], "speculative_config", {"num_speculative_tokens": 3}),
+        (["run"], "kv_cache_dtype", "auto"),
+        (["serve", "--kv-cache-dtype", "fp8_e4m3"], "kv_cache_dtype", "fp8_e4m3"),
+        (["run", "--quantization", "w8a8"], "quantization", "w8a8"),
+        (["run"], "num_pages", 1024),
+        (["serve"], "num_pages", None),
+        (["serve", "--kv-cache-memory-bytes", "4G"], "kv_cache_memory_bytes", 4 << 30),
+        (["serve", "--kv-cache-memory-bytes", "1.5g"], "kv_cache_memory_bytes", 1_500_000_000),
+        (["run", "--kv-cache-memory-bytes", "4096"], "kv_cache_memory_bytes", 4096),
+        (["run", "--kv-cache-memory-bytes", "1M"], "num_pages", None),  # the bytes size the pool
+    ],
+)
 def test_engine_flag_reaches_llm(monkeypatch, argv, key, want):
     seen = {}
 
@@ -90,17 +95,51 @@ def test_engine_flag_reaches_llm(monkeypatch, argv, key, want):
     assert seen[key] == want and type(seen[key]) is type(want)
 
 
-@pytest.mark.parametrize("argv,env,want", [
-    (["serve"], None, dict(api_keys=[], metrics_require_key=False,
-                           max_request_bytes=8 * 1024 * 1024, max_queued_requests=None,
-                           request_timeout_s=None, shutdown_grace_s=30.0)),
-    (["serve", "--api-key", "sk-aaa1", "--api-key", "sk-bbb2", "--metrics-require-key",
-      "--max-request-bytes", "1000", "--max-queued-requests", "4", "--request-timeout-s", "2.5",
-      "--shutdown-grace-s", "0"], "env-key",
-     dict(api_keys=["sk-aaa1", "sk-bbb2"], metrics_require_key=True, max_request_bytes=1000,
-          max_queued_requests=4, request_timeout_s=2.5, shutdown_grace_s=0.0)),
-    (["serve"], "env-key", dict(api_keys=["env-key"])),
-])
+@pytest.mark.parametrize(
+    "argv,env,want",
+    [
+        (
+            ["serve"],
+            None,
+            dict(
+                api_keys=[],
+                metrics_require_key=False,
+                max_request_bytes=8 * 1024 * 1024,
+                max_queued_requests=None,
+                request_timeout_s=None,
+                shutdown_grace_s=30.0,
+            ),
+        ),
+        (
+            [
+                "serve",
+                "--api-key",
+                "sk-aaa1",
+                "--api-key",
+                "sk-bbb2",
+                "--metrics-require-key",
+                "--max-request-bytes",
+                "1000",
+                "--max-queued-requests",
+                "4",
+                "--request-timeout-s",
+                "2.5",
+                "--shutdown-grace-s",
+                "0",
+            ],
+            "env-key",
+            dict(
+                api_keys=["sk-aaa1", "sk-bbb2"],
+                metrics_require_key=True,
+                max_request_bytes=1000,
+                max_queued_requests=4,
+                request_timeout_s=2.5,
+                shutdown_grace_s=0.0,
+            ),
+        ),
+        (["serve"], "env-key", dict(api_keys=["env-key"])),
+    ],
+)
 def test_serve_auth_and_limit_flags_reach_build_app(monkeypatch, caplog, argv, env, want):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
@@ -116,10 +155,8 @@ def test_serve_auth_and_limit_flags_reach_build_app(monkeypatch, caplog, argv, e
     else:
         monkeypatch.setenv("TOKENSPEED_JAX_API_KEY", env)
     seen = {}
-    monkeypatch.setattr(commands, "checked_llm",
-                        lambda *_a, **_k: (types.SimpleNamespace(is_leader=True), 0))
-    monkeypatch.setattr("tokenspeed_jax.server.app.build_app",
-                        lambda llm, **kw: seen.update(kw) or "app")
+    monkeypatch.setattr(commands, "checked_llm", lambda *_a, **_k: (types.SimpleNamespace(is_leader=True), 0))
+    monkeypatch.setattr("tokenspeed_jax.server.app.build_app", lambda llm, **kw: seen.update(kw) or "app")
     monkeypatch.setattr(drain, "serve", lambda app, host, port: seen.update(app=app))
     caplog.set_level("INFO")
     assert cli.main(argv) == 0
@@ -129,13 +166,15 @@ def test_serve_auth_and_limit_flags_reach_build_app(monkeypatch, caplog, argv, e
     assert "authentication:" in caplog.text
 
 
-@pytest.mark.parametrize("argv,needle", [(["serve", "--max-request-bytes", "0"], "--max-request-bytes"),
-                                         (["serve", "--max-queued-requests", "-1"],
-                                          "--max-queued-requests"),
-                                         (["serve", "--request-timeout-s", "0"],
-                                          "--request-timeout-s"),
-                                         (["serve", "--shutdown-grace-s", "-1"],
-                                          "--shutdown-grace-s")])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["serve", "--max-request-bytes", "0"], "--max-request-bytes"),
+        (["serve", "--max-queued-requests", "-1"], "--max-queued-requests"),
+        (["serve", "--request-timeout-s", "0"], "--request-timeout-s"),
+        (["serve", "--shutdown-grace-s", "-1"], "--shutdown-grace-s"),
+    ],
+)
 def test_bad_limit_flags(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)

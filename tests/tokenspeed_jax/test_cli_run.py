@@ -12,14 +12,34 @@ pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner lo
 
 
 def test_run_job_end_to_end_both_loops_same_figures(capsys):
-    argv = ["run", "--sessions", "3", "--turns", "2", "--system-tokens", "40", "--user-tokens", "8",
-            "--max-tokens", "5", "--page-size", "8", "--num-pages", "64", "--max-batch-requests",
-            "4", "--max-scheduled-tokens", "64", "--max-context-len", "128", "--no-progress",
-            "--json"]
+    argv = [
+        "run",
+        "--sessions",
+        "3",
+        "--turns",
+        "2",
+        "--system-tokens",
+        "40",
+        "--user-tokens",
+        "8",
+        "--max-tokens",
+        "5",
+        "--page-size",
+        "8",
+        "--num-pages",
+        "64",
+        "--max-batch-requests",
+        "4",
+        "--max-scheduled-tokens",
+        "64",
+        "--max-context-len",
+        "128",
+        "--no-progress",
+        "--json",
+    ]
     summaries = {}
     for loop in ("sync", "async"):
-        assert cli.main([*argv, "--async-scheduling" if loop == "async" else
-                         "--no-async-scheduling"]) == 0
+        assert cli.main([*argv, "--async-scheduling" if loop == "async" else "--no-async-scheduling"]) == 0
         out = capsys.readouterr().out.splitlines()
         assert f"loop={loop}" in out[0]
         summaries[loop] = s = json.loads(out[-1])

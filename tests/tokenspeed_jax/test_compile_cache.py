@@ -33,8 +33,14 @@ def _start(cache: pathlib.Path, dtype: str = "float32") -> dict:
     # tests/tokenspeed_jax/test_executables.py), or a warm start would never read an XLA entry
     shutil.rmtree(cache / "executables", ignore_errors=True)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(cache), dtype], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(cache), dtype],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -119,9 +125,21 @@ def test_warm_start_reads_entries_corrupt_ones_recompile_and_new_configs_miss(tm
 def test_warmup_command_fills_the_cache_then_finds_it_warm(tmp_path, capsys):
     from tokenspeed_jax import cli
 
-    argv = ["warmup", "--num-pages", "64", "--page-size", "4", "--max-batch-requests", "2",
-            "--max-scheduled-tokens", "16", "--max-context-len", "32",
-            "--compile-cache-dir", str(tmp_path)]
+    argv = [
+        "warmup",
+        "--num-pages",
+        "64",
+        "--page-size",
+        "4",
+        "--max-batch-requests",
+        "2",
+        "--max-scheduled-tokens",
+        "16",
+        "--max-context-len",
+        "32",
+        "--compile-cache-dir",
+        str(tmp_path),
+    ]
     try:
         assert cli.main(argv) == 0
         first = capsys.readouterr().out

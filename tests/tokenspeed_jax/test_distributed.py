@@ -39,8 +39,14 @@ pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner lo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # one token bucket (16) keeps compiles - the slow part on 2 shared cores - to one per replica
-SMALL = dict(page_size=4, num_pages=96, max_batch_requests=4, max_scheduled_tokens=16,
-             max_context_len=64, attention_backend="reference")
+SMALL = dict(
+    page_size=4,
+    num_pages=96,
+    max_batch_requests=4,
+    max_scheduled_tokens=16,
+    max_context_len=64,
+    attention_backend="reference",
+)
 PAIR_TIMEOUT_S = 420
 KILL_BOUND_S = 30  # follower_timeout_s=3 plus slack for a loaded machine
 
@@ -52,11 +58,16 @@ def _free_port() -> int:
 
 
 def _spawn(role: str, pid: int, port: int, out: str, hf_path: str = "-") -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-u", __file__, "--worker", role, str(pid), str(port), out,
-                             hf_path],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT
+    )
+    return subprocess.Popen(
+        [sys.executable, "-u", __file__, "--worker", role, str(pid), str(port), out, hf_path],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _kill(procs) -> None:
@@ -91,8 +102,11 @@ def _workload():
 def _generate(llm) -> dict:
     prompts, gen, plp = _workload()
     outs = llm.generate(prompts, gen) + llm.generate(prompts[:2], plp)
-    return {"tokens": [o.token_ids for o in outs], "logprobs": [o.logprobs for o in outs],
-            "prompt_logprobs": [o.prompt_logprobs for o in outs]}
+    return {
+        "tokens": [o.token_ids for o in outs],
+        "logprobs": [o.logprobs for o in outs],
+        "prompt_logprobs": [o.prompt_logprobs for o in outs],
+    }
 
 
 def _abort_midflight(llm) -> dict:
@@ -111,9 +125,12 @@ def _abort_midflight(llm) -> dict:
         outs.update({o.request_id: o for o in eng.step()})
     outs[rids[1]] = aborted
     st = llm.stats()
-    return {"tokens": [outs[r].token_ids for r in rids],
-            "reasons": [outs[r].finish_reason for r in rids],
-            "free_pages": st["free_pages"], "total_pages": st["total_pages"]}
+    return {
+        "tokens": [outs[r].token_ids for r in rids],
+        "reasons": [outs[r].finish_reason for r in rids],
+        "free_pages": st["free_pages"],
+        "total_pages": st["total_pages"],
+    }
 
 
 def _http(llm) -> dict:
@@ -123,8 +140,11 @@ def _http(llm) -> dict:
     from tokenspeed_jax.server.app import build_app
 
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, model_name="tiny-random"),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(llm, model_name="tiny-random"), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     prompt = _workload()[0][0]
@@ -136,16 +156,19 @@ def _http(llm) -> dict:
         try:
             import openai
 
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                                   timeout=120)
-            resp = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=6,
-                                             temperature=0.0)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
+            resp = client.completions.create(
+                model="tiny-random", prompt=prompt, max_tokens=6, temperature=0.0
+            )
             text, via = resp.choices[0].text, "openai"
         except ImportError:
             import httpx
 
-            resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
-                "model": "tiny-random", "prompt": prompt, "max_tokens": 6, "temperature": 0.0})
+            resp = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                timeout=120,
+                json={"model": "tiny-random", "prompt": prompt, "max_tokens": 6, "temperature": 0.0},
+            )
             resp.raise_for_status()
             text, via = resp.json()["choices"][0]["text"], "httpx"
     finally:
@@ -191,8 +214,7 @@ def _held_bytes(llm) -> list[int]:
     import jax
 
     leaves = jax.tree.leaves(llm.engine.runner.params)
-    return [sum(s.data.nbytes for x in leaves for s in x.addressable_shards),
-            sum(x.nbytes for x in leaves)]
+    return [sum(s.data.nbytes for x in leaves for s in x.addressable_shards), sum(x.nbytes for x in leaves)]
 
 
 def _leader_main(port: int, hf_path: str) -> dict:
@@ -219,21 +241,32 @@ def _leader_main(port: int, hf_path: str) -> dict:
     out["tp4_abort"] = _abort_midflight(llm)
     runner = llm.engine.runner
     k = runner.state.caches[0]["k"]
-    out["tp4_pool"] = [list(k.shape), [list(s.data.shape) for s in k.addressable_shards],
-                       len(k.sharding.device_set)]
+    out["tp4_pool"] = [
+        list(k.shape),
+        [list(s.data.shape) for s in k.addressable_shards],
+        len(k.sharding.device_set),
+    ]
     out["tp4_compiles"] = runner.num_compiles
     out["tp4_shape_keys"] = len(runner.shape_keys)
     llm.shutdown(leave_runtime=False)  # the follower builds the next LLM too
 
     # the overlapped engine loop on the leader: its dispatches must reach the followers too
-    llm = LLM("tiny-random", tensor_parallel_size=2, data_parallel_size=2,
-              distributed=_dist(0, port), async_scheduling=True, **SMALL)
+    llm = LLM(
+        "tiny-random",
+        tensor_parallel_size=2,
+        data_parallel_size=2,
+        distributed=_dist(0, port),
+        async_scheduling=True,
+        **SMALL,
+    )
     out["tp2dp2"] = _generate(llm)
     out["tp2dp2_overlapped"] = llm._group.overlapped  # steps started while the other computed
     out["tp2dp2_abort"] = _abort_midflight(llm)
     out["tp2dp2_steps"] = [e.num_steps for e in llm.engines]
-    out["tp2dp2_devices"] = [sorted((d.process_index, d.id) for d in e.runner.state.mirrors[0]
-                                    .sharding.device_set) for e in llm.engines]
+    out["tp2dp2_devices"] = [
+        sorted((d.process_index, d.id) for d in e.runner.state.mirrors[0].sharding.device_set)
+        for e in llm.engines
+    ]
     out["http"] = _http(llm)
     deadline = time.monotonic() + 30  # idle: the keep-alive broadcasts (every 0.5 s)
     while llm._group.noops == 0:
@@ -252,8 +285,10 @@ def _running(http_port: int) -> bool:
     import httpx
 
     text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=5).text
-    return any(float(v) >= 1 for v in
-               re.findall(r"^tokenspeed_num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.M))
+    return any(
+        float(v) >= 1
+        for v in re.findall(r"^tokenspeed_num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.M)
+    )
 
 
 def _follower_main(port: int, hf_path: str) -> dict:
@@ -263,8 +298,9 @@ def _follower_main(port: int, hf_path: str) -> dict:
     llm = LLM("tiny-random", tensor_parallel_size=4, distributed=_dist(1, port), **SMALL)
     held = _held_bytes(llm)
     steps = [llm.run_follower(leave_runtime=False)]
-    llm = LLM("tiny-random", tensor_parallel_size=2, data_parallel_size=2,
-              distributed=_dist(1, port), **SMALL)
+    llm = LLM(
+        "tiny-random", tensor_parallel_size=2, data_parallel_size=2, distributed=_dist(1, port), **SMALL
+    )
     steps.append(llm.run_follower())
     return {"steps": steps, "noops": llm._group.noops, "hf": hf, "tiny_held": held}
 
@@ -325,7 +361,7 @@ def test_abort_mid_flight(pair, name):
     assert got["reasons"] == ["length", "abort", "length"]
     assert got["tokens"][0] == base["tokens"][0] and got["tokens"][2] == base["tokens"][2]
     cut = got["tokens"][1]
-    assert 0 < len(cut) < 10 and cut == base["tokens"][1][:len(cut)]
+    assert 0 < len(cut) < 10 and cut == base["tokens"][1][: len(cut)]
     assert got["free_pages"] == got["total_pages"]  # nothing leaked
 
 
@@ -338,8 +374,10 @@ def test_global_mesh_layout(pair):
     assert all(s > 0 for s in pair["tp2dp2_steps"])
     # some step of one replica started while the other replica's step was still computing
     assert pair["tp2dp2_overlapped"] > 0
-    print(f"tp2dp2: {pair['tp2dp2_overlapped']} of {sum(pair['tp2dp2_steps'])} steps overlapped "
-          f"the other replica's")
+    print(
+        f"tp2dp2: {pair['tp2dp2_overlapped']} of {sum(pair['tp2dp2_steps'])} steps overlapped "
+        f"the other replica's"
+    )
     assert 1 <= pair["tp4_compiles"] <= pair["tp4_shape_keys"]  # at most one per shape key
 
 
@@ -366,8 +404,10 @@ def test_each_process_loads_only_its_shards(pair):
     held, f_held = pair["tiny_held"], pair["follower"]["tiny_held"]
     for mine, whole in (held, f_held):
         assert 0.45 * whole <= mine <= 0.6 * whole, (mine, whole)
-    print(f"tiny-random tp=4: process 0 holds {held[0]} of {held[1]} parameter bytes, process 1 "
-          f"{f_held[0]}; generator program per device: XLA output, temp bytes {pair['tiny_generated']}")
+    print(
+        f"tiny-random tp=4: process 0 holds {held[0]} of {held[1]} parameter bytes, process 1 "
+        f"{f_held[0]}; generator program per device: XLA output, temp bytes {pair['tiny_generated']}"
+    )
     if pair["hf"] is None:
         pytest.skip("torch / transformers (the 'hf' extra) not installed: no qwen3 checkpoint")
     reads = [pair["hf"]["read"], pair["follower"]["hf"]["read"]]
@@ -383,22 +423,43 @@ def test_clean_shutdown(pair):
     steps = pair["follower"]["steps"]
     assert len(steps) == 2 and all(s > 0 for s in steps)  # both LLMs replayed steps, then exited 0
     assert pair["follower"]["noops"] == pair["noops"] > 0  # idle keep-alives, in step order
-    print(f"two-process run: {pair['wall_s']:.1f}s wall, leader build {pair['build_s']:.1f}s, "
-          f"tp4 generate {pair['tp4_s']:.1f}s")
+    print(
+        f"two-process run: {pair['wall_s']:.1f}s wall, leader build {pair['build_s']:.1f}s, "
+        f"tp4 generate {pair['tp4_s']:.1f}s"
+    )
 
 
 def _spawn_serve(pid: int, port: int, http_port: int) -> subprocess.Popen:
     """`tokenspeed-jax serve` as process `pid` of a two-process run (the real launch path)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    flags = ["--tensor-parallel-size", "4", "--coordinator", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(pid), "--follower-timeout", "5",
-             "--port", str(http_port), "--model", "tiny-random"]
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT
+    )
+    flags = [
+        "--tensor-parallel-size",
+        "4",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(pid),
+        "--follower-timeout",
+        "5",
+        "--port",
+        str(http_port),
+        "--model",
+        "tiny-random",
+    ]
     for key, value in SMALL.items():
         flags += [f"--{key.replace('_', '-')}", str(value)]
-    return subprocess.Popen([sys.executable, "-u", "-m", "tokenspeed_jax.cli", "serve", *flags],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, "-u", "-m", "tokenspeed_jax.cli", "serve", *flags],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_cli_serve_then_killed_follower_fails_leader_loudly(pair):
@@ -458,7 +519,7 @@ def test_cli_serve_then_killed_follower_fails_leader_loudly(pair):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     sys.path.insert(0, ROOT)
-    _, _pid, _port, _out, _hf = sys.argv[sys.argv.index("--worker") + 1:][:5]
+    _, _pid, _port, _out, _hf = sys.argv[sys.argv.index("--worker") + 1 :][:5]
     _pid, _port = int(_pid), int(_port)
     _res = _leader_main(_port, _hf) if _pid == 0 else _follower_main(_port, _hf)
     with open(_out, "w") as _f:

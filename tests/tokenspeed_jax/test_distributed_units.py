@@ -11,19 +11,16 @@ import pytest
 
 from scheduler import Scheduler, SchedulerConfig
 from tokenspeed_jax.cli.common import add_distributed_args, add_engine_args, distributed_config
-from tokenspeed_jax.distributed.launch import (
-    DistributedConfig,
-    Liveness,
-    resolve,
-)
+from tokenspeed_jax.distributed.launch import DistributedConfig, Liveness, resolve
 from tokenspeed_jax.distributed.runner import HEADER, STEP, frame, unframe
 from tokenspeed_jax.runtime.step_inputs import layout_for, pack
 
 
 def _real_ops():
     """A real StepOps with a prefill, a full refresh and sampling params set."""
-    cfg = SchedulerConfig(num_pages=64, page_size=4, max_batch_requests=4, max_scheduled_tokens=32,
-                          max_context_len=64)
+    cfg = SchedulerConfig(
+        num_pages=64, page_size=4, max_batch_requests=4, max_scheduled_tokens=32, max_context_len=64
+    )
     sched = Scheduler(cfg)
     sched.add_request("a", list(range(1, 12)), 4, temperature=0.7, top_p=0.9, top_k=5, seed=2**31 + 5)
     sched.add_request("b", list(range(3, 9)), 4)
@@ -48,11 +45,18 @@ def test_message_frame_roundtrip():
 
 
 def test_config_validation_and_env():
-    env = {"TOKENSPEED_COORDINATOR": "10.0.0.1:1234", "TOKENSPEED_NUM_PROCESSES": "2",
-           "TOKENSPEED_PROCESS_ID": "1"}
+    env = {
+        "TOKENSPEED_COORDINATOR": "10.0.0.1:1234",
+        "TOKENSPEED_NUM_PROCESSES": "2",
+        "TOKENSPEED_PROCESS_ID": "1",
+    }
     cfg = DistributedConfig.from_env(env)
     assert (cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.is_leader) == (
-        "10.0.0.1:1234", 2, 1, False)
+        "10.0.0.1:1234",
+        2,
+        1,
+        False,
+    )
     assert DistributedConfig.from_env(env, process_id=0).is_leader  # flags win over the env
     assert DistributedConfig.from_env({}) is None
     with pytest.raises(ValueError, match="without a coordinator"):
@@ -74,8 +78,20 @@ def test_config_validation_and_env():
 def test_cli_flags():
     p = argparse.ArgumentParser()
     add_distributed_args(p)
-    args = p.parse_args(["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id",
-                         "1", "--tensor-parallel-size", "4", "--follower-timeout", "5"])
+    args = p.parse_args(
+        [
+            "--coordinator",
+            "127.0.0.1:9",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "1",
+            "--tensor-parallel-size",
+            "4",
+            "--follower-timeout",
+            "5",
+        ]
+    )
     cfg = distributed_config(args)
     assert (cfg.num_processes, cfg.process_id, cfg.follower_timeout_s) == (2, 1, 5.0)
     assert args.tensor_parallel_size == 4 and args.data_parallel_size == 1
@@ -108,8 +124,13 @@ def test_liveness_declares_a_silent_follower_lost():
     now = [0.0]
     fast = dict(coordinator="h:1", num_processes=2, follower_timeout_s=0.6, heartbeat_interval_s=0.05)
     follower = Liveness(DistributedConfig(process_id=1, **fast), client=kv, start=False)
-    leader = Liveness(DistributedConfig(process_id=0, **fast), client=kv, on_lost=lost.append,
-                      clock=lambda: now[0], start=False)
+    leader = Liveness(
+        DistributedConfig(process_id=0, **fast),
+        client=kv,
+        on_lost=lost.append,
+        clock=lambda: now[0],
+        start=False,
+    )
     for _ in range(20):  # 1.0 s of beats every 0.05 s: a beating follower is never lost
         now[0] += 0.05
         assert follower.beat_once()

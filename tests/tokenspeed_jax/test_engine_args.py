@@ -40,9 +40,10 @@ ROUND_TRIP = {
     "scan_layers": (True, ["--scan-layers"]),
     "min_token_bucket": (16, ["--min-token-bucket", "16"]),
     "min_kv_bucket": (64, ["--min-kv-bucket", "64"]),
-    "speculative_config": ({"method": "ngram", "num_speculative_tokens": 4},
-                           ["--speculative-config",
-                            '{"method": "ngram", "num_speculative_tokens": 4}']),
+    "speculative_config": (
+        {"method": "ngram", "num_speculative_tokens": 4},
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'],
+    ),
     "max_live_requests": (9, ["--max-live-requests", "9"]),
     "max_prefill_chunk_tokens": (128, ["--max-prefill-chunk-tokens", "128"]),
     "decode_reserve_tokens": (0, ["--decode-reserve-tokens", "0"]),
@@ -99,32 +100,38 @@ def test_no_compile_cache_is_false():
     assert cli_options(p.parse_args([]))["compile_cache_dir"] is None
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--page-size", "0"], "must be >= 1"),
-    (["--dtype", "f8"], "invalid choice"),
-    (["--kv-cache-memory-bytes", "lots"], "expected bytes"),
-    (["--speculative-config", "[1]"], "bad --speculative-config"),
-    (["--lazy-compile", "never"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--page-size", "0"], "must be >= 1"),
+        (["--dtype", "f8"], "invalid choice"),
+        (["--kv-cache-memory-bytes", "lots"], "expected bytes"),
+        (["--speculative-config", "[1]"], "bad --speculative-config"),
+        (["--lazy-compile", "never"], "invalid choice"),
+    ],
+)
 def test_bad_flags_are_argparse_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         _parser().parse_args(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("options, needle", [
-    (dict(page_size=0), "page_size must be a positive int, got 0"),
-    (dict(seed=-1), "seed must be an int >= 0"),
-    (dict(max_batch_requests=True), "max_batch_requests must be a positive int"),
-    (dict(dtype="f8"), "dtype must be one of"),
-    (dict(quantization="int4"), "quantization must be None or one of"),
-    (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of"),
-    (dict(enable_prefix_cache="yes"), "enable_prefix_cache must be True or False"),
-    (dict(num_pages=10, kv_cache_memory_bytes=1 << 20), "not both"),
-    (dict(quantization="gguf", tensor_parallel_size=2), "one device per replica"),
-    (dict(speculative_config={"method": "eagle"}), "method"),
-    (dict(pages=10), "unknown LLM options"),
-])
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        (dict(page_size=0), "page_size must be a positive int, got 0"),
+        (dict(seed=-1), "seed must be an int >= 0"),
+        (dict(max_batch_requests=True), "max_batch_requests must be a positive int"),
+        (dict(dtype="f8"), "dtype must be one of"),
+        (dict(quantization="int4"), "quantization must be None or one of"),
+        (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of"),
+        (dict(enable_prefix_cache="yes"), "enable_prefix_cache must be True or False"),
+        (dict(num_pages=10, kv_cache_memory_bytes=1 << 20), "not both"),
+        (dict(quantization="gguf", tensor_parallel_size=2), "one device per replica"),
+        (dict(speculative_config={"method": "eagle"}), "method"),
+        (dict(pages=10), "unknown LLM options"),
+    ],
+)
 def test_bad_options_raise_value_errors_naming_them(options, needle):
     with pytest.raises(ValueError, match=needle):
         EngineArgs.from_options("tiny-random", **options)

@@ -19,8 +19,7 @@ from tokenspeed_jax.runtime.executables import ExecutableStore
 from tokenspeed_jax.runtime.shapes import StepShape
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SMALL = dict(page_size=4, max_batch_requests=2, max_scheduled_tokens=16, max_context_len=64,
-             min_kv_bucket=16)
+SMALL = dict(page_size=4, max_batch_requests=2, max_scheduled_tokens=16, max_context_len=64, min_kv_bucket=16)
 
 _CHILD = """
 import json, sys
@@ -37,8 +36,14 @@ print(json.dumps({"tokens": out.token_ids, "ready": ready, "compiles": llm.stats
 
 def _start(cache: pathlib.Path, dtype: str = "float32") -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(cache), dtype], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(cache), dtype],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -49,9 +54,13 @@ def _exes(cache: pathlib.Path) -> dict[str, float]:
 
 def test_program_key_changes_with_config_dtype_and_pool(tmp_path):
     keys = {}
-    for name, kw in {"f32": dict(num_pages=32), "again": dict(num_pages=32),
-                     "bf16": dict(num_pages=32, dtype="bfloat16"), "pool": dict(num_pages=40),
-                     "seed": dict(num_pages=32, seed=1)}.items():
+    for name, kw in {
+        "f32": dict(num_pages=32),
+        "again": dict(num_pages=32),
+        "bf16": dict(num_pages=32, dtype="bfloat16"),
+        "pool": dict(num_pages=40),
+        "seed": dict(num_pages=32, seed=1),
+    }.items():
         llm = LLM("tiny-random", compile_cache_dir=str(tmp_path), **SMALL, **kw)
         runner = llm.engine.runner
         keys[name] = runner._program_key(StepShape(16, 0))
@@ -78,10 +87,12 @@ def test_key_on_cpu_includes_the_cpu_features(monkeypatch):
     the same key."""
     assert executables.cpu_features(AVX2) != executables.cpu_features(AVX512)
     assert executables.cpu_features(AVX2) == executables.cpu_features(
-        "flags\t\t: bmi2 fma avx2 avx sse2 fpu\n")
+        "flags\t\t: bmi2 fma avx2 avx sse2 fpu\n"
+    )
     # this host: its own /proc/cpuinfo flags line is in the environment of every key
     assert executables.environment()["cpu_features"] == executables.cpu_features(
-        executables._cpu_flags_line())
+        executables._cpu_flags_line()
+    )
     program = {"config": "tiny", "shape": "16x0"}
     keys = {}
     monkeypatch.setitem(executables._memo, "cpu", "")  # undone after the test: the real memo

@@ -20,8 +20,12 @@ def _logits(rows: int, scale: float, seed: int = 0) -> jax.Array:
 
 
 def _check(logits, temperature, top_k, top_p, candidates):
-    args = (jnp.asarray(logits, jnp.float32), jnp.asarray(temperature, jnp.float32),
-            jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
+    args = (
+        jnp.asarray(logits, jnp.float32),
+        jnp.asarray(temperature, jnp.float32),
+        jnp.asarray(top_k, jnp.int32),
+        jnp.asarray(top_p, jnp.float32),
+    )
     got = np.asarray(_fast(*args, candidates=candidates))
     want = np.asarray(_ref(*args))
     filters = (np.asarray(top_k) > 0) & (np.asarray(top_k) < V) | (np.asarray(top_p) < 1)

@@ -15,8 +15,15 @@ from tokenspeed_jax.models import tiny_random_config
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.runtime.state import bytes_per_page, init_state, pages_from_memory
 
-SMALL = dict(page_size=4, num_pages=96, max_batch_requests=4, max_scheduled_tokens=32,
-             max_context_len=96, compile_cache_dir=False, debug_checks=True)
+SMALL = dict(
+    page_size=4,
+    num_pages=96,
+    max_batch_requests=4,
+    max_scheduled_tokens=32,
+    max_context_len=96,
+    compile_cache_dir=False,
+    debug_checks=True,
+)
 RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (9, 30, 17, 45)]
 GREEDY = SamplingParams(max_tokens=12, logprobs=True, prompt_logprobs=True, ignore_eos=True)
@@ -26,8 +33,7 @@ GREEDY = SamplingParams(max_tokens=12, logprobs=True, prompt_logprobs=True, igno
 PROMPT_LOGPROB_TOL = {"int8": (0.15, 0.04), "fp8_e4m3": (0.6, 0.15)}
 
 
-def _run(kv: str, prompts: list = PROMPTS, params: SamplingParams = GREEDY, **kw
-         ) -> tuple[LLM, list]:
+def _run(kv: str, prompts: list = PROMPTS, params: SamplingParams = GREEDY, **kw) -> tuple[LLM, list]:
     llm = LLM("tiny-random", kv_cache_dtype=kv, **{**SMALL, **kw})
     outs = llm.generate(prompts, params)
     st = llm.stats()
@@ -47,8 +53,12 @@ def float_run():
 
 
 def _prompt_diffs(a, b) -> list[float]:
-    return [abs(x - y) for oa, ob in zip(a, b, strict=True)
-            for x, y in zip(oa.prompt_logprobs, ob.prompt_logprobs, strict=True) if x is not None]
+    return [
+        abs(x - y)
+        for oa, ob in zip(a, b, strict=True)
+        for x, y in zip(oa.prompt_logprobs, ob.prompt_logprobs, strict=True)
+        if x is not None
+    ]
 
 
 def _prompt_diff(a, b) -> float:
@@ -76,8 +86,10 @@ def test_quantized_cache_close_to_float(kv, float_run):
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
 def test_pallas_reads_the_cache_the_reference_reads(kv, max_logprob_diff):
     """Kernel (interpret mode, int8 / fp8 pools, f16 scales) == reference (bits pools)."""
-    few = dict(prompts=PROMPTS[1:3], params=SamplingParams(max_tokens=6, logprobs=True,
-                                                           prompt_logprobs=True, ignore_eos=True))
+    few = dict(
+        prompts=PROMPTS[1:3],
+        params=SamplingParams(max_tokens=6, logprobs=True, prompt_logprobs=True, ignore_eos=True),
+    )
     _, ref = _run(kv, attention_backend="reference", **few)
     llm, pal = _run(kv, attention_backend="pallas", **few)
     assert llm.engine.runner.state.caches[0]["k_scale"].dtype == jnp.float16
@@ -96,10 +108,15 @@ def test_scan_layers_quantized_same_tokens(max_logprob_diff):
 
 def _smollm2_like() -> ModelConfig:
     """SmolLM2-135M's attention shape (30 layers, 3 KV heads of 64), no conv layers."""
-    return tiny_random_config(num_attention_heads=9,
-                              num_key_value_heads=3, head_dim=64, hidden_size=576,
-                              layer_types=("full_attention",) * 30, sliding_window=None,
-                              dtype="bfloat16")
+    return tiny_random_config(
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        hidden_size=576,
+        layer_types=("full_attention",) * 30,
+        sliding_window=None,
+        dtype="bfloat16",
+    )
 
 
 def test_same_memory_holds_about_twice_the_pages():
@@ -114,13 +131,22 @@ def test_same_memory_holds_about_twice_the_pages():
         def memory_stats(self):
             return {"bytes_limit": 1 << 30, "bytes_in_use": 0}
 
-    pages = {kv: pages_from_memory(cfg, lg, bs, device=Device(), kv_cache_dtype=kv)
-             for kv in ("auto", "int8")}
+    pages = {
+        kv: pages_from_memory(cfg, lg, bs, device=Device(), kv_cache_dtype=kv) for kv in ("auto", "int8")
+    }
     assert pages["int8"] >= 1.9 * pages["auto"], pages
-    f32 = bytes_per_page(tiny_random_config(num_attention_heads=9,
-                                            num_key_value_heads=3, head_dim=64,
-                                            hidden_size=576, sliding_window=None,
-                                            layer_types=("full_attention",) * 30), lg, bs)
+    f32 = bytes_per_page(
+        tiny_random_config(
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            hidden_size=576,
+            sliding_window=None,
+            layer_types=("full_attention",) * 30,
+        ),
+        lg,
+        bs,
+    )
     assert f32 / int8 >= 3.8
     st = init_state(cfg, lg, bs, (8,), num_pages=5, max_live_requests=2, kv_cache_dtype="int8")
     assert st.caches[0]["k"].dtype == jnp.int8 and st.caches[0]["v_scale"].dtype == jnp.float16
@@ -133,7 +159,7 @@ def test_bad_kv_cache_dtype_is_refused():
 
 
 def test_fp8_pages_on_a_gpu_without_fp8_are_refused(monkeypatch):
-    from tokenspeed_jax.runtime import runner
+    from tokenspeed_jax.runtime import backends
 
     class Device:
         compute_capability = "8.0"  # A100: no fp8 conversions in hardware
@@ -141,10 +167,10 @@ def test_fp8_pages_on_a_gpu_without_fp8_are_refused(monkeypatch):
     class Mesh:
         devices = np.array([Device()])
 
-    monkeypatch.setattr(runner.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
     with pytest.raises(ValueError, match=r"fp8_e4m3.*compute capability >= 8\.9.*8\.0"):
-        runner._check_fp8_support("fp8_e4m3", "pallas", Mesh())
-    runner._check_fp8_support("int8", "pallas", Mesh())  # int8 pages run anywhere
-    runner._check_fp8_support("fp8_e4m3", "reference", Mesh())  # XLA converts in software
+        backends.check_fp8_support("fp8_e4m3", "pallas", Mesh())
+    backends.check_fp8_support("int8", "pallas", Mesh())  # int8 pages run anywhere
+    backends.check_fp8_support("fp8_e4m3", "reference", Mesh())  # XLA converts in software
     Device.compute_capability = "9.0"  # H100 / H200
-    runner._check_fp8_support("fp8_e4m3", "pallas", Mesh())
+    backends.check_fp8_support("fp8_e4m3", "pallas", Mesh())

@@ -19,8 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner loop; CI runs it
 
-SMALL = dict(page_size=4, num_pages=96, max_batch_requests=4, max_scheduled_tokens=16,
-             max_context_len=64)
+SMALL = dict(page_size=4, num_pages=96, max_batch_requests=4, max_scheduled_tokens=16, max_context_len=64)
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=8)  # tp=8 needs 8 q heads
 
 
@@ -49,7 +48,8 @@ def _worker() -> dict:
         runner = llm.engine.runner
         k = runner.state.caches[0]["k"]
         out["runs"][name] = {
-            "tokens": [o.token_ids for o in outs], "logprobs": [o.logprobs for o in outs],
+            "tokens": [o.token_ids for o in outs],
+            "logprobs": [o.logprobs for o in outs],
             "pool": [list(k.shape), sorted({tuple(s.data.shape) for s in k.addressable_shards})],
         }
         return llm
@@ -74,14 +74,16 @@ def _worker() -> dict:
 @pytest.fixture(scope="module")
 def result() -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name,base", [("tiny_tp4", "tiny_tp1"), ("wide_tp8", "wide_tp1"),
-                                       ("tiny_tp4_pallas", "tiny_tp1_pallas")])
+@pytest.mark.parametrize(
+    "name,base", [("tiny_tp4", "tiny_tp1"), ("wide_tp8", "wide_tp1"), ("tiny_tp4_pallas", "tiny_tp1_pallas")]
+)
 def test_replicated_kv_heads_match_one_device(result, name, base, max_logprob_diff):
     a, b = result["runs"][base], result["runs"][name]
     assert b["tokens"] == a["tokens"]

@@ -30,11 +30,13 @@ def setup():
 
 def make_runner(setup, scan: bool) -> ModelRunner:
     cfg, model = setup
-    sched = SchedulerConfig(num_pages=80, page_size=4, max_batch_requests=3,
-                            max_scheduled_tokens=16, max_context_len=48)
+    sched = SchedulerConfig(
+        num_pages=80, page_size=4, max_batch_requests=3, max_scheduled_tokens=16, max_context_len=48
+    )
     layout = cache_layout(sched, cfg, conv_page_size=2)
-    return ModelRunner(prepare(cfg, model), layout, backend="reference", min_token_bucket=16,
-                       scan_layers=scan)
+    return ModelRunner(
+        prepare(cfg, model), layout, backend="reference", min_token_bucket=16, scan_layers=scan
+    )
 
 
 def test_layer_runs_split_on_structure_and_group(setup):
@@ -60,8 +62,7 @@ def test_split_stacks_params_and_leaves_the_model_whole(setup):
 
 def run_engine(runner: ModelRunner, prompts, max_tokens=7):
     eng = Engine(runner.layout.scheduler_config, runner, vocab_size=256, async_scheduling=True)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True,
-                            prompt_logprobs=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True, prompt_logprobs=True)
     for p in prompts:
         eng.add_request(p, params)
     outs = {}
@@ -82,8 +83,7 @@ def test_scan_serves_the_same_tokens_logprobs_and_pages(setup, max_logprob_diff)
     plain, scanned = got[False][0], got[True][0]
     assert [o.token_ids for o in scanned] == [o.token_ids for o in plain]
     assert max_logprob_diff([o.logprobs for o in scanned], [o.logprobs for o in plain]) < 1e-5
-    assert max_logprob_diff([o.prompt_logprobs for o in scanned],
-                            [o.prompt_logprobs for o in plain]) < 1e-5
+    assert max_logprob_diff([o.prompt_logprobs for o in scanned], [o.prompt_logprobs for o in plain]) < 1e-5
     mirrors = [r.host_mirrors() for _, r in got.values()]
     for a, b in zip(*mirrors, strict=True):
         np.testing.assert_array_equal(a, b)  # the same page ids, group by group
@@ -105,9 +105,11 @@ def test_scanned_program_traces_one_layer_per_run(setup):
         # func in the module); count the products of the layers themselves (XLA dots, or the
         # native matmul's custom calls on a CPU with tile-major weights)
         funcs = runner._lower(shape).as_text().split("func.func")
-        counts[scan] = sum(f.count("dot_general") + f.count("tokenspeed_block_matmul")
-                           for f in funcs
-                           if not f.lstrip().startswith("private @paged_attention_reference"))
+        counts[scan] = sum(
+            f.count("dot_general") + f.count("tokenspeed_block_matmul")
+            for f in funcs
+            if not f.lstrip().startswith("private @paged_attention_reference")
+        )
     # plain: q, k, v, o and the MLP's 3 per attention layer, in_proj / out_proj + MLP per conv
     # layer, all unrolled; scanned: one body per run (4 runs, 8 layers)
     assert counts[True] < counts[False]

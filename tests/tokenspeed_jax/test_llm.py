@@ -64,8 +64,7 @@ def test_a_lone_decode_runs_on_one_row_same_tokens(bucket, ladder):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     both = llm.generate(prompts, sp)  # three decodes a step: bucket 4 (1) or 16 (None)
-    assert [o.token_ids for o in both] == [sixteen.generate([p], sp)[0].token_ids
-                                           for p in prompts]
+    assert [o.token_ids for o in both] == [sixteen.generate([p], sp)[0].token_ids for p in prompts]
     llm.engine.runner.programs.wait_background()
     assert 1 in {s.bucket for s in llm.engine.runner.programs.ready}
     with pytest.raises(ValueError, match="min_token_bucket"):
@@ -78,19 +77,21 @@ def test_generated_logprobs_match_teacher_forced_prompt_logprobs(big):
     full = prompt + out.token_ids
     again = big.generate([full], SamplingParams(max_tokens=1, prompt_logprobs=True))[0]
     assert again.prompt_logprobs[0] is None and len(again.prompt_logprobs) == len(full)
-    np.testing.assert_allclose(again.prompt_logprobs[len(prompt):], out.logprobs, atol=1e-4)
+    np.testing.assert_allclose(again.prompt_logprobs[len(prompt) :], out.logprobs, atol=1e-4)
 
 
 def test_seed_reproduces_whatever_the_batch(big):
     prompts = _prompts(4, seed=5)
-    sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234,
-                        ignore_eos=True)
+    sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
     alone = big.generate([prompts[0]], sp)[0].token_ids
-    crowd = big.generate(prompts, [sp] + [SamplingParams(max_tokens=10, temperature=0.7,
-                                                         ignore_eos=True)] * 3)
+    crowd = big.generate(
+        prompts, [sp] + [SamplingParams(max_tokens=10, temperature=0.7, ignore_eos=True)] * 3
+    )
     assert crowd[0].token_ids == alone
-    other = big.generate([prompts[0]], SamplingParams(max_tokens=10, temperature=1.0, top_k=50,
-                                                      top_p=0.9, seed=99, ignore_eos=True))[0]
+    other = big.generate(
+        [prompts[0]],
+        SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=99, ignore_eos=True),
+    )[0]
     assert other.token_ids != alone
 
 
@@ -99,20 +100,24 @@ def test_string_prompts_and_stop_tokens(big):
     assert out.prompt_token_ids[0] == big.tokenizer.bos_token_id and len(out.token_ids) == 8
     assert isinstance(out.text, str)
     stop = out.token_ids[3]
-    cut = big.generate("Hello, paged world!", SamplingParams(max_tokens=8, stop_token_ids=(stop,),
-                                                             ignore_eos=True))[0]
+    cut = big.generate(
+        "Hello, paged world!", SamplingParams(max_tokens=8, stop_token_ids=(stop,), ignore_eos=True)
+    )[0]
     first = out.token_ids.index(stop)
-    assert cut.finish_reason == "stop" and cut.token_ids == out.token_ids[:first + 1]
+    assert cut.finish_reason == "stop" and cut.token_ids == out.token_ids[: first + 1]
 
 
-@pytest.mark.parametrize("prompt,params,match", [
-    ([], SamplingParams(), "empty prompt"),
-    ([1, 2, 100000], SamplingParams(), "outside the vocabulary"),
-    ([1, -3], SamplingParams(), "outside the vocabulary"),
-    ([1] * 90, SamplingParams(max_tokens=10), "max_context_len"),
-    ([1, 2], SamplingParams(stop_token_ids=[100000]), "stop token id 100000 outside"),
-    ([1, 2], SamplingParams(logit_bias={100000: 1.0}), "logit_bias token id 100000 outside"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], SamplingParams(), "empty prompt"),
+        ([1, 2, 100000], SamplingParams(), "outside the vocabulary"),
+        ([1, -3], SamplingParams(), "outside the vocabulary"),
+        ([1] * 90, SamplingParams(max_tokens=10), "max_context_len"),
+        ([1, 2], SamplingParams(stop_token_ids=[100000]), "stop token id 100000 outside"),
+        ([1, 2], SamplingParams(logit_bias={100000: 1.0}), "logit_bias token id 100000 outside"),
+    ],
+)
 def test_bad_prompts_raise_and_engine_keeps_serving(big, prompt, params, match):
     before = big.stats()
     with pytest.raises(ValueError, match=match):
@@ -123,10 +128,16 @@ def test_bad_prompts_raise_and_engine_keeps_serving(big, prompt, params, match):
     assert len(big.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids) == 2
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"), (dict(top_k=0), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_k=0), "top_k"),
+    ],
+)
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -208,8 +219,7 @@ def test_stream_shows_what_the_output_reports(big):
             if state is None:
                 assert rid in finished
                 continue
-            assert state.start == len(got[0]) and state.num_generated == len(got[0]) + len(
-                state.token_ids)
+            assert state.start == len(got[0]) and state.num_generated == len(got[0]) + len(state.token_ids)
             assert len(state.logprobs) == len(state.top_logprobs) == len(state.token_ids)
             for acc, new in zip(got, (state.token_ids, state.logprobs, state.top_logprobs)):
                 acc += new
@@ -219,9 +229,9 @@ def test_stream_shows_what_the_output_reports(big):
     for rid, want in zip(rids, ref):
         out, (ids, lps, tops) = finished[rid], seen[rid]
         assert out.token_ids == want.token_ids
-        assert ids == out.token_ids[:len(ids)] and len(ids) >= len(out.token_ids) - 2
-        np.testing.assert_allclose(lps, out.logprobs[:len(lps)], atol=1e-6)
-        assert tops == out.top_logprobs[:len(tops)]
+        assert ids == out.token_ids[: len(ids)] and len(ids) >= len(out.token_ids) - 2
+        np.testing.assert_allclose(lps, out.logprobs[: len(lps)], atol=1e-6)
+        assert tops == out.top_logprobs[: len(tops)]
     assert engine.stream("no-such-request") is None
     assert engine.outstanding_tokens == 0
 
@@ -275,8 +285,7 @@ def test_generate_route_is_explicit(big):
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     prompts = _prompts(2, seed=4)
     load = big.generate(prompts, sp)
-    assert [o.token_ids for o in big.generate(prompts, sp, route="prefix")] == [
-        o.token_ids for o in load]
+    assert [o.token_ids for o in big.generate(prompts, sp, route="prefix")] == [o.token_ids for o in load]
     with pytest.raises(ValueError, match="route must be one of"):
         big.generate(prompts, sp, route="random")
     assert not big.engine.has_unfinished()

@@ -22,8 +22,12 @@ def test_matmul_equals_float32_dot_rounded(dtype, transposed, lead):
     got = matmul(x, w.T if transposed else w, w_transposed=transposed)
     want = (x.astype(jnp.float32) @ w.astype(jnp.float32)).astype(dtype)
     assert got.dtype == dtype and got.shape == (*lead, 48)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32),
+        np.asarray(want, np.float32),
+        rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's bf16 dot")

@@ -102,12 +102,7 @@ def test_paged_forward_matches_dense(setup, backend):
     dense_fn = jax.jit(model.dense)
     dense = {s: np.asarray(dense_fn(jnp.asarray(ids, jnp.int32))) for s, ids in seqs.items()}
     # Steps: (slot, num_tokens) per row; chunks both aligned and not, then decodes.
-    steps = [
-        [(0, 5), (2, 9)],
-        [(0, 7), (2, 1), (3, 6)],
-        [(3, 3), (0, 1), (2, 1)],
-        [(0, 4), (2, 3)],
-    ]
+    steps = [[(0, 5), (2, 9)], [(0, 7), (2, 1), (3, 6)], [(3, 3), (0, 1), (2, 1)], [(0, 4), (2, 3)]]
     state = init_state(cfg, lg, page_sizes, widths, num_pages=NUM_PAGES, max_live_requests=4)
     # Garbage everywhere except the null page: nothing may read an unwritten page.
     caches = jax.tree.map(lambda a: a.at[1:].set(jnp.nan), state.caches)
@@ -205,8 +200,16 @@ def test_write_idx_drops_holes_padding_and_columns_past_the_row():
     mirror = jnp.array([[0, 7, 3], [5, 0, 0]], jnp.int32)  # slot 0: hole at column 0
     rows = jnp.array([0, 1, 0, 0, 2, 3], jnp.int32)  # row 2: slot -1; row 3 = R: padding token
     positions = jnp.array([9, 1, 3, 24, 0, 0], jnp.int32)
-    batch = make_paged_batch((mirror,), jnp.array([0, 1, -1]), jnp.array([0, 4, 5, 6]),
-                             jnp.array([25, 2, 1]), positions, rows, page_sizes=(8,),
-                             num_pages=10, layer_groups=(0,))
+    batch = make_paged_batch(
+        (mirror,),
+        jnp.array([0, 1, -1]),
+        jnp.array([0, 4, 5, 6]),
+        jnp.array([25, 2, 1]),
+        positions,
+        rows,
+        page_sizes=(8,),
+        num_pages=10,
+        layer_groups=(0,),
+    )
     # slot 0 column 1 (page 7); slot 1 column 0 (page 5); hole; past W = 3; padding row; padding
     np.testing.assert_array_equal(np.asarray(batch.write_idx[0]), [57, 41, 80, 80, 80, 80])

@@ -56,8 +56,16 @@ def test_capacity_clamp_copies_2_0_3():
     assert list(out[2, 100:103]) == [5, 6, 7] and out[2].sum() == 18
     copies = [np.count_nonzero(out[i]) for i in range(3)]
     assert copies == [2, 0, 3]
-    assert oracle(table, [0, 1, 2], [400, 513, 100], [2, 1, 3], new, [False] * 3,
-                  np.zeros((3, width), np.int32), [0, 0, 0])[1] == [1]
+    assert oracle(
+        table,
+        [0, 1, 2],
+        [400, 513, 100],
+        [2, 1, 3],
+        new,
+        [False] * 3,
+        np.zeros((3, width), np.int32),
+        [0, 0, 0],
+    )[1] == [1]
 
 
 def test_clamp_begin_512_size_4():
@@ -72,8 +80,9 @@ def test_clamp_begin_512_size_4():
         [0],
     )
     assert out[0, 512] == 700 and np.count_nonzero(out) == 1
-    assert oracle(np.zeros((1, 513)), [0], [512], [4], [[700, 701, 702, 703]], [False],
-                  np.zeros((1, 513)), [0])[1] == [0]
+    assert oracle(
+        np.zeros((1, 513)), [0], [512], [4], [[700, 701, 702, 703]], [False], np.zeros((1, 513)), [0]
+    )[1] == [0]
 
 
 def test_full_refresh_alias_regression_99_11_10():
@@ -150,26 +159,22 @@ S, W, B, N, W2, M = 5, 9, 4, 3, 9, 2
 
 @st.composite
 def ops(draw):
-    table = np.array(
-        draw(st.lists(st.integers(0, 50), min_size=S * W, max_size=S * W)), np.int32
-    ).reshape(S, W)
-    slots = draw(st.lists(st.integers(0, S - 1), min_size=B, max_size=B, unique=True))
-    slots = np.array(
-        [s if draw(st.booleans()) or i == 0 else -1 for i, s in enumerate(slots)], np.int32
+    table = np.array(draw(st.lists(st.integers(0, 50), min_size=S * W, max_size=S * W)), np.int32).reshape(
+        S, W
     )
+    slots = draw(st.lists(st.integers(0, S - 1), min_size=B, max_size=B, unique=True))
+    slots = np.array([s if draw(st.booleans()) or i == 0 else -1 for i, s in enumerate(slots)], np.int32)
     begins = np.array(draw(st.lists(st.integers(0, W + 2), min_size=B, max_size=B)), np.int32)
     sizes = np.array(draw(st.lists(st.integers(0, N + 1), min_size=B, max_size=B)), np.int32)
-    new = np.array(
-        draw(st.lists(st.integers(1, 99), min_size=B * N, max_size=B * N)), np.int32
-    ).reshape(B, N)
+    new = np.array(draw(st.lists(st.integers(1, 99), min_size=B * N, max_size=B * N)), np.int32).reshape(B, N)
     refresh = np.array(draw(st.lists(st.booleans(), min_size=B, max_size=B)))
-    rows = np.array(
-        draw(st.lists(st.integers(0, 99), min_size=B * W2, max_size=B * W2)), np.int32
-    ).reshape(B, W2)
+    rows = np.array(draw(st.lists(st.integers(0, 99), min_size=B * W2, max_size=B * W2)), np.int32).reshape(
+        B, W2
+    )
     row_lens = np.array(draw(st.lists(st.integers(0, W2), min_size=B, max_size=B)), np.int32)
-    holes = np.array(
-        draw(st.lists(st.integers(0, W + 1), min_size=B * M, max_size=B * M)), np.int32
-    ).reshape(B, M)
+    holes = np.array(draw(st.lists(st.integers(0, W + 1), min_size=B * M, max_size=B * M)), np.int32).reshape(
+        B, M
+    )
     return table, slots, begins, sizes, new, refresh, rows, row_lens, holes
 
 

@@ -28,8 +28,9 @@ def result() -> dict:
     return run_worker("core")
 
 
-@pytest.mark.parametrize("name,base", [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"),
-                                       ("tp2_scan", "tp1"), ("tp1_warm", "tp1")])
+@pytest.mark.parametrize(
+    "name,base", [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"), ("tp2_scan", "tp1"), ("tp1_warm", "tp1")]
+)
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
     check_same_outputs(result, name, base, max_logprob_diff)
 

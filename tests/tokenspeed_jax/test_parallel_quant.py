@@ -22,8 +22,15 @@ def result() -> dict:
     return run_worker("quant")
 
 
-@pytest.mark.parametrize("name,base", [("tp2_pallas", "tp1_pallas"), ("tp2_int8", "tp1_int8"),
-                                       ("tp2_w8a8", "tp1_w8a8"), ("tp2_q8_0", "tp1_q8_0")])
+@pytest.mark.parametrize(
+    "name,base",
+    [
+        ("tp2_pallas", "tp1_pallas"),
+        ("tp2_int8", "tp1_int8"),
+        ("tp2_w8a8", "tp1_w8a8"),
+        ("tp2_q8_0", "tp1_q8_0"),
+    ],
+)
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
     check_same_outputs(result, name, base, max_logprob_diff)
 

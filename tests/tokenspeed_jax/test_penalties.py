@@ -28,16 +28,18 @@ def test_apply_penalties_matches_the_formula():
     repetition = np.array([1.3, 1.0, 0.7], np.float32)
     ids = np.array([[1, 5, -1, -1], [-1] * 4, [0, 39, 7, -1]], np.int32)
     vals = np.array([[10, -3, 0, 0], [0] * 4, [2.5, -100, 1, 0]], np.float32)
-    got = np.asarray(apply_penalties(jnp.asarray(logits), counts, seen, presence, frequency,
-                                     repetition, ids, vals))
+    got = np.asarray(
+        apply_penalties(jnp.asarray(logits), counts, seen, presence, frequency, repetition, ids, vals)
+    )
     want = logits.copy()
     for i in range(r):
         for t, x in zip(ids[i], vals[i]):
             if t >= 0:
                 want[i, t] += x
         hit = seen[i] | (counts[i] > 0)
-        want[i] = np.where(hit, np.where(want[i] > 0, want[i] / repetition[i],
-                                         want[i] * repetition[i]), want[i])
+        want[i] = np.where(
+            hit, np.where(want[i] > 0, want[i] / repetition[i], want[i] * repetition[i]), want[i]
+        )
         want[i] -= frequency[i] * counts[i] + presence[i] * (counts[i] > 0)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
 
@@ -58,10 +60,16 @@ def test_penalty_state_counts_generated_and_marks_prompt():
     assert np.asarray(st.counts)[1].tolist() == [0, 0, 0, 0, 2, 0, 0, 0, 0, 0]
     assert np.flatnonzero(np.asarray(st.seen)[1]).tolist() == [2, 3]
     # a decode step (position 4, not fresh) adds to the counts instead of resetting
-    st = update_penalty_state(st, slots, np.array([5, 0], np.int32), np.array([0, 1, 1], np.int32),
-                              plen, np.array([7, 0, 0, 0, 0, 0], np.int32),
-                              np.array([4, 0, 0, 0, 0, 0], np.int32),
-                              np.array([0, r, r, r, r, r], np.int32))
+    st = update_penalty_state(
+        st,
+        slots,
+        np.array([5, 0], np.int32),
+        np.array([0, 1, 1], np.int32),
+        plen,
+        np.array([7, 0, 0, 0, 0, 0], np.int32),
+        np.array([4, 0, 0, 0, 0, 0], np.int32),
+        np.array([0, r, r, r, r, r], np.int32),
+    )
     assert np.asarray(st.counts)[1, [4, 7]].tolist() == [2, 1]
     assert not np.asarray(st.counts)[[0, 2]].any()
 
@@ -77,8 +85,14 @@ def test_top_logprobs_is_the_sorted_log_softmax():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny-random", num_pages=200, page_size=8, max_batch_requests=4,
-               max_scheduled_tokens=32, max_context_len=128)
+    return LLM(
+        "tiny-random",
+        num_pages=200,
+        page_size=8,
+        max_batch_requests=4,
+        max_scheduled_tokens=32,
+        max_context_len=128,
+    )
 
 
 PROMPT = [72, 105, 33]
@@ -110,8 +124,10 @@ def _predict(greedy, presence=0.0, frequency=0.0):
         assert scores[best] > top[-1][1], "penalized choice outside the top 20; pick another case"
         if best != g[k]:
             return k, best
-    pytest.fail("the fixture prompt no longer gives a greedy output where a penalty changes a "
-                "choice: pick another prompt (a skip here would hide the test for good)")
+    pytest.fail(
+        "the fixture prompt no longer gives a greedy output where a penalty changes a "
+        "choice: pick another prompt (a skip here would hide the test for good)"
+    )
 
 
 @pytest.mark.parametrize("kind", ["presence", "frequency"])
@@ -151,7 +167,7 @@ def test_top_logprobs_equal_the_dense_forwards_log_softmax(greedy):
     _, model = registry.load_builtin("tiny-random", seed=0)
     ids = PROMPT + greedy.token_ids
     padded = np.zeros(64, np.int32)
-    padded[:len(ids)] = ids  # causal: padding after the sequence changes nothing before it
+    padded[: len(ids)] = ids  # causal: padding after the sequence changes nothing before it
     logp = np.asarray(jax.nn.log_softmax(jax.jit(model.dense)(jnp.asarray(padded))))
     for j, top in enumerate(greedy.top_logprobs):
         row = logp[len(PROMPT) - 1 + j]

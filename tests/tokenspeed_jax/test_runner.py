@@ -157,8 +157,14 @@ def model_setup():
 
 
 def make_layout(setup, r, t, honor=True):
-    config = SchedulerConfig(num_pages=NUM_PAGES, page_size=PAGE, max_batch_requests=r,
-                             max_scheduled_tokens=t, max_context_len=CTX, max_live_requests=SLOTS)
+    config = SchedulerConfig(
+        num_pages=NUM_PAGES,
+        page_size=PAGE,
+        max_batch_requests=r,
+        max_scheduled_tokens=t,
+        max_context_len=CTX,
+        max_live_requests=SLOTS,
+    )
     return cache_layout(config, setup[0], conv_page_size=CONV_PAGE, honor_full_refresh=honor)
 
 

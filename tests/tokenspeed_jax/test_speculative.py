@@ -26,12 +26,19 @@ from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.runtime.device_ops import DeviceOps
 from tokenspeed_jax.runtime.spec_verify import verify_drafts
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # a pool tight enough that the 4-row batches below retract (decode_reserve_tokens=0)
-KW = dict(page_size=4, num_pages=48, max_batch_requests=4, max_scheduled_tokens=32,
-          max_context_len=256, max_prefill_chunk_tokens=12, compile_cache_dir=False,
-          debug_checks=True, decode_reserve_tokens=0)
+KW = dict(
+    page_size=4,
+    num_pages=48,
+    max_batch_requests=4,
+    max_scheduled_tokens=32,
+    max_context_len=256,
+    max_prefill_chunk_tokens=12,
+    compile_cache_dir=False,
+    debug_checks=True,
+    decode_reserve_tokens=0,
+)
 
 
 def _cycling(llm: LLM, on: bool = True) -> LLM:
@@ -42,11 +49,11 @@ def _cycling(llm: LLM, on: bool = True) -> LLM:
         r = e.runner
         if not hasattr(r, "_random_leaves"):
             r._random_leaves = list(r.param_leaves)
-        paths = [jax.tree_util.keystr(p)
-                 for p, _ in jax.tree_util.tree_flatten_with_path(r.params)[0]]
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(r.params)[0]]
         zero = ("o_proj", "down_proj", "out_proj")
-        r.param_leaves = [x * 0 if on and any(k in p for k in zero) else x
-                          for p, x in zip(paths, r._random_leaves)]
+        r.param_leaves = [
+            x * 0 if on and any(k in p for k in zero) else x for p, x in zip(paths, r._random_leaves)
+        ]
     return llm
 
 
@@ -74,8 +81,14 @@ def _prompts():
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 256, 16).tolist()  # a prefix hit for the later prompts
     motif = [11, 12, 13, 14, 15]
-    return [shared + motif * 3, shared + rng.integers(0, 256, 9).tolist(), motif * 4,
-            rng.integers(0, 256, 30).tolist(), [7, 7, 7, 7], shared + [1, 2, 3, 1, 2]]
+    return [
+        shared + motif * 3,
+        shared + rng.integers(0, 256, 9).tolist(),
+        motif * 4,
+        rng.integers(0, 256, 30).tolist(),
+        [7, 7, 7, 7],
+        shared + [1, 2, 3, 1, 2],
+    ]
 
 
 def _check_equal(a, b):
@@ -116,8 +129,10 @@ def test_stops_and_max_tokens_inside_accepted_runs(pair):
     base, spec = pair
     prompts = _prompts()
     ref = base.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
-    params = [SamplingParams(max_tokens=40, stop_token_ids=[r.token_ids[9 + i]], ignore_eos=True)
-              for i, r in enumerate(ref)]
+    params = [
+        SamplingParams(max_tokens=40, stop_token_ids=[r.token_ids[9 + i]], ignore_eos=True)
+        for i, r in enumerate(ref)
+    ]
     params += [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 3, 5, 6, 7, 9)]
     _check_equal(base.generate(prompts * 2, params), spec.generate(prompts * 2, params))
     _no_leak(spec)
@@ -141,8 +156,7 @@ def test_retraction_and_abort(pair):
     outs = {}
     while engine.has_unfinished():
         outs.update({o.request_id: o for o in engine.step()})
-    assert [outs[r].token_ids for r in (rids[0], rids[2], rids[3])] == [
-        ref[i].token_ids for i in (0, 2, 3)]
+    assert [outs[r].token_ids for r in (rids[0], rids[2], rids[3])] == [ref[i].token_ids for i in (0, 2, 3)]
     _no_leak(llm)
 
 
@@ -152,15 +166,19 @@ def test_sampled_runs_and_ineligible_requests(pair):
     logprobs or penalties do not speculate and match the engine without speculation exactly."""
     base, spec = pair
     prompts = _prompts()[:3]
-    hot = [SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
-           SamplingParams(max_tokens=30, temperature=1.3, top_k=5, seed=6, ignore_eos=True),
-           SamplingParams(max_tokens=30, temperature=0.5, seed=7, ignore_eos=True)]
+    hot = [
+        SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=1.3, top_k=5, seed=6, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.5, seed=7, ignore_eos=True),
+    ]
     before = spec.engine.stats()["spec_accepted_tokens"]
     _check_equal(base.generate(prompts, hot), spec.generate(prompts, hot))
     assert spec.engine.stats()["spec_accepted_tokens"] > before
-    plain = [SamplingParams(max_tokens=25, logprobs=True, ignore_eos=True),
-             SamplingParams(max_tokens=25, presence_penalty=0.5, ignore_eos=True),
-             SamplingParams(max_tokens=25, top_logprobs=2, logprobs=True, ignore_eos=True)]
+    plain = [
+        SamplingParams(max_tokens=25, logprobs=True, ignore_eos=True),
+        SamplingParams(max_tokens=25, presence_penalty=0.5, ignore_eos=True),
+        SamplingParams(max_tokens=25, top_logprobs=2, logprobs=True, ignore_eos=True),
+    ]
     before = spec.engine.stats()["spec_num_rows"]
     a, b = base.generate(prompts, plain), spec.generate(prompts, plain)
     _check_equal(a, b)
@@ -181,13 +199,16 @@ def test_propose_ngram():
     assert propose_ngram([9, 4, 5, 8, 4, 5], 2, 3, 3) == []  # n_min: no 3-gram recurs
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-    ({"method": "eagle"}, "method"),
-    ({"draft_model": "x"}, "unknown keys"),
-    ({"num_speculative_tokens": True}, "num_speculative_tokens"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "eagle"}, "method"),
+        ({"draft_model": "x"}, "unknown keys"),
+        ({"num_speculative_tokens": True}, "num_speculative_tokens"),
+    ],
+)
 def test_bad_config(bad, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.parse(bad)
@@ -196,12 +217,14 @@ def test_bad_config(bad, match):
 
 
 def test_config_limits():
-    state = PagedCacheGroupSpec.make("state", "sliding_window", page_size=4,
-                                     sliding_window_tokens=2, family="state")
+    state = PagedCacheGroupSpec.make(
+        "state", "sliding_window", page_size=4, sliding_window_tokens=2, family="state"
+    )
     with pytest.raises(ValueError, match="recurrent-state"):
         SchedulerConfig(num_pages=8, groups=[state], speculative=SPEC)
-    conv = PagedCacheGroupSpec.make("conv", "sliding_window", page_size=4,
-                                    sliding_window_tokens=3, live_tail_alloc=True)
+    conv = PagedCacheGroupSpec.make(
+        "conv", "sliding_window", page_size=4, sliding_window_tokens=3, live_tail_alloc=True
+    )
     SchedulerConfig(num_pages=8, groups=[conv], speculative=dict(SPEC, num_speculative_tokens=4))
     with pytest.raises(ValueError, match="live-tail"):
         SchedulerConfig(num_pages=8, groups=[conv], speculative=dict(SPEC, num_speculative_tokens=5))
@@ -213,14 +236,21 @@ def _ops(rows_tokens, drafts_per_row, temperature=0.0, seeds=None):
     logits rows, see `_verify`)."""
     n = len(rows_tokens)
     cu = np.concatenate([[0], np.cumsum([len(t) for t in rows_tokens])]).astype(np.int32)
-    given = {"draft_lens": jnp.asarray(drafts_per_row, jnp.int32), "cu_q_lens": jnp.asarray(cu),
-             "token_ids": jnp.asarray(np.concatenate(rows_tokens), jnp.int32),
-             "temperature": jnp.full((n,), temperature, jnp.float32),
-             "top_k": jnp.full((n,), -1, jnp.int32), "top_p": jnp.ones((n,), jnp.float32),
-             "seeds": jnp.asarray(np.arange(n) if seeds is None else seeds, jnp.uint32),
-             "sample_index": jnp.zeros((n,), jnp.int32)}
-    unused = {f.name: jnp.zeros((n,), jnp.int32) for f in dataclasses.fields(DeviceOps)
-              if f.name not in given and f.name != "groups"}  # verify_drafts never reads them
+    given = {
+        "draft_lens": jnp.asarray(drafts_per_row, jnp.int32),
+        "cu_q_lens": jnp.asarray(cu),
+        "token_ids": jnp.asarray(np.concatenate(rows_tokens), jnp.int32),
+        "temperature": jnp.full((n,), temperature, jnp.float32),
+        "top_k": jnp.full((n,), -1, jnp.int32),
+        "top_p": jnp.ones((n,), jnp.float32),
+        "seeds": jnp.asarray(np.arange(n) if seeds is None else seeds, jnp.uint32),
+        "sample_index": jnp.zeros((n,), jnp.int32),
+    }
+    unused = {
+        f.name: jnp.zeros((n,), jnp.int32)
+        for f in dataclasses.fields(DeviceOps)
+        if f.name not in given and f.name != "groups"
+    }  # verify_drafts never reads them
     return DeviceOps(**given, **unused, groups=())
 
 
@@ -270,11 +300,14 @@ def test_verify_sampling_keeps_the_target_distribution():
 
 
 # ---------------------------------------------------------------------- the CLI flag
-@pytest.mark.parametrize("argv", [
-    ["run", "--speculative-config", '{"num_speculative_tokens": 0}'],
-    ["serve", "--speculative-config", "not json"],
-    ["run", "--speculative-config", '{"method": "medusa"}'],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--speculative-config", '{"num_speculative_tokens": 0}'],
+        ["serve", "--speculative-config", "not json"],
+        ["run", "--speculative-config", '{"method": "medusa"}'],
+    ],
+)
 def test_cli_bad_speculative_config(capsys, argv):
     from tokenspeed_jax import cli
 
@@ -322,8 +355,13 @@ def _bucket_log(llm):
     def logged(ops, *a):
         n = ops.num_seqs
         drafts = int(ops.draft_lens[:n].sum())
-        log.append((runner.shapes.step_shape(ops).bucket, drafts, bool(ops.sample_mask[:n].all())
-                    and int(ops.num_tokens) == n + drafts))
+        log.append(
+            (
+                runner.shapes.step_shape(ops).bucket,
+                drafts,
+                bool(ops.sample_mask[:n].all()) and int(ops.num_tokens) == n + drafts,
+            )
+        )
         return dispatch(ops, *a)
 
     runner.dispatch = logged

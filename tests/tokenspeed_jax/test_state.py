@@ -50,8 +50,10 @@ def test_pages_from_memory():
     # the fixed-size state (mirrors, last tokens, penalty statistics) comes out of the budget
     fixed = fixed_state_bytes(CFG, (5, 3, 7), 8)
     assert fixed == 8 * (4 * 15 + 4 + 5 * CFG.vocab_size)
-    assert pages_from_memory(CFG, LG, BS, device=dev, memory_fraction=0.5,
-                             reserved_bytes=fixed) == (400 * per - fixed) // per
+    assert (
+        pages_from_memory(CFG, LG, BS, device=dev, memory_fraction=0.5, reserved_bytes=fixed)
+        == (400 * per - fixed) // per
+    )
     cpu = pages_from_memory(CFG, LG, BS, device=FakeDevice(None))
     assert 2 <= cpu <= CPU_POOL_BUDGET_BYTES // per
     assert pages_from_memory(CFG, LG, BS) >= 2  # the real (CPU) device

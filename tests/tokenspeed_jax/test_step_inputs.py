@@ -16,9 +16,16 @@ from tokenspeed_jax.runtime.step_inputs import layout_for, pack, unpack
 
 def _random_ops(rng, r=5, t=24, layouts=((16, 8, 2), (8, 12, 3))) -> StepOps:
     """A StepOps with random values in every device field (u32 seeds above 2^31, bools)."""
+
     def arr(axis, dtype, width=0, delta=0):
-        shape = {"row": (r,), "row+1": (r + 1,), "token": (t,), "row,delta": (r, delta),
-                 "row,width": (r, width), "row,bias": (r, LOGIT_BIAS_WIDTH)}[axis]
+        shape = {
+            "row": (r,),
+            "row+1": (r + 1,),
+            "token": (t,),
+            "row,delta": (r, delta),
+            "row,width": (r, width),
+            "row,bias": (r, LOGIT_BIAS_WIDTH),
+        }[axis]
         if dtype == "f32":
             return rng.standard_normal(shape).astype(np.float32)
         if dtype == "bool":
@@ -29,16 +36,17 @@ def _random_ops(rng, r=5, t=24, layouts=((16, 8, 2), (8, 12, 3))) -> StepOps:
 
     groups = tuple(
         GroupStepOps(**{n: arr(a, d, width=w, delta=dl) for n, a, d in device_schema(GroupStepOps)})
-        for _, w, dl in layouts)
+        for _, w, dl in layouts
+    )
     fields = {n: arr(a, d) for n, a, d in device_schema(StepOps)}
-    return StepOps(num_seqs=r, num_tokens=t, request_ids=tuple(f"r{i}" for i in range(r)),
-                   groups=groups, **fields)
+    return StepOps(
+        num_seqs=r, num_tokens=t, request_ids=tuple(f"r{i}" for i in range(r)), groups=groups, **fields
+    )
 
 
 def test_schema_covers_every_array_field():
     """Every numpy field of StepOps / GroupStepOps is tagged (nothing silently stays host-side)."""
-    for cls, host in ((StepOps, {"num_seqs", "num_tokens", "request_ids", "groups"}),
-                      (GroupStepOps, set())):
+    for cls, host in ((StepOps, {"num_seqs", "num_tokens", "request_ids", "groups"}), (GroupStepOps, set())):
         tagged = {n for n, _, _ in device_schema(cls)}
         assert tagged | host == {f.name for f in dataclasses.fields(cls)}
 
@@ -61,8 +69,7 @@ def test_pack_unpack_roundtrip_exact(bucket, cols):
             want = getattr(grp, name)
             if axis == "row,width":
                 want = want[:, : cols[g]]
-            np.testing.assert_array_equal(np.asarray(getattr(got.groups[g], name)), want,
-                                          err_msg=name)
+            np.testing.assert_array_equal(np.asarray(getattr(got.groups[g], name)), want, err_msg=name)
 
 
 def test_device_ops_fields_are_the_schema():
@@ -72,13 +79,19 @@ def test_device_ops_fields_are_the_schema():
     names = [f.name for f in dataclasses.fields(DeviceOps)]
     assert names == [n for n, _, _ in device_schema(StepOps)] + ["groups"]
     assert [f.name for f in dataclasses.fields(DeviceGroupOps)] == [
-        n for n, _, _ in device_schema(GroupStepOps)]
+        n for n, _, _ in device_schema(GroupStepOps)
+    ]
 
 
 def test_kv_levels_ladder():
     # one group, 256 columns of 16 tokens (4096 tokens), shortest level 256 tokens
     assert kv_levels((256,), (16,), 256) == (
-        (256, (16,)), (512, (32,)), (1024, (64,)), (2048, (128,)), (4096, (256,)))
+        (256, (16,)),
+        (512, (32,)),
+        (1024, (64,)),
+        (2048, (128,)),
+        (4096, (256,)),
+    )
     # capacity not a power of two: the last level is the full width
     assert kv_levels((30,), (16,), 128)[-1] == (480, (30,))
     # groups of different page sizes cut at the same token count; a narrow group saturates
@@ -95,17 +108,25 @@ def test_shape_policy_warmup_levels():
         policy.warmup_levels(0)
     pallas = ShapePolicy.build((64,), (16,), 64, backend="pallas")
     assert pallas.kv_levels == ((1024, (64,)),) and len(pallas.shape_keys) == 3
-    padding = Scheduler(SchedulerConfig(num_pages=8, max_batch_requests=2, max_context_len=64,
-                                        max_scheduled_tokens=64)).padding_ops()
+    padding = Scheduler(
+        SchedulerConfig(num_pages=8, max_batch_requests=2, max_context_len=64, max_scheduled_tokens=64)
+    ).padding_ops()
     assert policy.warmup_shapes(padding, 300) == tuple(
-        StepShape(b, lv) for b in (16, 32, 64) for lv in (0, 1))
+        StepShape(b, lv) for b in (16, 32, 64) for lv in (0, 1)
+    )
 
 
 def test_runner_kv_bucket_follows_the_longest_row():
     from tokenspeed_jax import LLM
 
-    llm = LLM("tiny-random", num_pages=256, max_batch_requests=4, max_scheduled_tokens=64,
-              max_context_len=1024, attention_backend="reference")
+    llm = LLM(
+        "tiny-random",
+        num_pages=256,
+        max_batch_requests=4,
+        max_scheduled_tokens=64,
+        max_context_len=1024,
+        attention_backend="reference",
+    )
     runner = llm.engine.runner
     shapes = runner.shapes
     assert [t for t, _ in shapes.kv_levels] == [256, 512, 1024]
@@ -115,7 +136,14 @@ def test_runner_kv_bucket_follows_the_longest_row():
     sched.add_request("a", [5] * 300, 4)
     ops = sched.schedule()
     assert shapes.kv_levels[shapes.kv_level_for(ops)][0] == 512  # 300 tokens -> the 512 level
-    sched2 = Scheduler(SchedulerConfig(num_pages=64, max_batch_requests=4, max_context_len=1024,
-                                       groups=cfg.groups, max_scheduled_tokens=64))
+    sched2 = Scheduler(
+        SchedulerConfig(
+            num_pages=64,
+            max_batch_requests=4,
+            max_context_len=1024,
+            groups=cfg.groups,
+            max_scheduled_tokens=64,
+        )
+    )
     sched2.add_request("b", [5] * 10, 4)
     assert shapes.kv_levels[shapes.kv_level_for(sched2.schedule())][0] == 256

@@ -23,8 +23,9 @@ def _linears(net) -> list[Linear]:
     return [m for _, m in nnx.iter_graph(net) if isinstance(m, Linear)]
 
 
-@pytest.mark.parametrize("dtype,mode", [("bfloat16", None), ("float32", None),
-                                        ("bfloat16", "int8"), ("bfloat16", "q8_0")])
+@pytest.mark.parametrize(
+    "dtype,mode", [("bfloat16", None), ("float32", None), ("bfloat16", "int8"), ("bfloat16", "q8_0")]
+)
 def test_tiling_keeps_the_outputs(dtype, mode):
     """float32 / bf16 weights, int8 weight-only and Q8_0 blocks: every Linear and the tied table
     (vocab 256, a multiple of 16) re-laid; logits equal to rounding."""
@@ -70,11 +71,21 @@ def test_w8a8_and_odd_widths_stay_in_kn_layout():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_tiles_a_one_device_model(dtype):
     need_native("block_matmul")  # fails in CI ($TOKENSPEED_JAX_REQUIRE_NATIVE) if unbuilt
-    llm = LLM("tiny-random", dtype=dtype, page_size=4, num_pages=64, max_batch_requests=2,
-              max_scheduled_tokens=32, max_context_len=64, compile_cache_dir=False)
-    kernels = {jax.tree_util.keystr(p): x for p, x in
-               jax.tree_util.tree_leaves_with_path(llm.engine.runner.params)
-               if "kernel" in jax.tree_util.keystr(p)}
+    llm = LLM(
+        "tiny-random",
+        dtype=dtype,
+        page_size=4,
+        num_pages=64,
+        max_batch_requests=2,
+        max_scheduled_tokens=32,
+        max_context_len=64,
+        compile_cache_dir=False,
+    )
+    kernels = {
+        jax.tree_util.keystr(p): x
+        for p, x in jax.tree_util.tree_leaves_with_path(llm.engine.runner.params)
+        if "kernel" in jax.tree_util.keystr(p)
+    }
     # all but the lm_head [64, 260]
     assert [k for k, x in kernels.items() if x.ndim == 2] == ["['lm_head']['kernel'].value"]
     assert len(kernels) > 12

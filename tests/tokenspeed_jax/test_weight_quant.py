@@ -22,8 +22,15 @@ from tokenspeed_jax.models.quant import (
     quantize_model,
 )
 
-SMALL = dict(page_size=4, num_pages=96, max_batch_requests=4, max_scheduled_tokens=32,
-             max_context_len=96, compile_cache_dir=False, attention_backend="reference")
+SMALL = dict(
+    page_size=4,
+    num_pages=96,
+    max_batch_requests=4,
+    max_scheduled_tokens=32,
+    max_context_len=96,
+    compile_cache_dir=False,
+    attention_backend="reference",
+)
 RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (9, 30, 17)]
 PARAMS = SamplingParams(max_tokens=8, prompt_logprobs=True, ignore_eos=True)
@@ -62,14 +69,16 @@ def test_qmatmul_modes_match_numpy(lead, lowering):
     # the split lowering's bound: each activation kept to absmax / (2 * 254 * 127)
     bound = np.abs(x).max(-1, keepdims=True) / 64516 * (np.abs(qn) * sn).sum(0) + 1e-5
     for transposed in (False, True):  # the transposed form (a tied table [N, K]): same product
-        got = np.asarray(qmatmul(jnp.asarray(x), q.T if transposed else q, s, "int8",
-                                 q_transposed=transposed))
+        got = np.asarray(
+            qmatmul(jnp.asarray(x), q.T if transposed else q, s, "int8", q_transposed=transposed)
+        )
         assert got.shape == (*lead, 40)
         assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
     sx = np.abs(x).max(-1, keepdims=True) / 127  # w8a8: int8 activations per token, exact dot
     xq = np.round(x / sx)
-    np.testing.assert_allclose(np.asarray(qmatmul(jnp.asarray(x), q, s, "w8a8")),
-                               (xq @ qn) * sx * sn, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(qmatmul(jnp.asarray(x), q, s, "w8a8")), (xq @ qn) * sx * sn, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering")
@@ -112,14 +121,21 @@ def float_outputs():
 @pytest.mark.parametrize("mode", ["int8", "w8a8"])
 def test_llm_quantized_weights_close_to_float(mode, float_outputs):
     llm = LLM("tiny-random", quantization=mode, **SMALL)
-    kernels = {jax.tree_util.keystr(p): x for p, x in
-               jax.tree_util.tree_leaves_with_path(llm.engine.runner.params)
-               if "kernel" in jax.tree_util.keystr(p)}
-    assert kernels and all(x.dtype == (jnp.float32 if "scale" in k else jnp.int8)
-                           for k, x in kernels.items()), {k: x.dtype for k, x in kernels.items()}
+    kernels = {
+        jax.tree_util.keystr(p): x
+        for p, x in jax.tree_util.tree_leaves_with_path(llm.engine.runner.params)
+        if "kernel" in jax.tree_util.keystr(p)
+    }
+    assert kernels and all(
+        x.dtype == (jnp.float32 if "scale" in k else jnp.int8) for k, x in kernels.items()
+    ), {k: x.dtype for k, x in kernels.items()}
     outs = llm.generate(PROMPTS, PARAMS)
-    diffs = [abs(a - b) for o, f in zip(outs, float_outputs, strict=True)
-             for a, b in zip(o.prompt_logprobs, f.prompt_logprobs, strict=True) if a is not None]
+    diffs = [
+        abs(a - b)
+        for o, f in zip(outs, float_outputs, strict=True)
+        for a, b in zip(o.prompt_logprobs, f.prompt_logprobs, strict=True)
+        if a is not None
+    ]
     top, mean = TOL[mode]
     assert 0 < max(diffs) < top and np.mean(diffs) < mean, (max(diffs), np.mean(diffs))
     st = llm.stats()

@@ -33,8 +33,9 @@ class _OrderedEngine:
 
     def step(self) -> list[CompletionOutput]:
         rid, prompt = self.queue.pop(-1 if self.newest_first else 0)
-        return [CompletionOutput(request_id=rid, prompt_token_ids=prompt, token_ids=[7, 8],
-                                 finish_reason="stop")]
+        return [
+            CompletionOutput(request_id=rid, prompt_token_ids=prompt, token_ids=[7, 8], finish_reason="stop")
+        ]
 
     def stats(self) -> dict:
         return {"prefix_hit_rate": 0.0, "num_retractions": 0, "total_pages": 1}
@@ -58,8 +59,9 @@ class _FakeReplica:
     """What `Replicas` reads of an engine: load figures, a prefix match, add / step / stats."""
 
     def __init__(self, match: int = 0, unfinished: int = 0, outstanding: int = 0) -> None:
-        self.scheduler = SimpleNamespace(num_unfinished=unfinished,
-                                         prefix_match_tokens=lambda prompt: min(match, len(prompt)))
+        self.scheduler = SimpleNamespace(
+            num_unfinished=unfinished, prefix_match_tokens=lambda prompt: min(match, len(prompt))
+        )
         self.outstanding_tokens = outstanding
         self.added: list = []
         self.steps = 0
@@ -74,12 +76,23 @@ class _FakeReplica:
     def step(self) -> list[CompletionOutput]:
         self.steps += 1
         prompt, _, rid = self.added.pop(0)
-        return [CompletionOutput(request_id=rid, prompt_token_ids=list(getattr(prompt, "ids", prompt)),
-                                 token_ids=[1], finish_reason="length")]
+        return [
+            CompletionOutput(
+                request_id=rid,
+                prompt_token_ids=list(getattr(prompt, "ids", prompt)),
+                token_ids=[1],
+                finish_reason="length",
+            )
+        ]
 
     def stats(self) -> dict:
-        return {"free_pages": 3, "total_pages": 4, "prefix_hit_tokens": 1,
-                "prefix_query_tokens": 2, "async_scheduling": True}
+        return {
+            "free_pages": 3,
+            "total_pages": 4,
+            "prefix_hit_tokens": 1,
+            "prefix_query_tokens": 2,
+            "async_scheduling": True,
+        }
 
 
 def test_replicas_route_by_the_policy_asked_for():

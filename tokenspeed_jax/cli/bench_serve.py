@@ -33,24 +33,41 @@ from tokenspeed_jax.workloads.loadgen import run_level, summarize
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = Parser(prog="tokenspeed-jax bench serve", formatter_class=HelpFormatter,
-                description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default=None, help="server to load (default: start one in process "
-                   "from the engine flags below)")
+    p = Parser(
+        prog="tokenspeed-jax bench serve", formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--url",
+        default=None,
+        help="server to load (default: start one in process from the engine flags below)",
+    )
     p.add_argument("--served-model-name", default=None, help="model id to send (default: --model)")
-    p.add_argument("--request-rates", default="2,8,inf",
-                   help="comma-separated session arrival rates per second ('inf' = all at once)")
-    p.add_argument("--max-concurrency", default="64",
-                   help="comma-separated caps on requests in flight; each is run at every rate")
-    p.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson",
-                   help="inter-arrival times: exponential or constant")
+    p.add_argument(
+        "--request-rates",
+        default="2,8,inf",
+        help="comma-separated session arrival rates per second ('inf' = all at once)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        default="64",
+        help="comma-separated caps on requests in flight; each is run at every rate",
+    )
+    p.add_argument(
+        "--arrival",
+        choices=("poisson", "fixed"),
+        default="poisson",
+        help="inter-arrival times: exponential or constant",
+    )
     add_workload_args(p, sessions=16, turns=3, system_tokens=256, sessions_help="sessions per level")
-    p.add_argument("--slo-ttft-ms", type=float_at_least(0.0), default=2000.0,
-                   help="goodput SLO on time to first token")
-    p.add_argument("--slo-tpot-ms", type=float_at_least(0.0), default=200.0,
-                   help="goodput SLO on time per output token")
-    p.add_argument("--result-dir", default="bench-serve-results",
-                   help="where the JSON result and the PNG plots go")
+    p.add_argument(
+        "--slo-ttft-ms", type=float_at_least(0.0), default=2000.0, help="goodput SLO on time to first token"
+    )
+    p.add_argument(
+        "--slo-tpot-ms", type=float_at_least(0.0), default=200.0, help="goodput SLO on time per output token"
+    )
+    p.add_argument(
+        "--result-dir", default="bench-serve-results", help="where the JSON result and the PNG plots go"
+    )
     add_engine_args(p, num_pages=1024)
     return p
 
@@ -151,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         server = ServerThread(build_app(llm, model_name=model))
         t = time.perf_counter()
         server.wait_ready()
-        print(f"in-process server: {describe(llm, model)} (warm-up {time.perf_counter() - t:.1f}s)",
-              flush=True)
+        print(
+            f"in-process server: {describe(llm, model)} (warm-up {time.perf_counter() - t:.1f}s)", flush=True
+        )
         url = server.url
         vocab = min(256, llm.model_config.vocab_size)
     else:
@@ -160,25 +178,37 @@ def main(argv: list[str] | None = None) -> int:
         vocab = 256
     sampler = _PageSampler(url)
     levels, marks = [], []
-    head = (f"{'rate':>6} {'conc':>5} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} "
-            f"{'p99':>8} {'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'goodput':>8}")
+    head = (
+        f"{'rate':>6} {'conc':>5} {'done':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} "
+        f"{'p99':>8} {'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'goodput':>8}"
+    )
     print(head)
     try:
         for cap in caps:
             for rate in rates:
                 marks.append((time.perf_counter() - sampler.t0, f"rate={rate:g} conc={cap}"))
-                records, wall = asyncio.run(run_level(url, model, wl, rate=rate, vocab=vocab,
-                                                      max_concurrency=cap, arrival=args.arrival))
-                lv = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": cap,
-                      **summarize(records, wall, slo_ttft_s=args.slo_ttft_ms / 1e3,
-                                  slo_tpot_s=args.slo_tpot_ms / 1e3)}
+                records, wall = asyncio.run(
+                    run_level(
+                        url, model, wl, rate=rate, vocab=vocab, max_concurrency=cap, arrival=args.arrival
+                    )
+                )
+                lv = {
+                    "request_rate": "inf" if math.isinf(rate) else rate,
+                    "max_concurrency": cap,
+                    **summarize(
+                        records, wall, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3
+                    ),
+                }
                 levels.append(lv)
                 fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-                print(f"{rate:>6g} {cap:>5} {lv['completed']:>5} {lv['request_throughput']:>7.2f} "
-                      f"{lv['output_throughput']:>9.1f} {fmt(lv['ttft_ms_p50']):>9} "
-                      f"{fmt(lv['ttft_ms_p99']):>8} {fmt(lv['tpot_ms_p50']):>9} "
-                      f"{fmt(lv['tpot_ms_p99']):>7} {fmt(lv['itl_ms_p50']):>8} "
-                      f"{fmt(lv['itl_ms_p99']):>7} {lv['goodput']:>8.2f}", flush=True)
+                print(
+                    f"{rate:>6g} {cap:>5} {lv['completed']:>5} {lv['request_throughput']:>7.2f} "
+                    f"{lv['output_throughput']:>9.1f} {fmt(lv['ttft_ms_p50']):>9} "
+                    f"{fmt(lv['ttft_ms_p99']):>8} {fmt(lv['tpot_ms_p50']):>9} "
+                    f"{fmt(lv['tpot_ms_p99']):>7} {fmt(lv['itl_ms_p50']):>8} "
+                    f"{fmt(lv['itl_ms_p99']):>7} {lv['goodput']:>8.2f}",
+                    flush=True,
+                )
     finally:
         sampler.stop()
         if server is not None:
@@ -186,9 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.result_dir, exist_ok=True)
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "backend": "tokenspeed-jax" if args.url is None else "openai", "url": args.url,
-        "model": model, "arrival": args.arrival, "workload": {**vars(wl), "vocab": vocab},
-        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "levels": levels,
+        "backend": "tokenspeed-jax" if args.url is None else "openai",
+        "url": args.url,
+        "model": model,
+        "arrival": args.arrival,
+        "workload": {**vars(wl), "vocab": vocab},
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "levels": levels,
         "pages_over_time": [{"t": round(t, 3), **d} for t, d in sampler.samples],
     }
     path = os.path.join(args.result_dir, "bench_serve.json")

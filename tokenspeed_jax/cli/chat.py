@@ -40,7 +40,7 @@ def stream_reply(llm, prompt: list[int], params: SamplingParams, out: TextIO) ->
         if final is None:
             text = text.rstrip("\ufffd")
         if text.startswith(shown) and len(text) > len(shown):
-            out.write(text[len(shown):])
+            out.write(text[len(shown) :])
             out.flush()
             shown = text
     out.write("\n")

@@ -17,6 +17,7 @@ from tokenspeed_jax.engine_args import _at_least, int_at_least
 if TYPE_CHECKING:
     from tokenspeed_jax.engine_args import EngineArgs
 
+
 def float_at_least(lo: float) -> Callable[[str], float]:
     return _at_least(float, lo, "a number")
 
@@ -67,16 +68,22 @@ def preflight(args: EngineArgs, *, longest_request: int | None) -> str | None:
     ctx = default_context_len(model, cfg) if args.max_context_len is None else args.max_context_len
     total = ctx if longest_request is None else longest_request
     if total > ctx:
-        return (f"the longest request ({total} tokens) exceeds --max-context-len {ctx}: raise it "
-                f"or shorten the workload")
+        return (
+            f"the longest request ({total} tokens) exceeds --max-context-len {ctx}: raise it "
+            f"or shorten the workload"
+        )
     if args.num_pages is None:
         return None
-    layout = cache_layout(SchedulerConfig(num_pages=args.num_pages, page_size=args.page_size,
-                                          max_context_len=ctx), cfg,
-                          conv_page_size=args.conv_page_size)
+    layout = cache_layout(
+        SchedulerConfig(num_pages=args.num_pages, page_size=args.page_size, max_context_len=ctx),
+        cfg,
+        conv_page_size=args.conv_page_size,
+    )
     specs = list(layout.scheduler_config.groups or ())
     need = solo_peak_pages(specs, total, args.max_scheduled_tokens)
     if need > args.num_pages - 1:
-        return (f"--num-pages {args.num_pages}: a {total}-token request needs {need + 1} pages "
-                f"(page 0 is reserved); raise --num-pages or lower --max-context-len")
+        return (
+            f"--num-pages {args.num_pages}: a {total}-token request needs {need + 1} pages "
+            f"(page 0 is reserved); raise --num-pages or lower --max-context-len"
+        )
     return None

@@ -34,8 +34,20 @@ from tokenspeed_jax.cli.common import (
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
-BENCHMARKS = ("cache_core", "scheduler", "runtime", "kernels", "serve", "overlap", "startup",
-              "shape_ladder", "scan_layers", "vs_vllm", "step_profile", "soak")
+BENCHMARKS = (
+    "cache_core",
+    "scheduler",
+    "runtime",
+    "kernels",
+    "serve",
+    "overlap",
+    "startup",
+    "shape_ladder",
+    "scan_layers",
+    "vs_vllm",
+    "step_profile",
+    "soak",
+)
 
 
 def cmd_run(args) -> int:
@@ -50,12 +62,15 @@ def cmd_run(args) -> int:
     if not llm.is_leader:
         return follow(llm)
     load_s = time.perf_counter() - t0
-    print(f"tokenspeed-jax run: model={args.model} sessions={wl.sessions} turns={wl.turns} "
-          f"system_prompt={wl.system_tokens} tokens, pages={llm.stats()['total_pages']} "
-          f"replicas={len(llm.engines)} "
-          f"loop={'async' if llm.engine.async_scheduling else 'sync'} "
-          f"compile_cache={llm.compile_cache_dir or 'off'} "
-          f"(loaded in {load_s:.1f}s)", flush=True)
+    print(
+        f"tokenspeed-jax run: model={args.model} sessions={wl.sessions} turns={wl.turns} "
+        f"system_prompt={wl.system_tokens} tokens, pages={llm.stats()['total_pages']} "
+        f"replicas={len(llm.engines)} "
+        f"loop={'async' if llm.engine.async_scheduling else 'sync'} "
+        f"compile_cache={llm.compile_cache_dir or 'off'} "
+        f"(loaded in {load_s:.1f}s)",
+        flush=True,
+    )
     from tokenspeed_jax.workloads.chat_prompts import prompt_source_for
 
     text = prompt_source_for(llm.tokenizer)  # real chat-templated text when the model has a template
@@ -63,13 +78,19 @@ def cmd_run(args) -> int:
     # Synthetic prompts have known lengths: compile only the kv buckets they can reach. Real text
     # has not been tokenized yet, so every shape is compiled.
     ready = llm.warmup(max_kv_len=longest if text is None else None, progress=not args.no_progress)
-    print(f"{ready} step shapes ready in {time.perf_counter() - t1:.1f}s (before serving, so "
-          f"latencies below exclude XLA compilation)\n{startup_line(llm)}", flush=True)
+    print(
+        f"{ready} step shapes ready in {time.perf_counter() - t1:.1f}s (before serving, so "
+        f"latencies below exclude XLA compilation)\n{startup_line(llm)}",
+        flush=True,
+    )
     vocab = min(256, llm.model_config.vocab_size)
     if text is not None:
         wl = dataclasses.replace(wl, ignore_eos=False)
-        print(f"workload: real text through the model's chat template (first prompt "
-              f"{len(text.first(0))} tokens, shared system prompt), replies stop at EOS", flush=True)
+        print(
+            f"workload: real text through the model's chat template (first prompt "
+            f"{len(text.first(0))} tokens, shared system prompt), replies stop at EOS",
+            flush=True,
+        )
     report = run_workload(llm.engines, wl, vocab=vocab, progress=not args.no_progress, prompts=text)
     summary = report.summary()
     if args.json:
@@ -98,8 +119,7 @@ def cmd_warmup(args) -> int:
     if not llm.is_leader:
         return follow(llm)
     if llm.compile_cache_dir is None:
-        return fail("no writable compilation cache dir (see the warning above); pass "
-                    "--compile-cache-dir DIR")
+        return fail("no writable compilation cache dir (see the warning above); pass --compile-cache-dir DIR")
     load_s = time.perf_counter() - t0
     store = llm.executable_store
     before = store.num_entries() if store is not None else 0
@@ -107,15 +127,19 @@ def cmd_warmup(args) -> int:
     shapes = llm.warmup(progress=True)
     wall = time.perf_counter() - t1
     for rec in llm.startup_stats()["shapes"]:
-        print(f"  shape tokens={rec['bucket']:<5} kv_level={rec['level']} {rec['source']:<8} "
-              f"trace {rec['trace_s']:5.1f}s  XLA {rec['compile_s']:5.1f}s  "
-              f"read {rec['load_s']:4.2f}s")
+        print(
+            f"  shape tokens={rec['bucket']:<5} kv_level={rec['level']} {rec['source']:<8} "
+            f"trace {rec['trace_s']:5.1f}s  XLA {rec['compile_s']:5.1f}s  "
+            f"read {rec['load_s']:4.2f}s"
+        )
     after = store.num_entries() if store is not None else 0
-    print(f"tokenspeed-jax warmup: model={args.model} {shapes} step shapes in {wall:.1f}s "
-          f"(loaded in {load_s:.1f}s); executables {store.root if store else '-'}: {after} "
-          f"entries ({after - before} new); XLA cache {llm.compile_cache_dir}: "
-          f"{compile_cache.num_entries(llm.compile_cache_dir)} entries\n{startup_line(llm)}",
-          flush=True)
+    print(
+        f"tokenspeed-jax warmup: model={args.model} {shapes} step shapes in {wall:.1f}s "
+        f"(loaded in {load_s:.1f}s); executables {store.root if store else '-'}: {after} "
+        f"entries ({after - before} new); XLA cache {llm.compile_cache_dir}: "
+        f"{compile_cache.num_entries(llm.compile_cache_dir)} entries\n{startup_line(llm)}",
+        flush=True,
+    )
     return 0
 
 
@@ -124,8 +148,9 @@ def cmd_chat(args) -> int:
 
     llm = make_llm(args)
     print(f"tokenspeed-jax chat: model={args.model} (/reset: new conversation, /exit: quit)", flush=True)
-    chat_repl(llm, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
-              top_p=args.top_p)
+    chat_repl(
+        llm, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
+    )
     return 0
 
 
@@ -151,13 +176,18 @@ def cmd_serve(args) -> int:
     keys = resolve_keys(args.api_key)
     # the count only: keys never reach a log
     logging.getLogger("tokenspeed_jax.server").info(
-        "authentication: %s", f"{len(keys)} API key(s) required" if keys else "off (no --api-key)")
-    app = build_app(llm, model_name=args.served_model_name or args.model, api_keys=keys,
-                    metrics_require_key=args.metrics_require_key,
-                    max_request_bytes=args.max_request_bytes,
-                    max_queued_requests=args.max_queued_requests,
-                    request_timeout_s=args.request_timeout_s,
-                    shutdown_grace_s=args.shutdown_grace_s)
+        "authentication: %s", f"{len(keys)} API key(s) required" if keys else "off (no --api-key)"
+    )
+    app = build_app(
+        llm,
+        model_name=args.served_model_name or args.model,
+        api_keys=keys,
+        metrics_require_key=args.metrics_require_key,
+        max_request_bytes=args.max_request_bytes,
+        max_queued_requests=args.max_queued_requests,
+        request_timeout_s=args.request_timeout_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+    )
     drain.serve(app, args.host, args.port)  # returns once SIGTERM / Ctrl-C has drained it
     return 0
 
@@ -167,27 +197,50 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     shutdown."""
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port, default=8000, help="port to listen on")
-    serve.add_argument("--served-model-name", default=None,
-                       help="model id clients must send (default: --model)")
-    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on every route but /health "
-                            "(repeatable: any of the keys; default: $TOKENSPEED_JAX_API_KEY, "
-                            "else no authentication)")
-    serve.add_argument("--metrics-require-key", action="store_true",
-                       help="/metrics and /stats need the key too (default: open)")
-    serve.add_argument("--max-request-bytes", type=int_at_least(1),
-                       default=DEFAULT_MAX_REQUEST_BYTES,
-                       help="larger request bodies get 413 before they are parsed")
-    serve.add_argument("--max-queued-requests", type=int_at_least(0), default=None,
-                       help="503 + Retry-After for new requests while this many wait in the "
-                            "engine's queue (default: unlimited)")
-    serve.add_argument("--request-timeout-s", type=float_at_least(0.001), default=None,
-                       help="abort a request not finished after this many seconds: 504, or a "
-                            "final error event when streaming (default: no limit)")
-    serve.add_argument("--shutdown-grace-s", type=float_at_least(0.0),
-                       default=DEFAULT_SHUTDOWN_GRACE_S,
-                       help="on SIGTERM / Ctrl-C: refuse new requests (503), give those in "
-                            "flight this long to finish, abort the rest, exit 0")
+    serve.add_argument(
+        "--served-model-name", default=None, help="model id clients must send (default: --model)"
+    )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(repeatable: any of the keys; default: $TOKENSPEED_JAX_API_KEY, "
+        "else no authentication)",
+    )
+    serve.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="/metrics and /stats need the key too (default: open)",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int_at_least(1),
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies get 413 before they are parsed",
+    )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int_at_least(0),
+        default=None,
+        help="503 + Retry-After for new requests while this many wait in the "
+        "engine's queue (default: unlimited)",
+    )
+    serve.add_argument(
+        "--request-timeout-s",
+        type=float_at_least(0.001),
+        default=None,
+        help="abort a request not finished after this many seconds: 504, or a "
+        "final error event when streaming (default: no limit)",
+    )
+    serve.add_argument(
+        "--shutdown-grace-s",
+        type=float_at_least(0.0),
+        default=DEFAULT_SHUTDOWN_GRACE_S,
+        help="on SIGTERM / Ctrl-C: refuse new requests (503), give those in "
+        "flight this long to finish, abort the rest, exit 0",
+    )
 
 
 def cmd_bench(args) -> int:
@@ -198,8 +251,7 @@ def cmd_bench(args) -> int:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "benchmarks", f"{args.name}.py")
     if not os.path.exists(path):
-        print(f"benchmark script {path} not found (benchmarks live in the source checkout)",
-              file=sys.stderr)
+        print(f"benchmark script {path} not found (benchmarks live in the source checkout)", file=sys.stderr)
         return 2
     sys.argv = [path, *args.rest]
     runpy.run_path(path, run_name="__main__")
@@ -212,20 +264,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    run = sub.add_parser("run", help="serve a synthetic agentic workload on the default model",
-                         formatter_class=fmt)
+    run = sub.add_parser(
+        "run", help="serve a synthetic agentic workload on the default model", formatter_class=fmt
+    )
     add_engine_args(run, num_pages=1024)
-    add_workload_args(run, sessions=64, turns=4, system_tokens=384,
-                       sessions_help="concurrent sessions")
-    run.add_argument("--temperature", type=float_at_least(0.0), default=0.0,
-                     help="sampling temperature (0 = greedy)")
+    add_workload_args(run, sessions=64, turns=4, system_tokens=384, sessions_help="concurrent sessions")
+    run.add_argument(
+        "--temperature", type=float_at_least(0.0), default=0.0, help="sampling temperature (0 = greedy)"
+    )
     run.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
 
-    warm = sub.add_parser("warmup", help="compile every step shape into the persistent "
-                          "compilation cache (later run / serve with the same flags start warm)",
-                          formatter_class=fmt)
+    warm = sub.add_parser(
+        "warmup",
+        help="compile every step shape into the persistent "
+        "compilation cache (later run / serve with the same flags start warm)",
+        formatter_class=fmt,
+    )
     add_engine_args(warm, num_pages=None)
     warm.set_defaults(func=cmd_warmup)
 
@@ -234,18 +290,23 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    chat = sub.add_parser("chat", help="interactive chat over the model's chat template (streams "
-                          "tokens)", formatter_class=fmt)
+    chat = sub.add_parser(
+        "chat", help="interactive chat over the model's chat template (streams tokens)", formatter_class=fmt
+    )
     add_engine_args(chat, num_pages=512)
     chat.add_argument("--system", default=None, help="system prompt (default: the template's own)")
     chat.add_argument("--max-tokens", type=int_at_least(1), default=256, help="tokens per reply")
-    chat.add_argument("--temperature", type=float_at_least(0.0), default=0.7,
-                      help="sampling temperature (0 = greedy)")
+    chat.add_argument(
+        "--temperature", type=float_at_least(0.0), default=0.7, help="sampling temperature (0 = greedy)"
+    )
     chat.add_argument("--top-p", type=float_at_least(0.0), default=0.9, help="nucleus mass")
     chat.set_defaults(func=cmd_chat)
 
-    bench = sub.add_parser("bench", help="run a benchmark (prints a table); 'bench serve' loads "
-                           "an OpenAI server", formatter_class=fmt)
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark (prints a table); 'bench serve' loads an OpenAI server",
+        formatter_class=fmt,
+    )
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     bench.set_defaults(func=cmd_bench)

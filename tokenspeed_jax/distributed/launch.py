@@ -74,8 +74,10 @@ class DistributedConfig:
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
         if self.heartbeat_interval_s <= 0 or self.follower_timeout_s <= 2 * self.heartbeat_interval_s:
-            raise ValueError(f"follower_timeout_s ({self.follower_timeout_s}) must exceed twice "
-                             f"heartbeat_interval_s ({self.heartbeat_interval_s}) > 0")
+            raise ValueError(
+                f"follower_timeout_s ({self.follower_timeout_s}) must exceed twice "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) > 0"
+            )
         if self.keepalive_s <= 0:
             raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s}")
 
@@ -88,26 +90,33 @@ class DistributedConfig:
         """Config from TOKENSPEED_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID; None when the
         coordinator is unset. `overrides` (non-None values) win over the environment."""
         env = os.environ if env is None else env
-        values: dict[str, Any] = {"coordinator": env.get(ENV_COORDINATOR),
-                                  "num_processes": env.get(ENV_NUM_PROCESSES),
-                                  "process_id": env.get(ENV_PROCESS_ID)}
+        values: dict[str, Any] = {
+            "coordinator": env.get(ENV_COORDINATOR),
+            "num_processes": env.get(ENV_NUM_PROCESSES),
+            "process_id": env.get(ENV_PROCESS_ID),
+        }
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values["coordinator"] is None:
             given = [k for k in ("num_processes", "process_id") if values[k] is not None]
             if given:
-                raise ValueError(f"{given} given without a coordinator (--coordinator HOST:PORT or "
-                                 f"{ENV_COORDINATOR})")
+                raise ValueError(
+                    f"{given} given without a coordinator (--coordinator HOST:PORT or {ENV_COORDINATOR})"
+                )
             return None
         missing = [k for k in ("num_processes", "process_id") if values[k] is None]
         if missing:
-            raise ValueError(f"a multi-process launch needs {missing} (flags --num-processes / "
-                             f"--process-id or {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})")
+            raise ValueError(
+                f"a multi-process launch needs {missing} (flags --num-processes / "
+                f"--process-id or {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})"
+            )
         try:
             values["num_processes"] = int(values["num_processes"])
             values["process_id"] = int(values["process_id"])
         except ValueError:
-            raise ValueError(f"num_processes and process_id must be integers, got "
-                             f"{values['num_processes']!r}, {values['process_id']!r}") from None
+            raise ValueError(
+                f"num_processes and process_id must be integers, got "
+                f"{values['num_processes']!r}, {values['process_id']!r}"
+            ) from None
         return cls(**values)
 
 
@@ -120,8 +129,9 @@ def resolve(distributed) -> DistributedConfig | None:
         return DistributedConfig.from_env()
     if isinstance(distributed, Mapping):
         return DistributedConfig(**distributed)
-    raise ValueError(f"distributed must be a DistributedConfig, a dict, 'env' or None, got "
-                     f"{distributed!r:.80}")
+    raise ValueError(
+        f"distributed must be a DistributedConfig, a dict, 'env' or None, got {distributed!r:.80}"
+    )
 
 
 def _client():
@@ -141,9 +151,11 @@ def initialize(cfg: DistributedConfig) -> None:
     state = jd.global_state
     if state.client is not None:
         if (state.num_processes, state.process_id) != (cfg.num_processes, cfg.process_id):
-            raise ValueError(f"jax.distributed is already initialized as process "
-                             f"{state.process_id}/{state.num_processes}, not {cfg.process_id}/"
-                             f"{cfg.num_processes}")
+            raise ValueError(
+                f"jax.distributed is already initialized as process "
+                f"{state.process_id}/{state.num_processes}, not {cfg.process_id}/"
+                f"{cfg.num_processes}"
+            )
     else:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
@@ -178,9 +190,15 @@ class Liveness:
     Each tick is a method (`beat_once` on a follower, `check_followers(now)` on the leader), so
     tests drive them by hand with `start=False` and their own `clock` instead of sleeping."""
 
-    def __init__(self, cfg: DistributedConfig, *, on_lost: Callable[[str], None] | None = None,
-                 client=None, clock: Callable[[], float] = time.monotonic,
-                 start: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: DistributedConfig,
+        *,
+        on_lost: Callable[[str], None] | None = None,
+        client=None,
+        clock: Callable[[], float] = time.monotonic,
+        start: bool = True,
+    ) -> None:
         self.cfg = cfg
         self._client = client if client is not None else _client()
         self._clock = clock
@@ -200,8 +218,9 @@ class Liveness:
     def beat_once(self) -> bool:
         """Write the next heartbeat; False once the coordinator (the leader) is gone."""
         try:
-            self._client.key_value_set(_HEARTBEAT_KEY.format(self.cfg.process_id), str(self._beats),
-                                       allow_overwrite=True)
+            self._client.key_value_set(
+                _HEARTBEAT_KEY.format(self.cfg.process_id), str(self._beats), allow_overwrite=True
+            )
         except Exception as e:  # the leader (which hosts the service) is gone
             logger.error("heartbeat to the coordinator failed: %s", e)
             return False
@@ -229,7 +248,8 @@ class Liveness:
                     f"{self.cfg.num_processes} stopped responding (no heartbeat for "
                     f"{now - self._since[k]:.1f}s > follower_timeout_s={self.cfg.follower_timeout_s}); "
                     f"it probably died. Every step runs collectives across all processes, so "
-                    f"the leader cannot continue: restart all processes.")
+                    f"the leader cannot continue: restart all processes."
+                )
                 self._on_lost(self.lost)
                 return False
         return True

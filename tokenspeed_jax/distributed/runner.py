@@ -56,8 +56,15 @@ STEP, SHUTDOWN, NOOP = 1, 2, 3  # NOOP: a bare broadcast (keep-alive, benchmarks
 HEADER = 8
 
 
-def frame(control: int, seq: int, replica: int = 0, bucket: int = 0, level: int = 0,
-          i32: np.ndarray | None = None, f32: np.ndarray | None = None) -> np.ndarray:
+def frame(
+    control: int,
+    seq: int,
+    replica: int = 0,
+    bucket: int = 0,
+    level: int = 0,
+    i32: np.ndarray | None = None,
+    f32: np.ndarray | None = None,
+) -> np.ndarray:
     """One int32 message: the 8-word header, the i32 buffer, the f32 buffer's bits."""
     i32 = np.zeros(0, np.int32) if i32 is None else np.asarray(i32, np.int32)
     f32 = np.zeros(0, np.float32) if f32 is None else np.asarray(f32, np.float32)
@@ -70,8 +77,8 @@ def unframe(msg: np.ndarray) -> tuple[dict, np.ndarray, np.ndarray]:
     magic, control, seq, replica, bucket, level, n_i, n_f = (int(x) for x in msg[:HEADER])
     if magic != MAGIC:
         raise RuntimeError(f"bad message from the leader (magic {magic:#x})")
-    i32 = msg[HEADER:HEADER + n_i]
-    f32 = msg[HEADER + n_i:HEADER + n_i + n_f].view(np.float32)
+    i32 = msg[HEADER : HEADER + n_i]
+    f32 = msg[HEADER + n_i : HEADER + n_i + n_f].view(np.float32)
     return dict(control=control, seq=seq, replica=replica, bucket=bucket, level=level), i32, f32
 
 
@@ -174,8 +181,10 @@ class DistributedGroup:
         """Follower only: the next message (header fields, i32 buffer, f32 buffer)."""
         head, i32, f32 = unframe(self.channel.broadcast(None))
         if head["seq"] != self.seq:
-            raise RuntimeError(f"follower {self.cfg.process_id} out of sync with the leader: "
-                               f"step {head['seq']}, expected step {self.seq}")
+            raise RuntimeError(
+                f"follower {self.cfg.process_id} out of sync with the leader: "
+                f"step {head['seq']}, expected step {self.seq}"
+            )
         self.seq += 1
         return head, i32, f32
 
@@ -199,8 +208,9 @@ class DistributedRunner:
     def __init__(self, runner: ModelRunner, group: DistributedGroup, replica: int) -> None:
         tp = runner.tp
         if tp is None:
-            raise ValueError("a multi-process runner needs a mesh (tensor_parallel_size >= 1 "
-                             "over the global devices)")
+            raise ValueError(
+                "a multi-process runner needs a mesh (tensor_parallel_size >= 1 over the global devices)"
+            )
         self.runner = runner
         self.group = group
         self.replica = replica
@@ -223,7 +233,6 @@ class DistributedRunner:
     def num_compiles(self) -> int:
         """Step compilations so far on this process (`ModelRunner.num_compiles`)."""
         return self.runner.num_compiles
-
 
     @property
     def shapes(self) -> ShapePolicy:
@@ -259,8 +268,10 @@ class DistributedRunner:
         i32 / f32: the step's packed buffers (`ModelRunner.execute`), the same on every process."""
         layout = self.runner.step_layout(shape)
         if (i32.size, f32.size) != (layout.i32_size, layout.f32_size):
-            raise RuntimeError(f"step buffers of {i32.size}/{f32.size} words do not match the "
-                               f"layout of bucket {shape.bucket}, kv level {shape.level}")
+            raise RuntimeError(
+                f"step buffers of {i32.size}/{f32.size} words do not match the "
+                f"layout of bucket {shape.bucket}, kv level {shape.level}"
+            )
         i32_dev, f32_dev = (global_array(np.ascontiguousarray(b), self._rep) for b in (i32, f32))
         return self.runner.execute(shape, i32_dev, f32_dev)
 
@@ -301,8 +312,9 @@ class DistributedRunner:
         dead follower surfaces here); returns the runner's `StepHandle`. Defined here, not left
         to the wrapped runner, so the overlapped engine loop broadcasts too."""
         if token_mask is not None:
-            raise ValueError("token masks (structured outputs) are not supported on the "
-                             "multi-process runtime")
+            raise ValueError(
+                "token masks (structured outputs) are not supported on the multi-process runtime"
+            )
         r = self.runner
         if ops.num_seqs == 0:
             return r.dispatch(ops)  # empty steps never reach the device (nor the followers)
@@ -312,8 +324,11 @@ class DistributedRunner:
         group = self.group
         with group.lock:
             # another replica's step still computing while this one starts: device overlap
-            if any(not a.is_ready()  # type: ignore[attr-defined]  # jax.Array stubs lack is_ready
-                   for rep, a in group.running.items() if rep != self.replica):
+            if any(
+                not a.is_ready()  # type: ignore[attr-defined]  # jax.Array stubs lack is_ready
+                for rep, a in group.running.items()
+                if rep != self.replica
+            ):
                 group.overlapped += 1
             group.running[self.replica] = outs[0]
         return r.handle_for(ops, shape.bucket, *outs)
@@ -329,8 +344,9 @@ class DistributedRunner:
         """Leader: one step on every process; host results as `ModelRunner.step`."""
         return self.collect(self.dispatch(ops))
 
-    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None, *,
-               progress: bool = False, workers: int = 1) -> int:
+    def warmup(
+        self, padding_ops: StepOps, max_kv_len: int | None = None, *, progress: bool = False, workers: int = 1
+    ) -> int:
         """Leader: compile the shape keys on every process with all-padding steps (the policy of
         `ModelRunner.warmup`: `ShapePolicy.warmup_shapes`), one at a time so every process
         compiles the same shape in the same order (`progress`, `workers`: ignored)."""

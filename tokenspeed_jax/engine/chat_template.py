@@ -7,8 +7,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
-                add_generation_prompt: bool = True) -> list[int]:
+def render_chat(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+) -> list[int]:
     """The prompt ids of `messages` ([{"role": ..., "content": ...}, ...]).
 
     A tokenizer with a chat template (`tokenizer.chat_template` set, e.g. `HFTokenizer`) renders

@@ -57,9 +57,16 @@ class Engine:
     async_scheduling: overlap planning step N+1 with the device running step N.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, runner: Runner, *, vocab_size: int,
-                 eos_token_ids: tuple[int, ...] = (), tokenizer: Any = None,
-                 async_scheduling: bool = False) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        runner: Runner,
+        *,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...] = (),
+        tokenizer: Any = None,
+        async_scheduling: bool = False,
+    ) -> None:
         self.scheduler = Scheduler(scheduler_config)
         # speculation's draft policy picks among the runner's token buckets
         self.scheduler.token_buckets = tuple(runner.buckets)
@@ -96,8 +103,11 @@ class Engine:
         except (TypeError, ValueError):
             raise ValueError(f"prompt must be a list of token ids, got {prompt!r:.80}") from None
         # (SamplingParams already refused negative stop / logit_bias ids)
-        for what, toks in (("token id", ids), ("stop token id", params.stop_token_ids),
-                           ("logit_bias token id", params.logit_bias or ())):
+        for what, toks in (
+            ("token id", ids),
+            ("stop token id", params.stop_token_ids),
+            ("logit_bias token id", params.logit_bias or ()),
+        ):
             bad = [t for t in toks if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{what} {bad[0]} outside the vocabulary [0, {self.vocab_size})")
@@ -105,8 +115,9 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs an engine with a tokenizer")
             if not self.runner.supports_token_mask:
-                raise ValueError("structured_outputs is not supported by this runtime "
-                                 f"({type(self.runner).__name__})")
+                raise ValueError(
+                    f"structured_outputs is not supported by this runtime ({type(self.runner).__name__})"
+                )
         return ids
 
     def validate(self, prompt: Sequence[int], params: SamplingParams) -> CheckedPrompt:
@@ -117,8 +128,9 @@ class Engine:
         self.scheduler.check_prompt(ids, params.max_tokens)  # empty, max_tokens, max_context_len
         return CheckedPrompt(ids, params)
 
-    def add_request(self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams, request_id: str | None = None
+    ) -> str:
         """Queue a request; raises ValueError (and queues nothing) on bad input.
 
         prompt: token ids (checked here: the engine's checks, then the scheduler's), or the
@@ -126,8 +138,7 @@ class Engine:
         engine). request_id: None = "req-N", N counting up."""
         if isinstance(prompt, CheckedPrompt):
             if prompt.params is not params and prompt.params != params:
-                raise ValueError("a CheckedPrompt must be queued with the params it was "
-                                 "validated with")
+                raise ValueError("a CheckedPrompt must be queued with the params it was validated with")
             ids = prompt.ids
         else:
             ids = self._check_ids(prompt, params)
@@ -138,8 +149,12 @@ class Engine:
             self._book().add(rid, params.grammar)  # ValueError: nothing queued
         try:
             self.scheduler.add_request(
-                rid, ids, params.max_tokens, sampling=params.to_options(self.eos_token_ids),
-                speculate=params.grammar is None and not params.logprobs)
+                rid,
+                ids,
+                params.max_tokens,
+                sampling=params.to_options(self.eos_token_ids),
+                speculate=params.grammar is None and not params.logprobs,
+            )
         except BaseException:
             if params.grammar is not None:
                 self._book().drop(rid)
@@ -161,8 +176,9 @@ class Engine:
 
     def _book(self) -> GrammarBook:
         if self._grammars is None:
-            self._grammars = GrammarBook(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                         self.scheduler.config.max_batch_requests)
+            self._grammars = GrammarBook(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, self.scheduler.config.max_batch_requests
+            )
         return self._grammars
 
     def stream(self, request_id: str, start: int = 0) -> StreamState | None:
@@ -173,9 +189,13 @@ class Engine:
         track = self._tracks.get(request_id)
         if track is None:
             return None
-        return StreamState(start=start, token_ids=track.token_ids[start:],
-                           logprobs=track.logprobs[start:], top_logprobs=track.top[start:],
-                           num_generated=len(track.token_ids))
+        return StreamState(
+            start=start,
+            token_ids=track.token_ids[start:],
+            logprobs=track.logprobs[start:],
+            top_logprobs=track.top[start:],
+            num_generated=len(track.token_ids),
+        )
 
     def _pop(self, request_id: str) -> Track | None:
         track = self._tracks.pop(request_id, None)
@@ -222,8 +242,7 @@ class Engine:
                 # compiled shape may run as a covering one): what the "cost" draft policy
                 # weighs a bigger bucket by (`Scheduler.note_step_seconds`); never a step
                 # that waited for a compile
-                self.scheduler.note_step_seconds(prev[0], prev[1].bucket,
-                                                 time.perf_counter() - t0)
+                self.scheduler.note_step_seconds(prev[0], prev[1].bucket, time.perf_counter() - t0)
             if handle is None and self.async_scheduling and self.scheduler.has_unfinished():
                 # nothing could be planned behind the step in flight (its requests all end in
                 # it): now that it has freed their slots and pages, refill the device at once,
@@ -235,8 +254,7 @@ class Engine:
         elif handle is None and self.scheduler.has_unfinished():
             # nothing runs, nothing is in flight and the queue head cannot be admitted: no
             # later step can differ, so fail loudly instead of spinning
-            raise RuntimeError(f"scheduler made no progress with waiting requests: "
-                               f"{self.scheduler.stats()}")
+            raise RuntimeError(f"scheduler made no progress with waiting requests: {self.scheduler.stats()}")
         clock.call_done(time.perf_counter() - t0)
         return outs
 
@@ -264,18 +282,20 @@ class Engine:
         outs: list[CompletionOutput] = []
         if self._inflight is not None:
             prev_ops = self._inflight[0]
-            pending = {r for _, r in book.constrained_rows(
-                prev_ops.request_ids, prev_ops.sample_mask, prev_ops.num_seqs)}
+            pending = {
+                r
+                for _, r in book.constrained_rows(
+                    prev_ops.request_ids, prev_ops.sample_mask, prev_ops.num_seqs
+                )
+            }
             if any(r in pending for _, r in rows):
                 prev, self._inflight = self._inflight, None
                 outs = self._finish(*prev)
                 rows = book.constrained_rows(ops.request_ids, ops.sample_mask, n)
         return outs, (book.bitmask(rows) if rows else None)
 
-    def _dispatch(self, ops: StepOps, pipelined: bool,
-                  token_mask: np.ndarray | None = None) -> StepHandle:
-        handle = (self.runner.dispatch(ops) if token_mask is None
-                  else self.runner.dispatch(ops, token_mask))
+    def _dispatch(self, ops: StepOps, pipelined: bool, token_mask: np.ndarray | None = None) -> StepHandle:
+        handle = self.runner.dispatch(ops) if token_mask is None else self.runner.dispatch(ops, token_mask)
         self.clock.dispatched(handle, decode=ops.num_tokens == ops.num_seqs, pipelined=pipelined)
         checker = self.scheduler.mirror_checker
         if checker is not None:
@@ -290,8 +310,9 @@ class Engine:
         for g, (dev, twin) in enumerate(zip(self.runner.host_mirrors(), twins, strict=True)):
             if not np.array_equal(dev, twin):
                 bad = np.flatnonzero((dev != twin).any(axis=1)).tolist()
-                raise AssertionError(f"device page-table mirror of group {g} differs from the "
-                                     f"scheduler's in slots {bad}")
+                raise AssertionError(
+                    f"device page-table mirror of group {g} differs from the scheduler's in slots {bad}"
+                )
 
     def _finish(self, ops: StepOps, handle: StepHandle) -> list[CompletionOutput]:
         """Wait for a dispatched step, feed it back, and turn finished requests into outputs."""
@@ -303,11 +324,10 @@ class Engine:
         update = self.scheduler.update_step(ops, result.sampled, result.accepted)
         finished = update.finished
         book = self._grammars if self._grammars is not None and len(self._grammars) else None
-        ended, count = route_results(self._tracks, ops, result, now, update.applied,
-                                     update.spec_tokens, book)
+        ended, count = route_results(self._tracks, ops, result, now, update.applied, update.spec_tokens, book)
         self.num_generated_tokens += count
         self.num_steps += 1
-        self.num_prefill_tokens += int(ops.num_tokens - ops.sample_mask[:ops.num_seqs].sum())
+        self.num_prefill_tokens += int(ops.num_tokens - ops.sample_mask[: ops.num_seqs].sum())
         outs = []
         for fin in finished:
             track = self._pop(fin.request_id)  # its matcher goes too
@@ -324,28 +344,35 @@ class Engine:
                 outs.append(out)
         return outs
 
-    def _output(self, rid: str, track: Track, token_ids: list[int],
-                reason: str) -> CompletionOutput:
+    def _output(self, rid: str, track: Track, token_ids: list[int], reason: str) -> CompletionOutput:
         # generated tokens sampled before a retraction keep their logprobs; trim to what exists
         try:
             text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
         except Exception:  # one request's text must not fail the step that finished the others
             text = None
         return CompletionOutput(
-            request_id=rid, prompt_token_ids=list(track.prompt), token_ids=list(token_ids),
-            finish_reason=reason, text=text,
-            logprobs=(track.logprobs[:len(token_ids)]
-                      if track.params.logprobs or track.params.top_logprobs else None),
-            prompt_logprobs=track.prompt_logprobs, metrics=track.metrics,
-            top_logprobs=track.top[:len(token_ids)] if track.params.top_logprobs else None)
+            request_id=rid,
+            prompt_token_ids=list(track.prompt),
+            token_ids=list(token_ids),
+            finish_reason=reason,
+            text=text,
+            logprobs=(
+                track.logprobs[: len(token_ids)]
+                if track.params.logprobs or track.params.top_logprobs
+                else None
+            ),
+            prompt_logprobs=track.prompt_logprobs,
+            metrics=track.metrics,
+            top_logprobs=track.top[: len(token_ids)] if track.params.top_logprobs else None,
+        )
 
-    def warmup(self, max_kv_len: int | None = None, *, progress: bool = False,
-               workers: int = 2) -> int:
+    def warmup(self, max_kv_len: int | None = None, *, progress: bool = False, workers: int = 2) -> int:
         """Make the runner's shape keys ready now (`ModelRunner.warmup`: every (token, kv) bucket
         pair, or those with kv buckets up to `max_kv_len`); returns how many it made ready."""
         t0 = time.perf_counter()
-        made = self.runner.warmup(self.scheduler.padding_ops(), max_kv_len=max_kv_len,
-                                  progress=progress, workers=workers)
+        made = self.runner.warmup(
+            self.scheduler.padding_ops(), max_kv_len=max_kv_len, progress=progress, workers=workers
+        )
         self.warmup_s += time.perf_counter() - t0
         return made
 
@@ -356,8 +383,7 @@ class Engine:
         out = {"load_s": self.load_s, "warmup_s": self.warmup_s}
         programs = self.runner.programs
         if programs is not None:  # the multi-process runner keeps no per-shape record
-            out.update({("load_exe_s" if k == "load_s" else k): v
-                        for k, v in programs.summary().items()})
+            out.update({("load_exe_s" if k == "load_s" else k): v for k, v in programs.summary().items()})
         return out
 
     # ------------------------------------------------------------------ stats
@@ -373,4 +399,3 @@ class Engine:
         if self._grammars is not None:
             out.update(self._grammars.stats())
         return out
-

@@ -26,8 +26,9 @@ from tokenspeed_jax.sampling_params import SamplingParams
 ROUTES = ("prefix", "load")
 
 
-def pick_replica(engines: Sequence[Engine], prompt: list[int],
-                 extra_load: Callable[[int], int] | None = None) -> int:
+def pick_replica(
+    engines: Sequence[Engine], prompt: list[int], extra_load: Callable[[int], int] | None = None
+) -> int:
     """Index of the replica that should serve `prompt` under the "prefix" policy (callers hold
     whatever locks the engines need; `Scheduler.prefix_match_tokens` is read-only)."""
     if len(engines) == 1:
@@ -87,8 +88,13 @@ class Replicas:
             raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         return route
 
-    def route(self, prompt: Sequence[int], *, held: Callable[[int], Sequence[int]] | None = None,
-              route: str | None = None) -> int:
+    def route(
+        self,
+        prompt: Sequence[int],
+        *,
+        held: Callable[[int], Sequence[int]] | None = None,
+        route: str | None = None,
+    ) -> int:
         """Index of the replica that should serve `prompt`.
 
         held(i): the outstanding tokens (prompt + max_tokens) of each request bound for replica
@@ -100,11 +106,19 @@ class Replicas:
         if policy == "prefix":
             ids = prompt if isinstance(prompt, list) else list(prompt)
             return pick_replica(self.engines, ids, None if held is None else lambda i: len(held(i)))
-        return min(range(len(self.engines)), key=lambda i: (
-            self.engines[i].outstanding_tokens + (sum(held(i)) if held is not None else 0)))
+        return min(
+            range(len(self.engines)),
+            key=lambda i: self.engines[i].outstanding_tokens + (sum(held(i)) if held is not None else 0),
+        )
 
-    def submit(self, prompt: Sequence[int] | CheckedPrompt, params: SamplingParams,
-               request_id: str | None = None, *, route: str | None = None) -> tuple[int, str]:
+    def submit(
+        self,
+        prompt: Sequence[int] | CheckedPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        route: str | None = None,
+    ) -> tuple[int, str]:
         """Route one request and queue it (`Engine.add_request`: token ids, or a `CheckedPrompt`
         from `Engine.validate`); returns (replica index, request id). ValueError on bad input."""
         ids = prompt.ids if isinstance(prompt, CheckedPrompt) else prompt

@@ -48,8 +48,9 @@ class Runner(Protocol):
     def collect(self, handle: StepHandle) -> StepResult:
         """Block until a dispatched step is done; its host results."""
 
-    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None, *,
-               progress: bool = False, workers: int = 2) -> int:
+    def warmup(
+        self, padding_ops: StepOps, max_kv_len: int | None = None, *, progress: bool = False, workers: int = 2
+    ) -> int:
         """Make the step shapes ready; returns how many it made ready."""
 
     def host_mirrors(self) -> list[np.ndarray]:

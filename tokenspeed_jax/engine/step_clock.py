@@ -110,13 +110,16 @@ class StepClock:
         # device time: the span from the first dispatch to the last result minus the idle gaps
         # (a lower bound, as the gaps are upper bounds; idle time between bursts counts as gap)
         span = self._last_result - self._first_dispatch if self._first_dispatch else 0.0
-        return {"host_ms_per_step": 1e3 * self.host_s / n,
-                "device_ms_per_step": 1e3 * max(0.0, span - self.critical_s) / n,
-                "wait_ms_per_step": 1e3 * self.wait_s / n,
-                "critical_ms_per_step": 1e3 * self.critical_s / n,
-                "decode_host_ms_per_step": 1e3 * self.decode_host_s / d,
-                "decode_critical_ms_per_step": 1e3 * self.decode_critical_s / d,
-                "decode_critical_ms_p50": ms(dec, 50), "decode_critical_ms_p90": ms(dec, 90),
-                "pipelined_decode_critical_ms_per_step": 1e3 * sum(piped) / max(len(piped), 1),
-                "pipelined_fraction": sum(p for _, p, _ in self.gaps) / max(len(self.gaps), 1),
-                "gapless_dispatch_fraction": self.num_gapless / max(self.num_steps - 1, 1)}
+        return {
+            "host_ms_per_step": 1e3 * self.host_s / n,
+            "device_ms_per_step": 1e3 * max(0.0, span - self.critical_s) / n,
+            "wait_ms_per_step": 1e3 * self.wait_s / n,
+            "critical_ms_per_step": 1e3 * self.critical_s / n,
+            "decode_host_ms_per_step": 1e3 * self.decode_host_s / d,
+            "decode_critical_ms_per_step": 1e3 * self.decode_critical_s / d,
+            "decode_critical_ms_p50": ms(dec, 50),
+            "decode_critical_ms_p90": ms(dec, 90),
+            "pipelined_decode_critical_ms_per_step": 1e3 * sum(piped) / max(len(piped), 1),
+            "pipelined_fraction": sum(p for _, p, _ in self.gaps) / max(len(self.gaps), 1),
+            "gapless_dispatch_fraction": self.num_gapless / max(self.num_steps - 1, 1),
+        }

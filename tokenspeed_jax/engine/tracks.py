@@ -59,7 +59,8 @@ class Track:
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []  # top-k (id, logprob) per generated token
         self.prompt_logprobs: list[float | None] | None = (
-            [None] * len(prompt) if params.prompt_logprobs else None)
+            [None] * len(prompt) if params.prompt_logprobs else None
+        )
 
     @property
     def cost(self) -> int:
@@ -67,9 +68,15 @@ class Track:
         return len(self.prompt) + self.params.max_tokens
 
 
-def route_results(tracks: dict[str, Track], ops: StepOps, result: StepResult, now: float,
-                  applied: list[bool], spec_tokens: dict[int, list[int]],
-                  book: GrammarBook | None) -> tuple[list[str], int]:
+def route_results(
+    tracks: dict[str, Track],
+    ops: StepOps,
+    result: StepResult,
+    now: float,
+    applied: list[bool],
+    spec_tokens: dict[int, list[int]],
+    book: GrammarBook | None,
+) -> tuple[list[str], int]:
     """Sampled ids and logprobs of the rows whose results the scheduler applied, to their
     requests' tracks (a row planned behind a request that finished or was aborted meanwhile
     produced nothing for anyone); the same rows append to the scheduler's `Request.tokens`.
@@ -110,7 +117,7 @@ def route_results(tracks: dict[str, Track], ops: StepOps, result: StepResult, no
             track.logprobs.append(float(logprobs[i]))
             if k and top_ids is not None and top_lp is not None:
                 track.top.append(list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
-    targets = np.flatnonzero(ops.prompt_targets[:ops.num_tokens] >= 0)
+    targets = np.flatnonzero(ops.prompt_targets[: ops.num_tokens] >= 0)
     if len(targets):
         plp = np.asarray(result.prompt_logprobs)
         for t in targets:

@@ -36,8 +36,9 @@ def load_config(path: str, *, dtype: str = "float32") -> ModelConfig:
     return model_config_from_hf(hf, dtype=dtype, generation_config=generation)
 
 
-def load_checkpoint(path: str, *, dtype: str = "float32",
-                    lazy: bool = False) -> tuple[ModelConfig, CausalLM, HFTokenizer | None]:
+def load_checkpoint(
+    path: str, *, dtype: str = "float32", lazy: bool = False
+) -> tuple[ModelConfig, CausalLM, HFTokenizer | None]:
     """Loads config, weights (cast to `dtype`: float32 | bfloat16 | float16 | auto) and tokenizer.
 
     lazy=True leaves the weights unread (`param_sources.CheckpointSource`s): `sharding.place`

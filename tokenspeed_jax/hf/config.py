@@ -37,8 +37,15 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 DTYPES = ("float32", "bfloat16", "float16")
 # transformers' per-family default rope_theta (used when config.json has none).
-_DEFAULT_THETA = {"llama": 10000.0, "qwen3": 10000.0, "mistral": 10000.0, "lfm2": 1e6, "gpt_oss": 150000.0,
-                  "gemma2": 10000.0, "gemma3": 1e6}
+_DEFAULT_THETA = {
+    "llama": 10000.0,
+    "qwen3": 10000.0,
+    "mistral": 10000.0,
+    "lfm2": 1e6,
+    "gpt_oss": 150000.0,
+    "gemma2": 10000.0,
+    "gemma3": 1e6,
+}
 _GPT_OSS_DEFAULT_ROPE = {
     "rope_type": "yarn",
     "factor": 32.0,

@@ -147,8 +147,10 @@ def iter_dequantized(reader, hf: dict[str, Any]) -> Iterator[tuple[str, np.ndarr
         try:
             arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {tensor.name}: quantization {tensor.tensor_type.name} "
-                             f"cannot be dequantized by the gguf package: {e}") from e
+            raise ValueError(
+                f"GGUF tensor {tensor.name}: quantization {tensor.tensor_type.name} "
+                f"cannot be dequantized by the gguf package: {e}"
+            ) from e
         arr = np.asarray(arr, dtype=np.float32)
         if ".attn_q." in tensor.name:
             arr = unpermute_rope_rows(arr, heads)
@@ -167,8 +169,7 @@ def read_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np
     w = scales * codes (+ mins) per block of 32 columns (ggml's block layouts)."""
     size = _BLOCK_BYTES.get(kind)
     if size is None:
-        raise ValueError(f"GGUF type {kind} cannot be kept as blocks (supported: "
-                         f"{', '.join(_BLOCK_BYTES)})")
+        raise ValueError(f"GGUF type {kind} cannot be kept as blocks (supported: {', '.join(_BLOCK_BYTES)})")
     raw = np.ascontiguousarray(data, dtype=np.uint8)
     if raw.ndim != 2 or raw.shape[1] % size:
         raise ValueError(f"{raw.shape=}: rows of {kind} blocks must be a multiple of {size} bytes")
@@ -178,7 +179,7 @@ def read_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np
     if kind == "Q8_0":
         codes = b[..., 2:].copy().view(np.int8)
     else:  # 16 bytes: low nibbles are the block's first 16 weights, high nibbles the last 16
-        qs = b[..., size - 16:]
+        qs = b[..., size - 16 :]
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8)
         if kind == "Q4_0":
             codes = codes - np.int8(8)
@@ -198,8 +199,9 @@ def _keep_blocks(model, reader, hf: dict[str, Any]) -> int:
         if tensor.name == "token_embd.weight" and kind in _BLOCK_BYTES and model.lm_head is None:
             # a tied table: the lm_head's weight too, read every decode step
             codes, scales, mins = read_blocks(tensor.data, kind)
-            model.set_table_blocks(jnp.asarray(codes), jnp.asarray(scales),
-                                   jnp.asarray(mins) if mins is not None else None)
+            model.set_table_blocks(
+                jnp.asarray(codes), jnp.asarray(scales), jnp.asarray(mins) if mins is not None else None
+            )
             continue
         path, _ = generic_path(hf_name(tensor.name))
         if kind not in _BLOCK_BYTES or path[-1] != "kernel" or path[0] == "lm_head":
@@ -212,8 +214,9 @@ def _keep_blocks(model, reader, hf: dict[str, Any]) -> int:
         module = model
         for p in path[:-1]:
             module = module[p] if isinstance(p, int) else getattr(module, str(p))
-        module.set_blocks(jnp.asarray(codes.T), jnp.asarray(scales.T),
-                          jnp.asarray(mins.T) if mins is not None else None)
+        module.set_blocks(
+            jnp.asarray(codes.T), jnp.asarray(scales.T), jnp.asarray(mins.T) if mins is not None else None
+        )
         n += 1
     return n
 
@@ -246,8 +249,7 @@ def load_gguf(path: str, *, dtype: str = "float32", keep_quantized: bool = False
     tensors = ((name, jnp.asarray(arr)) for name, arr in iter_dequantized(reader, hf))
     model = load_model_from_tensors(cfg, "llama", tensors)
     if keep_quantized and not _keep_blocks(model, reader, hf):
-        raise ValueError(f"{path!r} has no Q8_0 / Q4_0 / Q4_1 Linear weights to keep "
-                         "(quantization='gguf')")
+        raise ValueError(f"{path!r} has no Q8_0 / Q4_0 / Q4_1 Linear weights to keep (quantization='gguf')")
     eos = cfg.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
     return cfg, model, tokenizer_from_gguf(meta, model_eos=eos_ids)

@@ -63,15 +63,18 @@ def byte_level_bpe(meta: dict[str, Any]):
     tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
     types = list(meta.get("tokenizer.ggml.token_type") or ())
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == USER_DEFINED])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
+    )
+    tok.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    )
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     if meta.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
         bos = tokens[int(bos_id)]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
+        )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
@@ -84,8 +87,11 @@ def tokenizer_from_gguf(meta: dict[str, Any], model_eos: Sequence[int] = ()) -> 
     if kind is None or "tokenizer.ggml.tokens" not in meta:
         return None
     if kind != "gpt2":
-        log.warning("GGUF tokenizer kind %r is not supported yet (only byte-level BPE 'gpt2'): "
-                    "the model serves token-id prompts only", kind)
+        log.warning(
+            "GGUF tokenizer kind %r is not supported yet (only byte-level BPE 'gpt2'): "
+            "the model serves token-id prompts only",
+            kind,
+        )
         return None
     tokens = meta["tokenizer.ggml.tokens"]
 

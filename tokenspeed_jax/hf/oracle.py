@@ -28,6 +28,7 @@ def transformers_from_gguf(model: str, *, dtype: str = "float32"):
         kwargs["quantization_config"] = gguf_config(gguf_file=name, dequantize=True)
     torch_dtype = getattr(torch, dtype)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    net = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype,
-                                                            **kwargs)
+    net = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch_dtype, **kwargs
+    )
     return net.eval(), tok

@@ -51,7 +51,7 @@ _RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"^model\.embedding_norm\.", "model.norm."),
         (r"\.conv\.conv\.weight$", ".conv.conv_weight"),
         (r"\.conv\.conv\.bias$", ".conv.conv_bias"),
-    ],
+    ]
 }
 
 
@@ -104,8 +104,12 @@ def _st_dtype(code: str):
     import ml_dtypes
     import numpy as np
 
-    named = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-             "BOOL": np.bool_}
+    named = {
+        "BF16": ml_dtypes.bfloat16,
+        "F8_E4M3": ml_dtypes.float8_e4m3fn,
+        "F8_E5M2": ml_dtypes.float8_e5m2,
+        "BOOL": np.bool_,
+    }
     if code in named:
         return np.dtype(named[code])
     kind = {"F": "float", "I": "int", "U": "uint"}.get(code[:1])

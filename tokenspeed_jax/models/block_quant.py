@@ -45,8 +45,9 @@ SPLIT_MAX_ROWS = 8
 def check_blocks(codes: jax.Array, scales: jax.Array, mins: jax.Array | None) -> None:
     """ValueError naming the array whose shape or dtype does not fit `codes` int8[K, N]."""
     if codes.ndim != 2 or codes.dtype != jnp.int8 or codes.shape[0] % BLOCK:
-        raise ValueError(f"{codes.shape=} {codes.dtype=}: block codes must be int8[K, N] with K "
-                         f"a multiple of {BLOCK}")
+        raise ValueError(
+            f"{codes.shape=} {codes.dtype=}: block codes must be int8[K, N] with K a multiple of {BLOCK}"
+        )
     want = (codes.shape[0] // BLOCK, codes.shape[1])
     for name, a in (("scales", scales), ("mins", mins)):
         if a is not None and tuple(a.shape) != want:
@@ -58,16 +59,16 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     inputs, d = absmax / 127 and c = round(w / d), as llama.cpp's quantize_row_q8_0."""
     k, n = w.shape
     if k % BLOCK:
-        raise ValueError(f"{w.shape=}: Q8_0 blocks need the input size to be a multiple of "
-                         f"{BLOCK}")
+        raise ValueError(f"{w.shape=}: Q8_0 blocks need the input size to be a multiple of {BLOCK}")
     wb = jnp.asarray(w, jnp.float32).reshape(k // BLOCK, BLOCK, n)
     d = jnp.max(jnp.abs(wb), axis=1) / 127.0
     codes = jnp.round(wb / jnp.where(d == 0, 1.0, d)[:, None, :])
     return jnp.clip(codes, -127, 127).astype(jnp.int8).reshape(k, n), d
 
 
-def dequantize_blocks(codes: jax.Array, scales: jax.Array, mins: jax.Array | None,
-                      dtype=jnp.float32) -> jax.Array:
+def dequantize_blocks(
+    codes: jax.Array, scales: jax.Array, mins: jax.Array | None, dtype=jnp.float32
+) -> jax.Array:
     """The float weights f[K, N] of the blocks (the reference, and the float lowering)."""
     k, n = codes.shape
     w = codes.astype(jnp.float32).reshape(k // BLOCK, BLOCK, n) * scales[:, None, :]
@@ -76,8 +77,7 @@ def dequantize_blocks(codes: jax.Array, scales: jax.Array, mins: jax.Array | Non
     return w.reshape(k, n).astype(dtype)
 
 
-def block_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array,
-                 mins: jax.Array | None) -> jax.Array:
+def block_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None) -> jax.Array:
     """x f[..., K] @ dequantize_blocks(codes, scales, mins) f[K, N], in x's dtype; codes
     int8[K, N] or tile-major [N / 16, K, 16]."""
     rows = x.size // x.shape[-1]
@@ -89,15 +89,17 @@ def block_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array,
     k, n = codes.shape
     if rows > SPLIT_MAX_ROWS or jax.default_backend() != "cpu":
         w = dequantize_blocks(codes, scales, mins, x.dtype)
-        y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+        y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
     g = k // BLOCK
     x32 = x.astype(jnp.float32).reshape(rows, k)
     xq, s1, s2 = split_rows(x32)  # int8[2 * rows, K], f32[rows, 1] twice
-    acc = jax.lax.dot_general(xq.reshape(2 * rows, g, BLOCK), codes.reshape(g, BLOCK, n),
-                              (((2,), (1,)), ((1,), (0,))),
-                              preferred_element_type=jnp.int32).astype(jnp.float32)  # [G, 2R, N]
+    acc = jax.lax.dot_general(
+        xq.reshape(2 * rows, g, BLOCK),
+        codes.reshape(g, BLOCK, n),
+        (((2,), (1,)), ((1,), (0,))),
+        preferred_element_type=jnp.int32,
+    ).astype(jnp.float32)  # [G, 2R, N]
     y = jnp.sum((acc[:, :rows] * s1 + acc[:, rows:] * s2) * scales[:, None, :], axis=0)
     if mins is not None:
         y = y + jnp.dot(jnp.sum(x32.reshape(rows, g, BLOCK), axis=-1), mins)

@@ -24,8 +24,6 @@ def dot(x: jax.Array, w: jax.Array, w_axis: int, out_dtype: Any) -> jax.Array:
     one_row = x.size == x.shape[-1] and x.dtype != jnp.float32
     if one_row and jax.default_backend() == "cpu":
         x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-        y = jax.lax.dot_general(x2, w, (((1,), (w_axis,)), ((), ())),
-                                preferred_element_type=out_dtype)[:1]
+        y = jax.lax.dot_general(x2, w, (((1,), (w_axis,)), ((), ())), preferred_element_type=out_dtype)[:1]
         return y.reshape(*x.shape[:-1], -1)
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (w_axis,)), ((), ())),
-                               preferred_element_type=out_dtype)
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (w_axis,)), ((), ())), preferred_element_type=out_dtype)

@@ -45,12 +45,7 @@ class Attention(nnx.Module):
     """GQA attention with optional qk-norm, qkv bias, sinks, soft-cap and sliding window."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        h, hq, hkv, d = (
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
+        h, hq, hkv, d = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         # None once fused into qkv_proj (`fuse_projections`)
         self.q_proj: Linear | None = Linear(h, hq * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
         self.k_proj: Linear | None = Linear(h, hkv * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
@@ -123,8 +118,7 @@ class Attention(nnx.Module):
             p, bs = pool.shape[:2]
             rows = {name: val}
             if quantized:  # the rows' values and their per-token-head scales, one scatter each
-                rows[name], rows[name + "_scale"] = kv_quant.quantize(
-                    val, kv_quant.value_dtype(pool.dtype))
+                rows[name], rows[name + "_scale"] = kv_quant.quantize(val, kv_quant.value_dtype(pool.dtype))
             for key, val_rows in rows.items():
                 flat = cache[key].reshape(p * bs, *cache[key].shape[2:])
                 # a uint16 / uint8 pool takes 16- / 8-bit float rows as bits (pool_bits: XLA:CPU
@@ -143,7 +137,6 @@ class Attention(nnx.Module):
             **scales,
         )
         return self.o_proj(out.reshape(x.shape[0], -1)), new
-
 
 
 def make_mlp(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -245,8 +238,11 @@ class CausalLM(nnx.Module):
         if table.ndim != 2:
             return False  # tiled already
         v, h = table.shape
-        kind_ok = (self.quant_mode in ("int8", "gguf") if self.embed_scale_q is not None
-                   else table.dtype in (jnp.bfloat16, jnp.float32))
+        kind_ok = (
+            self.quant_mode in ("int8", "gguf")
+            if self.embed_scale_q is not None
+            else table.dtype in (jnp.bfloat16, jnp.float32)
+        )
         if self.lm_head is not None or not kind_ok or v % TILE:
             return False
         self.embed_tokens = nnx.Param(table.reshape(v // TILE, TILE, h).transpose(0, 2, 1))
@@ -267,21 +263,24 @@ class CausalLM(nnx.Module):
                 w = w + self.embed_min_q[...][:, token_ids].T[..., None]
             x = w.reshape(t, h).astype(self.dtype)
         elif self.embed_scale_q is not None:  # int8 rows: dequantize only the gathered ones
-            x = (x.astype(jnp.float32) * self.embed_scale_q[...][token_ids][:, None]
-                 ).astype(self.dtype)
+            x = (x.astype(jnp.float32) * self.embed_scale_q[...][token_ids][:, None]).astype(self.dtype)
         return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden f[..., H] -> float32 logits f32[..., V] (soft-capped for Gemma 2)."""
         if self.lm_head is None and self.quant_mode == "gguf" and self.embed_scale_q is not None:
             table = self.embed_tokens[...]  # [V, H] rows, or tile-major [V / 16, H, 16]
-            out = block_matmul(hidden, table if table.ndim == 3 else table.T,
-                               self.embed_scale_q[...],
-                               None if self.embed_min_q is None else self.embed_min_q[...])
+            out = block_matmul(
+                hidden,
+                table if table.ndim == 3 else table.T,
+                self.embed_scale_q[...],
+                None if self.embed_min_q is None else self.embed_min_q[...],
+            )
         elif self.lm_head is None and self.embed_scale_q is not None and self.quant_mode:
             table = self.embed_tokens[...]
-            out = qmatmul(hidden, table, self.embed_scale_q[...], self.quant_mode,
-                          q_transposed=table.ndim == 2)
+            out = qmatmul(
+                hidden, table, self.embed_scale_q[...], self.quant_mode, q_transposed=table.ndim == 2
+            )
         elif self.lm_head is None:
             table = self.embed_tokens[...]
             out = matmul(hidden, table, w_transposed=table.ndim == 2)

@@ -59,14 +59,16 @@ def stack_trees(trees: list[Any]) -> Any:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def run_cache_shapes(layer_shapes: list[dict[str, tuple[int, ...]]], runs: tuple[LayerRun, ...]
-                     ) -> list[dict[str, tuple[int, ...]]]:
+def run_cache_shapes(
+    layer_shapes: list[dict[str, tuple[int, ...]]], runs: tuple[LayerRun, ...]
+) -> list[dict[str, tuple[int, ...]]]:
     """Per-run pool shapes: each layer pool shape with the run length in front."""
     return [{k: (r.size, *s) for k, s in layer_shapes[r.start].items()} for r in runs]
 
 
-def _layer_batch(batch: PagedBatch, group: int, i: jax.Array, num_pages: int, page_size: int,
-                 n: int) -> PagedBatch:
+def _layer_batch(
+    batch: PagedBatch, group: int, i: jax.Array, num_pages: int, page_size: int, n: int
+) -> PagedBatch:
     """`batch` with group `group`'s page ids moved to layer i's slice of an n-layer pool."""
     tables, writes = list(batch.page_tables), list(batch.write_idx)
     tables[group] = tables[group] + i * num_pages
@@ -105,24 +107,38 @@ class ScannedGraph:
         """The model without layers (embed / norm / logits), bound to `params["shell"]`."""
         return nnx.merge(self.shell, params["shell"])
 
-    def forward(self, params: dict, token_ids: jax.Array, caches: tuple[dict, ...],
-                batch: PagedBatch, attn_fn: AttnFn, conv_fn: Callable | None = None
-                ) -> tuple[jax.Array, tuple[dict, ...], CausalLM]:
+    def forward(
+        self,
+        params: dict,
+        token_ids: jax.Array,
+        caches: tuple[dict, ...],
+        batch: PagedBatch,
+        attn_fn: AttnFn,
+        conv_fn: Callable | None = None,
+    ) -> tuple[jax.Array, tuple[dict, ...], CausalLM]:
         """`CausalLM.__call__` over stacked runs: i32[T] -> (final-normed hidden f[T, H], new
         per-run caches {name: f[n, P, B, ...]}, the shell model for the logits)."""
         shell = self.merge_shell(params)
         x = shell.embed(token_ids)
         new_caches = []
-        for run, layer_def, run_params, cache in zip(self.runs, self.layer_defs, params["runs"],
-                                                     caches, strict=True):
+        for run, layer_def, run_params, cache in zip(
+            self.runs, self.layer_defs, params["runs"], caches, strict=True
+        ):
             x, c = self._scan_run(run, layer_def, run_params, cache, x, batch, attn_fn, conv_fn)
             new_caches.append(c)
         return shell.norm(x), tuple(new_caches), shell
 
     @staticmethod
-    def _scan_run(run: LayerRun, layer_def: Any, run_params: Any, cache: dict, x: jax.Array,
-                  batch: PagedBatch, attn_fn: AttnFn, conv_fn: Callable | None
-                  ) -> tuple[jax.Array, dict]:
+    def _scan_run(
+        run: LayerRun,
+        layer_def: Any,
+        run_params: Any,
+        cache: dict,
+        x: jax.Array,
+        batch: PagedBatch,
+        attn_fn: AttnFn,
+        conv_fn: Callable | None,
+    ) -> tuple[jax.Array, dict]:
         n, num_pages, page_size = next(iter(cache.values())).shape[:3]
         flat = {k: v.reshape(n * num_pages, *v.shape[2:]) for k, v in cache.items()}
 

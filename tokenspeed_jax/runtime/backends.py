@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from pallas_kernels import (
     paged_attention,
@@ -27,8 +29,7 @@ from pallas_kernels import (
 )
 from tokenspeed_jax.engine_args import ATTENTION_BACKENDS
 
-__all__ = ["BACKENDS", "get_paged_attention", "get_short_conv", "jnp_layout", "pool_dtype",
-           "resolve_backend"]
+__all__ = ["BACKENDS", "get_paged_attention", "get_short_conv", "jnp_layout", "pool_dtype", "resolve_backend"]
 
 BACKENDS = ATTENTION_BACKENDS  # engine_args: one list of names
 
@@ -43,8 +44,9 @@ def resolve_backend(backend: str) -> str:
         backend = "pallas" if on_gpu else "native"
     if backend == "native":
         if on_gpu:
-            raise ValueError("attention_backend='native' is the XLA:CPU kernel; on a GPU use "
-                             "'auto' or 'pallas'")
+            raise ValueError(
+                "attention_backend='native' is the XLA:CPU kernel; on a GPU use 'auto' or 'pallas'"
+            )
         return "native" if paged_attention_cpu.available() else "reference"
     return backend
 
@@ -57,12 +59,16 @@ def jnp_layout(backend: str) -> bool:
 
 # One jit for every layer: the step's trace reuses the first layer's attention jaxpr and lowering
 # (SmolLM2 trace + lower of a step: 3.4-3.6 -> 0.8-1.1 s; the same step speed measured).
-_REFERENCE_JIT = jax.jit(paged_attention_reference, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "max_gather_elems"))
+_REFERENCE_JIT = jax.jit(
+    paged_attention_reference,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "max_gather_elems"),
+)
 
 
-_NATIVE_JIT = jax.jit(paged_attention_cpu.paged_attention_cpu, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "interpret", "max_gather_elems"))
+_NATIVE_JIT = jax.jit(
+    paged_attention_cpu.paged_attention_cpu,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "max_gather_elems"),
+)
 
 
 def get_paged_attention(backend: str) -> Callable:
@@ -93,3 +99,23 @@ def pool_dtype(backend: str, dtype: str) -> str:
     if jnp_layout(resolve_backend(backend)):
         return str(pool_bits.storage_dtype(dtype))
     return dtype
+
+
+def devices_of(mesh: Mesh | None) -> list[Any]:
+    """The devices a runner's step runs on: the mesh's, or the default device alone."""
+    return jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+
+
+def check_fp8_support(kv_cache_dtype: str, backend: str, mesh: Mesh | None) -> None:
+    """fp8 pages on the Pallas GPU kernel need fp8 conversions in hardware (sm_89+: Ada,
+    Hopper); on older GPUs Triton cannot compile the kernel, so say so up front."""
+    if kv_cache_dtype != "fp8_e4m3" or backend != "pallas" or jax.default_backend() != "gpu":
+        return
+    for d in devices_of(mesh):
+        cc = getattr(d, "compute_capability", None)
+        if cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability >= "
+                f"8.9 for the Pallas kernel; {d} has {cc} (use kv_cache_dtype="
+                "'int8')"
+            )

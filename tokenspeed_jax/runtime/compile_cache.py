@@ -88,8 +88,9 @@ def drop_unreadable(path: str) -> int:
             pass
         os.utime(stamp, ns=(began, began))
     if dropped:
-        logger.warning("compilation cache %s: deleted %d unreadable entries (recompiled on use)",
-                       path, dropped)
+        logger.warning(
+            "compilation cache %s: deleted %d unreadable entries (recompiled on use)", path, dropped
+        )
     return dropped
 
 
@@ -113,10 +114,13 @@ def enable(cache_dir: str | bool | None = None) -> str | None:
     if problem is not None:
         if path not in _warned:
             _warned.add(path)
-            warnings.warn(f"tokenspeed-jax: compilation cache dir {path} is not writable "
-                          f"({problem}); running without a persistent compilation cache "
-                          f"(set --compile-cache-dir / ${ENV_CACHE_DIR}, or --no-compile-cache)",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"tokenspeed-jax: compilation cache dir {path} is not writable "
+                f"({problem}); running without a persistent compilation cache "
+                f"(set --compile-cache-dir / ${ENV_CACHE_DIR}, or --no-compile-cache)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return None
     # Every step shape is worth persisting: the smallest compile here still takes ~0.5 s on a
     # 2-core host, and entries are a few MB at most.

@@ -75,8 +75,9 @@ class DeviceOps:
         return dataclasses.replace(self, **cut)
 
 
-def update_mirrors(mirrors: tuple[jax.Array, ...], ops: DeviceOps, honor_full_refresh: bool
-                    ) -> tuple[jax.Array, ...]:
+def update_mirrors(
+    mirrors: tuple[jax.Array, ...], ops: DeviceOps, honor_full_refresh: bool
+) -> tuple[jax.Array, ...]:
     """Every group's device page-table mirror after the step's row updates."""
     return tuple(
         update_rows(

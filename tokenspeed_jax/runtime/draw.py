@@ -21,7 +21,8 @@ def row_keys(seeds: jax.Array, sample_index: jax.Array) -> jax.Array:
 
     seeds u32[R]; sample_index i32[R]. Returns keys [R, 2] (u32)."""
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(
-        seeds.astype(jnp.uint32), sample_index.astype(jnp.int32))
+        seeds.astype(jnp.uint32), sample_index.astype(jnp.int32)
+    )
 
 
 def draw(keys: jax.Array, logits: jax.Array) -> jax.Array:

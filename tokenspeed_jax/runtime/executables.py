@@ -213,10 +213,15 @@ class ExecutableStore:
             if stored_key != key:
                 raise ValueError("key mismatch")
             return serialize_executable.deserialize_and_load(
-                payload, in_tree, out_tree, execution_devices=devices)
+                payload, in_tree, out_tree, execution_devices=devices
+            )
         except Exception as e:  # noqa: BLE001 - unreadable for any reason: compile afresh
-            logger.warning("executable cache: unreadable entry %s (%s: %s); deleted, recompiling",
-                           path, type(e).__name__, e)
+            logger.warning(
+                "executable cache: unreadable entry %s (%s: %s); deleted, recompiling",
+                path,
+                type(e).__name__,
+                e,
+            )
             with contextlib.suppress(OSError):
                 os.remove(path)
             return None
@@ -237,8 +242,7 @@ class ExecutableStore:
                 with contextlib.suppress(OSError):
                     os.remove(tmp)  # gone after the rename; a leftover only on failure
         except Exception as e:  # noqa: BLE001 - a cache that cannot write still serves
-            logger.warning("executable cache: could not save %s (%s: %s)", key[:12],
-                           type(e).__name__, e)
+            logger.warning("executable cache: could not save %s (%s: %s)", key[:12], type(e).__name__, e)
             return False
         return True
 

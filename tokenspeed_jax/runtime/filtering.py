@@ -27,8 +27,9 @@ def _effective_k(top_k: jax.Array, v: int) -> jax.Array:
     return jnp.where((top_k <= 0) | (top_k >= v), v, top_k)
 
 
-def _threshold(sorted_desc: jax.Array, k: jax.Array, top_p: jax.Array,
-               full_norm: jax.Array | None = None) -> jax.Array:
+def _threshold(
+    sorted_desc: jax.Array, k: jax.Array, top_p: jax.Array, full_norm: jax.Array | None = None
+) -> jax.Array:
     """The smallest kept value of each row, given its largest values in descending order
     f32[R, C] (C = V for a full sort): top-k cuts the list at k, top-p keeps the shortest prefix
     whose mass reaches top_p (the first value always survives). The mass is a softmax over the
@@ -83,7 +84,9 @@ def filtered_logits(logits, temperature, top_k, top_p, *, candidates: int = CAND
             threshold = jax.lax.cond(
                 jnp.all(covered | ~filters),
                 lambda t: _threshold(t, k, top_p, log_norm),
-                lambda _: full_sort(x), top)
+                lambda _: full_sort(x),
+                top,
+            )
         threshold = jnp.where(filters, threshold, -jnp.inf)
         return jnp.where(x >= threshold[:, None], x, -jnp.inf)
 

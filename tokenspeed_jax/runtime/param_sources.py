@@ -29,8 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-READ_STATS: dict[str, int] = {"checkpoint_bytes": 0, "whole_tensor_bytes": 0,
-                              "generated_output_bytes": 0, "generated_temp_bytes": 0}
+READ_STATS: dict[str, int] = {
+    "checkpoint_bytes": 0,
+    "whole_tensor_bytes": 0,
+    "generated_output_bytes": 0,
+    "generated_temp_bytes": 0,
+}
 
 
 def reset_stats() -> None:
@@ -64,8 +68,9 @@ class ParamSource:
 
     def __getitem__(self, key) -> ParamSource:
         """Only `x[..., a:b:s]` (a strided slice of the last axis)."""
-        if not (isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis
-                and isinstance(key[1], slice)):
+        if not (
+            isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], slice)
+        ):
             raise ValueError(f"unsupported lazy index {key!r}: only [..., start:stop:step]")
         return self.take(self.ndim - 1, np.arange(self.shape[-1])[key[1]])
 
@@ -76,28 +81,45 @@ class ParamSource:
 class CheckpointSource(ParamSource):
     """Tensor `name` of safetensors `file` (file shape `file_shape`) seen through index maps."""
 
-    def __init__(self, file: str, name: str, file_shape: Sequence[int], file_dtype: np.dtype,
-                 perm: tuple[int, ...] | None = None, maps: tuple[np.ndarray, ...] | None = None,
-                 squeeze: tuple[int, ...] = (), dtype: np.dtype | None = None):
+    def __init__(
+        self,
+        file: str,
+        name: str,
+        file_shape: Sequence[int],
+        file_dtype: np.dtype,
+        perm: tuple[int, ...] | None = None,
+        maps: tuple[np.ndarray, ...] | None = None,
+        squeeze: tuple[int, ...] = (),
+        dtype: np.dtype | None = None,
+    ):
         self.file, self.name = file, name
         self.file_shape = tuple(int(s) for s in file_shape)
         self.squeeze = squeeze  # file axes of size 1 that are not ours
         kept = [a for a in range(len(self.file_shape)) if a not in squeeze]
         self.perm = tuple(kept) if perm is None else perm
-        self.maps = maps if maps is not None else tuple(
-            np.arange(self.file_shape[a]) for a in self.perm)
+        self.maps = maps if maps is not None else tuple(np.arange(self.file_shape[a]) for a in self.perm)
         self.shape = tuple(len(m) for m in self.maps)
         self.file_dtype = np.dtype(file_dtype)
         self.dtype = np.dtype(dtype) if dtype is not None else self.file_dtype
 
-    def _with(self, *, perm: tuple[int, ...] | None = None,
-              maps: tuple[np.ndarray, ...] | None = None, squeeze: tuple[int, ...] | None = None,
-              dtype: np.dtype | None = None) -> CheckpointSource:
+    def _with(
+        self,
+        *,
+        perm: tuple[int, ...] | None = None,
+        maps: tuple[np.ndarray, ...] | None = None,
+        squeeze: tuple[int, ...] | None = None,
+        dtype: np.dtype | None = None,
+    ) -> CheckpointSource:
         return CheckpointSource(
-            self.file, self.name, self.file_shape, self.file_dtype,
-            perm=self.perm if perm is None else perm, maps=self.maps if maps is None else maps,
+            self.file,
+            self.name,
+            self.file_shape,
+            self.file_dtype,
+            perm=self.perm if perm is None else perm,
+            maps=self.maps if maps is None else maps,
             squeeze=self.squeeze if squeeze is None else squeeze,
-            dtype=self.dtype if dtype is None else dtype)
+            dtype=self.dtype if dtype is None else dtype,
+        )
 
     def take(self, axis: int, index: np.ndarray) -> CheckpointSource:
         maps = list(self.maps)
@@ -120,8 +142,9 @@ class CheckpointSource(ParamSource):
         want = tuple(self.file_shape[a] for a in kept)
         if len(shape) != len(want) or any(s not in (-1, w) for s, w in zip(shape, want)):
             raise ValueError(f"unsupported lazy reshape {self.shape} -> {shape}")
-        return self._with(perm=kept, maps=tuple(np.arange(self.file_shape[a]) for a in kept),
-                          squeeze=self.squeeze + ones)
+        return self._with(
+            perm=kept, maps=tuple(np.arange(self.file_shape[a]) for a in kept), squeeze=self.squeeze + ones
+        )
 
     def read(self, index: tuple[slice, ...], cache: dict | None = None) -> np.ndarray:
         """Our slice `index` (basic slices, one per axis) as a host array of `dtype`: the file is
@@ -175,16 +198,23 @@ def _runs(sorted_idx: np.ndarray) -> list[tuple[int, int]]:
 class GeneratedSource(ParamSource):
     """Leaf `key` of `generator()` (a dict of arrays, jit-traceable), with lazy `take`s."""
 
-    def __init__(self, generator: Callable[[], dict], key, shape: Sequence[int], dtype,
-                 takes: tuple[tuple[int, np.ndarray], ...] = ()):
+    def __init__(
+        self,
+        generator: Callable[[], dict],
+        key,
+        shape: Sequence[int],
+        dtype,
+        takes: tuple[tuple[int, np.ndarray], ...] = (),
+    ):
         self.generator, self.key, self.takes = generator, key, takes
         self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
 
     def take(self, axis: int, index: np.ndarray) -> GeneratedSource:
         shape = list(self.shape)
         shape[axis] = len(index)
-        return GeneratedSource(self.generator, self.key, shape, self.dtype,
-                               self.takes + ((axis, np.asarray(index)),))
+        return GeneratedSource(
+            self.generator, self.key, shape, self.dtype, self.takes + ((axis, np.asarray(index)),)
+        )
 
     def astype(self, dtype) -> GeneratedSource:
         raise ValueError("generated parameters are created in their dtype")
@@ -261,13 +291,19 @@ def generated_model(build: Callable[[], object]):
     flat = list(nnx.to_flat_state(params))
 
     def generator() -> dict:
-        return {path: var.get_value()
-                for path, var in nnx.to_flat_state(nnx.split(build(), nnx.Param, ...)[1])}
+        return {
+            path: var.get_value() for path, var in nnx.to_flat_state(nnx.split(build(), nnx.Param, ...)[1])
+        }
 
-    params = nnx.from_flat_state([
-        (path, var.replace(GeneratedSource(generator, path, var.get_value().shape,
-                                           var.get_value().dtype)))
-        for path, var in flat])
+    params = nnx.from_flat_state(
+        [
+            (
+                path,
+                var.replace(GeneratedSource(generator, path, var.get_value().shape, var.get_value().dtype)),
+            )
+            for path, var in flat
+        ]
+    )
     if list(nnx.to_flat_state(rest)):
         rest = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[2])()  # type: ignore[misc]  # nnx stubs: variadic
     return nnx.merge(graphdef, params, rest)

@@ -34,10 +34,29 @@ class PreparedModel:
     quantization: str | None = None
     tiled: bool = False
 
+    def check_mesh(self, shards: int | None) -> None:
+        """ValueError unless a runner over `shards` devices (None: no mesh) can run this model."""
+        if (shards or 1) != self.tensor_parallel_size:
+            raise ValueError(
+                f"the model was prepared for tensor_parallel_size={self.tensor_parallel_size}; "
+                f"the mesh has {shards or 1} devices"
+            )
+        if self.tiled and shards is not None:
+            raise ValueError(
+                "the model's Linears are tiled for one unsharded device (prepare(one_device="
+                "True)); a runner with a mesh needs prepare(..., one_device=False)"
+            )
 
-def prepare(model_config: ModelConfig, net: CausalLM, *, tensor_parallel_size: int = 1,
-            quantization: str | None = None, host_staging: bool = False,
-            one_device: bool = True) -> PreparedModel:
+
+def prepare(
+    model_config: ModelConfig,
+    net: CausalLM,
+    *,
+    tensor_parallel_size: int = 1,
+    quantization: str | None = None,
+    host_staging: bool = False,
+    one_device: bool = True,
+) -> PreparedModel:
     """Check `tensor_parallel_size` against the model (ValueError naming the size it does not
     divide), then transform `net` in place: KV heads replicated up to the shard count (under
     `sharding.host_staging` when `host_staging`: lazy multi-process parameters stay on the
@@ -59,5 +78,6 @@ def prepare(model_config: ModelConfig, net: CausalLM, *, tensor_parallel_size: i
     tiled = use_native() and one_device and tp == 1
     if tiled:
         tile_linears(net)
-    return PreparedModel(config=config, net=net, tensor_parallel_size=tp,
-                         quantization=quantization, tiled=tiled)
+    return PreparedModel(
+        config=config, net=net, tensor_parallel_size=tp, quantization=quantization, tiled=tiled
+    )

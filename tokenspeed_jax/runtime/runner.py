@@ -22,15 +22,13 @@ of time, read from the executable store (`executables`: no trace, no compile) or
 thread pool, so serving never compiles; a shape left out runs as a ready covering shape while
 it compiles in the background. `num_compiles` counts traces, `num_loaded` executables read.
 
-Inputs: the StepOps travel as one int32 and one float32 buffer (`step_inputs`, driven by the
-StepOps schema), unpacked inside the jit; `execute(shape, i32, f32)` runs the step on buffers
-packed elsewhere (the multi-process runner's followers replay the leader's).
+Inputs: one int32 + one float32 buffer (`step_inputs`), unpacked in the jit into `DeviceOps`;
+`execute(shape, i32, f32)` runs buffers packed elsewhere (multi-process followers).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -42,13 +40,14 @@ from jax.sharding import Mesh
 
 from pallas_kernels import kv_quant
 from scheduler.cache_layout import CacheLayout
-from scheduler.page_table_oracle import clamped_rows
 from scheduler.step_ops import StepOps
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.models.layer_scan import ScannedGraph
 from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import (
+    check_fp8_support,
+    devices_of,
     get_paged_attention,
     get_short_conv,
     jnp_layout,
@@ -66,28 +65,9 @@ from tokenspeed_jax.runtime.shapes import (
 )
 from tokenspeed_jax.runtime.sharding import TensorParallel, place
 from tokenspeed_jax.runtime.state import DeviceState, init_state
-from tokenspeed_jax.runtime.step_inputs import StepLayout, layout_for, pack, unpack
+from tokenspeed_jax.runtime.step_inputs import StepLayout, layout_for, pack, unpack, warn_clamped
 from tokenspeed_jax.runtime.step_outputs import StepHandle, StepOutputs, StepResult, host_results
 from tokenspeed_jax.runtime.step_programs import StepPrograms
-
-logger = logging.getLogger(__name__)
-
-def _devices_of(mesh: Mesh | None) -> list[Any]:
-    """The devices a runner's step runs on: the mesh's, or the default device alone."""
-    return jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
-
-
-def _check_fp8_support(kv_cache_dtype: str, backend: str, mesh: Mesh | None) -> None:
-    """fp8 pages on the Pallas GPU kernel need fp8 conversions in hardware (sm_89+: Ada,
-    Hopper); on older GPUs Triton cannot compile the kernel, so say so up front."""
-    if kv_cache_dtype != "fp8_e4m3" or backend != "pallas" or jax.default_backend() != "gpu":
-        return
-    for d in _devices_of(mesh):
-        cc = getattr(d, "compute_capability", None)
-        if cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9):
-            raise ValueError(f"kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability >= "
-                             f"8.9 for the Pallas kernel; {d} has {cc} (use kv_cache_dtype="
-                             "'int8')")
 
 
 class ModelRunner:
@@ -144,20 +124,14 @@ class ModelRunner:
             raise ValueError(f"lazy_compile must be 'background' or 'sync', got {lazy_compile!r}")
         self.lazy_compile = lazy_compile
         self._tp = None if mesh is None else TensorParallel(mesh, prepared.config)
-        if (1 if self._tp is None else self._tp.tp) != prepared.tensor_parallel_size:
-            raise ValueError(f"the model was prepared for tensor_parallel_size="
-                             f"{prepared.tensor_parallel_size}; the mesh has "
-                             f"{1 if self._tp is None else self._tp.tp} devices")
-        if prepared.tiled and mesh is not None:
-            raise ValueError("the model's Linears are tiled for one unsharded device "
-                             "(prepare(one_device=True)); a runner with a mesh needs "
-                             "prepare(..., one_device=False)")
+        prepared.check_mesh(None if self._tp is None else self._tp.tp)
         self._init_shapes(backend, mesh, min_token_bucket, min_kv_bucket)
         self._init_state(prepared.net, scan_layers)
-        self._init_programs(executable_store, _devices_of(mesh))
+        self._init_programs(executable_store, devices_of(mesh))
 
-    def _init_shapes(self, backend: str, mesh: Mesh | None, min_token_bucket: int | None,
-                     min_kv_bucket: int) -> None:
+    def _init_shapes(
+        self, backend: str, mesh: Mesh | None, min_token_bucket: int | None, min_kv_bucket: int
+    ) -> None:
         """The step shapes: backend, row / token caps, the token and kv bucket ladders."""
         layout = self.layout
         self.max_batch_requests = layout.scheduler_config.max_batch_requests
@@ -165,17 +139,22 @@ class ModelRunner:
         spec = layout.scheduler_config.speculative
         self.num_speculative = 0 if spec is None else spec.num_speculative_tokens  # static
         self.backend = resolve_backend(backend)
-        _check_fp8_support(self.kv_cache_dtype, self.backend, mesh)
-        platform = _devices_of(mesh)[0].platform
+        check_fp8_support(self.kv_cache_dtype, self.backend, mesh)
+        platform = devices_of(mesh)[0].platform
         self.shapes = ShapePolicy.build(
-            layout.widths, layout.page_sizes, self.max_scheduled_tokens, backend=self.backend,
-            min_token_bucket=DEFAULT_MIN_TOKEN_BUCKET if min_token_bucket is None
-            else min_token_bucket, min_kv_bucket=min_kv_bucket,
+            layout.widths,
+            layout.page_sizes,
+            self.max_scheduled_tokens,
+            backend=self.backend,
+            min_token_bucket=DEFAULT_MIN_TOKEN_BUCKET if min_token_bucket is None else min_token_bucket,
+            min_kv_bucket=min_kv_bucket,
             # with speculation too: a step whose rows propose nothing (or whose drafts would not
             # pay for a bigger bucket) runs a lone decode in it (`speculative.choose_drafts`);
             # not with "padding", whose drafts only ride in the padding the 1-token bucket lacks
-            lone_decode=min_token_bucket is None and platform == "cpu"
-            and (spec is None or spec.draft_policy != "padding"))
+            lone_decode=min_token_bucket is None
+            and platform == "cpu"
+            and (spec is None or spec.draft_policy != "padding"),
+        )
         self.num_compiles = 0
         self._layouts: dict[StepShape, StepLayout] = {}
 
@@ -199,8 +178,7 @@ class ModelRunner:
             kv_cache_dtype=self.kv_cache_dtype,
         )  # fmt: skip
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
-        make_penalties = functools.partial(init_penalty_state, layout.max_live_requests,
-                                           config.vocab_size)
+        make_penalties = functools.partial(init_penalty_state, layout.max_live_requests, config.vocab_size)
         self._attn = get_paged_attention(self.backend)
         self._conv: Callable[..., jax.Array] | None = get_short_conv(self.backend)
         self._gather_logits: Callable[[jax.Array], jax.Array] | None = None
@@ -219,7 +197,8 @@ class ModelRunner:
             self._gather_logits = tp.gather_logits  # vocab-sharded: the sampler wants whole rows
             self._shardings = dict(
                 in_shardings=(jax.tree.leaves(param_sh), state_sh, rep, rep, rep, rep),
-                out_shardings=(state_sh, rep, rep, rep, rep, rep, rep))
+                out_shardings=(state_sh, rep, rep, rep, rep, rep, rep),
+            )
         self.params = params
         # The jitted step takes the params as their flat list of arrays: flattening the nnx.State
         # (a Python callback per Variable) on every call cost ~0.1 ms of host time per step.
@@ -232,27 +211,35 @@ class ModelRunner:
 
     def _init_programs(self, executable_store: ExecutableStore | None, devices: list[Any]) -> None:
         """The jitted step and the per-shape executables (`StepPrograms`)."""
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnums=(6,),
-                             **self._shardings)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2), static_argnums=(6,), **self._shardings)
         # what the step is compiled for, fixed at construction: lowering never reads the live
         # (donated) state arrays, so a background compile runs beside the step loop
         self._abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            (self.param_leaves, self.state, self.penalties))
-        self._mask_abstract = jax.ShapeDtypeStruct(self._no_mask.shape, jnp.int32,
-                                                   sharding=self._no_mask.sharding)
+            (self.param_leaves, self.state, self.penalties),
+        )
+        self._mask_abstract = jax.ShapeDtypeStruct(
+            self._no_mask.shape, jnp.int32, sharding=self._no_mask.sharding
+        )
         self._input_sharding = None if self._tp is None else self._tp.replicated
         # Stored executables load onto `devices` by name: left to itself, deserialization would
         # spread a one-device program over every local device (4 virtual CPUs, 8 GPUs) and its
         # first call would fail
         self.programs = StepPrograms(
-            self._lower, None if executable_store is None else self._program_key,
-            executable_store, devices)
+            self._lower, None if executable_store is None else self._program_key, executable_store, devices
+        )
 
     # ------------------------------------------------------------------ device side
-    def _step_impl(self, param_leaves: list[jax.Array], state: DeviceState, penalties: PenaltyState,
-                   i32: jax.Array, f32: jax.Array, token_mask: jax.Array,
-                   layout: StepLayout) -> tuple[DeviceState, PenaltyState, *StepOutputs]:
+    def _step_impl(
+        self,
+        param_leaves: list[jax.Array],
+        state: DeviceState,
+        penalties: PenaltyState,
+        i32: jax.Array,
+        f32: jax.Array,
+        token_mask: jax.Array,
+        layout: StepLayout,
+    ) -> tuple[DeviceState, PenaltyState, *StepOutputs]:
         self.num_compiles += 1  # Python body runs once per trace = once per compile
         ops = unpack(i32, f32, layout)
         params = jax.tree.unflatten(self._param_def, param_leaves)
@@ -265,17 +252,32 @@ class ModelRunner:
         # resolved in place: everything below that reads the input ids sees the real tokens
         ops = ops.replace(token_ids=input_tokens(ops, state.last_tokens))
         if self._scan is not None:
-            hidden, caches, model = self._scan.forward(params, ops.token_ids, state.caches,
-                                                       batch, self._attn, self._conv)
+            hidden, caches, model = self._scan.forward(
+                params, ops.token_ids, state.caches, batch, self._attn, self._conv
+            )
         else:
             model = nnx.merge(self._graphdef, params)
             hidden, caches = model(ops.token_ids, state.caches, batch, self._attn, self._conv)
         penalties, last_tokens, tokens, logprobs, plp, top, accepted = sample_rows(
-            hidden, ops, penalties, state.last_tokens, lm_head=model.logits,
-            max_rows=self.max_batch_requests, gather_logits=self._gather_logits,
-            token_mask=token_mask, num_speculative=self.num_speculative)
-        return (DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens), penalties,
-                tokens, logprobs, plp, top, accepted)
+            hidden,
+            ops,
+            penalties,
+            state.last_tokens,
+            lm_head=model.logits,
+            max_rows=self.max_batch_requests,
+            gather_logits=self._gather_logits,
+            token_mask=token_mask,
+            num_speculative=self.num_speculative,
+        )
+        return (
+            DeviceState(mirrors=mirrors, caches=caches, last_tokens=last_tokens),
+            penalties,
+            tokens,
+            logprobs,
+            plp,
+            top,
+            accepted,
+        )
 
     # ------------------------------------------------------------------ host side
     supports_token_mask = True  # `dispatch(ops, token_mask)` (structured outputs)
@@ -306,12 +308,16 @@ class ModelRunner:
         if lay is None:
             deltas = tuple(g.delta_width for g in self.layout.groups)
             cols = self.shapes.kv_levels[shape.level][1]
-            lay = self._layouts[shape] = layout_for(self.max_batch_requests, shape.bucket, deltas,
-                                                    cols)
+            lay = self._layouts[shape] = layout_for(self.max_batch_requests, shape.bucket, deltas, cols)
         return lay
 
-    def execute(self, shape: StepShape, i32: np.ndarray | jax.Array, f32: np.ndarray | jax.Array,
-                token_mask: np.ndarray | None = None) -> StepOutputs:
+    def execute(
+        self,
+        shape: StepShape,
+        i32: np.ndarray | jax.Array,
+        f32: np.ndarray | jax.Array,
+        token_mask: np.ndarray | None = None,
+    ) -> StepOutputs:
         """Enqueue the jitted step on packed inputs and return its device outputs at once.
 
         shape: the step's (token bucket, kv level); i32 int32[L.i32_size], f32 float32[L.f32_size]
@@ -327,7 +333,8 @@ class ModelRunner:
         if token_mask is not None and self._tp is not None:
             mask = jax.device_put(token_mask, self._tp.replicated)
         self.state, self.penalties, tokens, logprobs, plp, top, accepted = fn(
-            self.param_leaves, self.state, self.penalties, i32, f32, mask)
+            self.param_leaves, self.state, self.penalties, i32, f32, mask
+        )
         return tokens, logprobs, plp, top, accepted
 
     # ------------------------------------------------------------------ compiling
@@ -363,8 +370,7 @@ class ModelRunner:
         """Step shapes read back from the executable store (no trace, no compile)."""
         return int(self.programs.summary()["shapes_loaded"])
 
-    def _run(self, ops: StepOps, shape: StepShape, token_mask: np.ndarray | None = None
-             ) -> StepOutputs:
+    def _run(self, ops: StepOps, shape: StepShape, token_mask: np.ndarray | None = None) -> StepOutputs:
         i32, f32 = pack(ops, self.step_layout(shape))
         if self._tp is not None:
             i32, f32 = jax.device_put((i32, f32), self._tp.replicated)
@@ -372,8 +378,9 @@ class ModelRunner:
         # to the device for a fraction of what a Python-level `jax.device_put` costs per step
         return self.execute(shape, i32, f32, token_mask)
 
-    def warmup(self, padding_ops: StepOps, max_kv_len: int | None = None, *, workers: int = 2,
-               progress: bool = False) -> int:
+    def warmup(
+        self, padding_ops: StepOps, max_kv_len: int | None = None, *, workers: int = 2, progress: bool = False
+    ) -> int:
         """Make the shape keys (token bucket x kv bucket, `shape_keys`) ready now, so serving does
         not stall on XLA: each is loaded from the executable store or compiled ahead of time,
         `workers` at a time (`step_programs.StepPrograms.prepare_many`; `progress`: a bar). Nothing
@@ -410,21 +417,19 @@ class ModelRunner:
         return self.handle_for(ops, shape.bucket, *self._run(ops, shape, token_mask))
 
     def warn_clamped(self, ops: StepOps) -> None:
-        """DESIGN §6 rule 3: a row whose update outgrows its mirror is clamped on the device (never
-        a crash); name its request. `add_request` admits no such request, so this is the guard
-        for hand-built StepOps (vectorised: a few µs per step)."""
-        lay = self.layout
-        for g, grp in enumerate(ops.groups):
-            rows = clamped_rows(ops.req_slots, grp.begins, grp.sizes, ops.full_refresh,
-                                grp.row_lens, lay.widths[g], lay.honor_full_refresh)
-            for i in rows.tolist():
-                rid = ops.request_ids[i] if i < len(ops.request_ids) else f"row {i}"
-                logger.warning("page-table row of request %s in cache group %s outgrows width %d; "
-                               "clamped", rid, lay.groups[g].group_id, lay.widths[g])
+        """`step_inputs.warn_clamped` against this runner's layout."""
+        warn_clamped(ops, self.layout)
 
-    def handle_for(self, ops: StepOps, bucket: int, tokens: jax.Array, logprobs: jax.Array,
-                   plp: jax.Array | None, top: tuple[jax.Array, jax.Array] | None,
-                   accepted: jax.Array | None = None) -> StepHandle:
+    def handle_for(
+        self,
+        ops: StepOps,
+        bucket: int,
+        tokens: jax.Array,
+        logprobs: jax.Array,
+        plp: jax.Array | None,
+        top: tuple[jax.Array, jax.Array] | None,
+        accepted: jax.Array | None = None,
+    ) -> StepHandle:
         """Wrap one dispatched step's device outputs; copies back only what the step asked for."""
         for x in (tokens, logprobs):  # start the device->host copies now, not when collected
             x.copy_to_host_async()

@@ -30,9 +30,18 @@ from tokenspeed_jax.runtime.filtering import filtered_logits
 from tokenspeed_jax.runtime.spec_verify import verify_drafts
 
 __all__ = [
-    "MAX_TOP_LOGPROBS", "PenaltyState", "apply_penalties", "apply_token_mask", "filtered_logits",
-    "init_penalty_state", "penalize_step",
-    "prompt_logprobs", "sample", "sample_rows", "top_logprobs", "update_penalty_state",
+    "MAX_TOP_LOGPROBS",
+    "PenaltyState",
+    "apply_penalties",
+    "apply_token_mask",
+    "filtered_logits",
+    "init_penalty_state",
+    "penalize_step",
+    "prompt_logprobs",
+    "sample",
+    "sample_rows",
+    "top_logprobs",
+    "update_penalty_state",
 ]
 
 MAX_TOP_LOGPROBS = 20  # K of the on-device top-k logprobs (OpenAI's top_logprobs limit)
@@ -100,12 +109,14 @@ class PenaltyState(NamedTuple):
 
 
 def init_penalty_state(num_slots: int, vocab_size: int) -> PenaltyState:
-    return PenaltyState(jnp.zeros((num_slots, vocab_size), jnp.int32),
-                        jnp.zeros((num_slots, vocab_size), bool))
+    return PenaltyState(
+        jnp.zeros((num_slots, vocab_size), jnp.int32), jnp.zeros((num_slots, vocab_size), bool)
+    )
 
 
-def update_penalty_state(state: PenaltyState, req_slots, kv_lens, cu_q_lens, prompt_lens,
-                         token_ids, positions, token_rows) -> PenaltyState:
+def update_penalty_state(
+    state: PenaltyState, req_slots, kv_lens, cu_q_lens, prompt_lens, token_ids, positions, token_rows
+) -> PenaltyState:
     """Fold one step's input tokens into the slots' statistics.
 
     Requests with penalties never take a prefix-cache hit, so every token they hold passes
@@ -158,18 +169,24 @@ def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: DeviceOps):
     (req_slots, kv_lens, cu_q_lens, prompt_lens, token_ids, positions, token_rows and the
     penalty / logit_bias fields). Both
     parts run under lax.cond, so steps without penalties or logit_bias pay nothing for them."""
-    use = ((ops.presence_penalty != 0) | (ops.frequency_penalty != 0)
-           | (ops.repetition_penalty != 1))
+    use = (ops.presence_penalty != 0) | (ops.frequency_penalty != 0) | (ops.repetition_penalty != 1)
     penalties = jax.lax.cond(
         jnp.any(use),
         lambda p: update_penalty_state(
-            p, ops.req_slots, ops.kv_lens, ops.cu_q_lens, ops.prompt_lens,
-            ops.token_ids, ops.positions, ops.token_rows),
-        lambda p: p, penalties,
+            p,
+            ops.req_slots,
+            ops.kv_lens,
+            ops.cu_q_lens,
+            ops.prompt_lens,
+            ops.token_ids,
+            ops.positions,
+            ops.token_rows,
+        ),
+        lambda p: p,
+        penalties,
     )
     if penalties.counts.shape[-1] != logits.shape[-1]:
-        raise ValueError(f"penalty state vocab {penalties.counts.shape[-1]} != logits "
-                         f"{logits.shape[-1]}")
+        raise ValueError(f"penalty state vocab {penalties.counts.shape[-1]} != logits {logits.shape[-1]}")
 
     n = logits.shape[0]  # the runner may run the LM head on the first n <= R rows only
 
@@ -178,8 +195,15 @@ def penalize_step(penalties: PenaltyState, logits: jax.Array, ops: DeviceOps):
         counts = jnp.where(use[:n, None], penalties.counts[slots], 0)
         seen = use[:n, None] & penalties.seen[slots]
         return apply_penalties(
-            x, counts, seen, ops.presence_penalty[:n], ops.frequency_penalty[:n],
-            ops.repetition_penalty[:n], ops.logit_bias_ids[:n], ops.logit_bias_values[:n])
+            x,
+            counts,
+            seen,
+            ops.presence_penalty[:n],
+            ops.frequency_penalty[:n],
+            ops.repetition_penalty[:n],
+            ops.logit_bias_ids[:n],
+            ops.logit_bias_values[:n],
+        )
 
     active = jnp.any(use) | jnp.any(ops.logit_bias_ids >= 0)
     return penalties, jax.lax.cond(active, modify, lambda x: x.astype(jnp.float32), logits)
@@ -206,8 +230,7 @@ def sample_rows(
     gather_logits: Callable[[jax.Array], jax.Array] | None = None,
     token_mask: jax.Array | None = None,
     num_speculative: int = 0,
-) -> tuple[PenaltyState, jax.Array, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array],
-           jax.Array]:
+) -> tuple[PenaltyState, jax.Array, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
     """One step's sampling tail, inside the jit: penalties, sampling, top-k and prompt logprobs.
 
     hidden f[T, H]: the model's last hidden states; ops: the step's unpacked StepOps arrays
@@ -249,15 +272,17 @@ def sample_rows(
             return every[last], jnp.argmax(every, axis=-1).astype(jnp.int32)
 
         logits, greedy_ids = jax.lax.cond(
-            jnp.any(ops.draft_lens[:n] > 0), every_token,
-            lambda h: (row_logits(h), jnp.zeros((t,), jnp.int32)), hidden)
+            jnp.any(ops.draft_lens[:n] > 0),
+            every_token,
+            lambda h: (row_logits(h), jnp.zeros((t,), jnp.int32)),
+            hidden,
+        )
     else:
         logits = row_logits(hidden)
     penalties, processed = penalize_step(penalties, logits, ops)
     if token_mask is not None:
         words = token_mask[:n]
-        processed = jax.lax.cond(jnp.any(words != -1), apply_token_mask,
-                                 lambda x, _: x, processed, words)
+        processed = jax.lax.cond(jnp.any(words != -1), apply_token_mask, lambda x, _: x, processed, words)
     tokens, logprobs = sample(
         processed, rows.temperature, rows.top_k, rows.top_p,
         rows.seeds, rows.sample_index, raw_logits=logits,
@@ -267,9 +292,10 @@ def sample_rows(
         spec = rows.draft_lens > 0
         verified, got = jax.lax.cond(
             jnp.any(spec),
-            lambda h: verify_drafts(h, ops, n, num_speculative, lm_head, gather_logits,
-                                    greedy_ids),
-            lambda h: (tokens, accepted), hidden)
+            lambda h: verify_drafts(h, ops, n, num_speculative, lm_head, gather_logits, greedy_ids),
+            lambda h: (tokens, accepted),
+            hidden,
+        )
         tokens = jnp.where(spec, verified, tokens)
         accepted = jnp.where(spec, got, 0)
     pad = max_rows - n
@@ -284,10 +310,8 @@ def sample_rows(
         lambda _: (jnp.full((n, k), -1, jnp.int32), jnp.full((n, k), jnp.nan, jnp.float32)),
         logits,
     )  # fmt: skip
-    top_ids = jnp.pad(jnp.where(mask[:, None], top_ids, -1), ((0, pad), (0, 0)),
-                      constant_values=-1)
-    top_lp = jnp.pad(jnp.where(mask[:, None], top_lp, jnp.nan), ((0, pad), (0, 0)),
-                     constant_values=jnp.nan)
+    top_ids = jnp.pad(jnp.where(mask[:, None], top_ids, -1), ((0, pad), (0, 0)), constant_values=-1)
+    top_lp = jnp.pad(jnp.where(mask[:, None], top_lp, jnp.nan), ((0, pad), (0, 0)), constant_values=jnp.nan)
     targets = ops.prompt_targets
     # Full [T, V] logits only on steps that want prompt logprobs (lax.cond skips them else).
     plp = jax.lax.cond(

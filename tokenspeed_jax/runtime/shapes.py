@@ -35,8 +35,9 @@ class StepShape(NamedTuple):
     level: int
 
 
-def token_buckets(max_scheduled_tokens: int, min_bucket: int = DEFAULT_MIN_TOKEN_BUCKET, *,
-                  lone_decode: bool = False) -> tuple[int, ...]:
+def token_buckets(
+    max_scheduled_tokens: int, min_bucket: int = DEFAULT_MIN_TOKEN_BUCKET, *, lone_decode: bool = False
+) -> tuple[int, ...]:
     """Powers of two from `min_bucket` below `max_scheduled_tokens`, then the max itself;
     `lone_decode` puts a 1-token bucket first (when `min_bucket` > 1)."""
     out, b = [1] if lone_decode and min_bucket > 1 else [], max(1, min_bucket)
@@ -46,8 +47,7 @@ def token_buckets(max_scheduled_tokens: int, min_bucket: int = DEFAULT_MIN_TOKEN
     return (*out, max_scheduled_tokens)
 
 
-def kv_levels(widths: tuple[int, ...], page_sizes: tuple[int, ...], min_tokens: int
-              ) -> tuple[KvLevel, ...]:
+def kv_levels(widths: tuple[int, ...], page_sizes: tuple[int, ...], min_tokens: int) -> tuple[KvLevel, ...]:
     """The kv-bucket ladder: (tokens covered, kv columns per group), shortest first.
 
     Levels are `min_tokens * 2^i` tokens (a power of two of pages when `min_tokens` is one) while
@@ -80,11 +80,17 @@ class ShapePolicy:
     kv_levels: tuple[KvLevel, ...]
 
     @classmethod
-    def build(cls, widths: tuple[int, ...], page_sizes: tuple[int, ...],
-              max_scheduled_tokens: int, *, backend: str,
-              min_token_bucket: int = DEFAULT_MIN_TOKEN_BUCKET,
-              min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET,
-              lone_decode: bool = False) -> ShapePolicy:
+    def build(
+        cls,
+        widths: tuple[int, ...],
+        page_sizes: tuple[int, ...],
+        max_scheduled_tokens: int,
+        *,
+        backend: str,
+        min_token_bucket: int = DEFAULT_MIN_TOKEN_BUCKET,
+        min_kv_bucket: int = DEFAULT_MIN_KV_BUCKET,
+        lone_decode: bool = False,
+    ) -> ShapePolicy:
         """The policy of a runner over mirrors of `widths` pages of `page_sizes` tokens per
         group; `backend` is the resolved attention backend ("reference" | "native" | "pallas");
         `lone_decode`: a 1-token bucket below `min_token_bucket` (`token_buckets`)."""
@@ -92,8 +98,7 @@ class ShapePolicy:
             levels = kv_levels(widths, page_sizes, min_kv_bucket)
         else:  # Pallas: loops bounded by kv_len on the device; one full-width level
             levels = ((max(w * b for w, b in zip(widths, page_sizes)), tuple(widths)),)
-        return cls(token_buckets(max_scheduled_tokens, min_token_bucket, lone_decode=lone_decode),
-                   levels)
+        return cls(token_buckets(max_scheduled_tokens, min_token_bucket, lone_decode=lone_decode), levels)
 
     @property
     def shape_keys(self) -> tuple[tuple[int, int], ...]:
@@ -131,8 +136,7 @@ class ShapePolicy:
             top = next((i for i, (t, _) in enumerate(self.kv_levels) if t >= max_kv_len), top)
         return tuple(range(top + 1))
 
-    def warmup_shapes(self, padding_ops: StepOps, max_kv_len: int | None = None
-                      ) -> tuple[StepShape, ...]:
+    def warmup_shapes(self, padding_ops: StepOps, max_kv_len: int | None = None) -> tuple[StepShape, ...]:
         """The shapes a warm-up runs `padding_ops` as, in order: every token bucket x
         `warmup_levels(max_kv_len)`. `padding_ops` must hold no row (its writes all drop)."""
         if padding_ops.num_seqs:

@@ -81,8 +81,7 @@ _RULES: tuple[tuple[str, P], ...] = (
     # a row-parallel kernel's (o_proj, down_proj, out_proj) stay whole on every shard
     (r"(self_attn/[qkv]_proj|mlp/(gate|up)_proj|conv/in_proj)/kernel_scale$", P(AXIS)),
     # block scales / mins f32[in/32, out] (models/block_quant.py) split like their kernel
-    (r"(self_attn/[qkv]_proj|mlp/(gate|up)_proj|conv/in_proj)/kernel_(scale|min)$",
-     P(None, AXIS)),
+    (r"(self_attn/[qkv]_proj|mlp/(gate|up)_proj|conv/in_proj)/kernel_(scale|min)$", P(None, AXIS)),
     (r"(self_attn/o_proj|mlp/down_proj|conv/out_proj)/kernel_(scale|min)$", P(AXIS, None)),
     (r"(self_attn/o_proj|mlp/down_proj|conv/out_proj)/kernel_scale$", P(None)),  # per channel
 )
@@ -102,8 +101,10 @@ def validate(config: ModelConfig, tp: int) -> None:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
     hkv = config.num_key_value_heads
     if hkv % tp and tp % hkv:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide num_key_value_heads={hkv} "
-                         f"(nor is it a multiple of it, which would replicate KV heads)")
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide num_key_value_heads={hkv} "
+            f"(nor is it a multiple of it, which would replicate KV heads)"
+        )
     checks = [
         ("num_attention_heads", config.num_attention_heads),
         ("intermediate_size", config.intermediate_size),
@@ -124,27 +125,33 @@ def replica_meshes(tp: int, dp: int, devices: Sequence | None = None) -> list[Me
         return [Mesh(row, (AXIS,)) for row in global_device_grid(tp, dp)]
     devices = list(jax.devices() if devices is None else devices)
     if tp * dp > len(devices):
-        raise ValueError(f"tensor_parallel_size * data_parallel_size = {tp} * {dp} = {tp * dp} "
-                         f"exceeds the {len(devices)} available device(s)")
-    return [Mesh(np.array(devices[r * tp:(r + 1) * tp]), (AXIS,)) for r in range(dp)]
+        raise ValueError(
+            f"tensor_parallel_size * data_parallel_size = {tp} * {dp} = {tp * dp} "
+            f"exceeds the {len(devices)} available device(s)"
+        )
+    return [Mesh(np.array(devices[r * tp : (r + 1) * tp]), (AXIS,)) for r in range(dp)]
 
 
 def global_device_grid(tp: int, dp: int) -> np.ndarray:
     """Devices [dp, tp] of a multi-process run: each replica (row) takes tp/N local devices of
     every one of the N processes (see the module docstring)."""
     nproc = jax.process_count()
-    local = [sorted((d for d in jax.devices() if d.process_index == k), key=lambda d: d.id)
-             for k in range(nproc)]
+    local = [
+        sorted((d for d in jax.devices() if d.process_index == k), key=lambda d: d.id) for k in range(nproc)
+    ]
     if tp % nproc:
-        raise ValueError(f"tensor_parallel_size={tp} must be a multiple of the {nproc} processes: "
-                         f"every replica spans every process (the leader schedules them all)")
+        raise ValueError(
+            f"tensor_parallel_size={tp} must be a multiple of the {nproc} processes: "
+            f"every replica spans every process (the leader schedules them all)"
+        )
     per = tp // nproc
     have = min(len(x) for x in local)
     if per * dp > have:
-        raise ValueError(f"tensor_parallel_size * data_parallel_size = {tp} * {dp} = {tp * dp} "
-                         f"exceeds the {nproc * have} available device(s) of {nproc} processes")
-    return np.array([[d for k in range(nproc) for d in local[k][r * per:(r + 1) * per]]
-                     for r in range(dp)])
+        raise ValueError(
+            f"tensor_parallel_size * data_parallel_size = {tp} * {dp} = {tp * dp} "
+            f"exceeds the {nproc * have} available device(s) of {nproc} processes"
+        )
+    return np.array([[d for k in range(nproc) for d in local[k][r * per : (r + 1) * per]] for r in range(dp)])
 
 
 def replicate_kv_heads(model, config: ModelConfig, tp: int) -> ModelConfig:
@@ -195,6 +202,7 @@ def place(tree, shardings):
     only the shards its devices hold, and no cross-process equality check (which would broadcast
     and compare every weight) runs. `param_sources.ParamSource` leaves (lazy loads) are read /
     generated per shard (`param_sources.place_sources`)."""
+
     def one(x, sh):
         if isinstance(x, ParamSource):
             return x  # below, all together
@@ -274,11 +282,12 @@ class TensorParallel:
         """A pytree like `params` (an nnx.State, or scan_layers' {"shell", "runs"}: a run's
         stacked layers keep their layer's spec behind an unsharded leading axis) of
         NamedShardings."""
+
         def one(p, x):
             path, ndim, lead = _path_str(p), np.ndim(x), ()
             scanned = _SCANNED.match(path)
             if scanned:
-                path = path[scanned.end():]
+                path = path[scanned.end() :]
                 if scanned.group(0).startswith("runs/"):
                     ndim, lead = ndim - 1, (None,)
             return NamedSharding(self.mesh, P(*lead, *self.spec_for(path, ndim)))
@@ -288,6 +297,7 @@ class TensorParallel:
     def state_shardings(self, state):
         """DeviceState shardings: mirrors replicated, K/V pools and their scales (a quantized
         cache) on kv heads, conv pools on channels."""
+
         def one(path, x):
             name = _path_str(path).rsplit("/", 1)[-1]
             lead = (None,) * (np.ndim(x) - (4 if name in ("k", "v") else 3))  # scan_layers: 1
@@ -317,12 +327,27 @@ class TensorParallel:
         scales = P(None, None, AXIS)  # a quantized cache's f16[P, B, Hkv] scale pools
 
         @functools.wraps(fn)
-        def wrapped(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs, *,
-                    sinks=None, k_scales=None, v_scales=None, **kw):
+        def wrapped(
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            kv_lens,
+            cu_q_lens,
+            num_seqs,
+            *,
+            sinks=None,
+            k_scales=None,
+            v_scales=None,
+            **kw,
+        ):
             args = [q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, num_seqs]
             specs = [heads, pool, pool, rep, rep, rep, rep]
-            optional = [name for name, x in (("sinks", sinks), ("k_scales", k_scales),
-                                             ("v_scales", v_scales)) if x is not None]
+            optional = [
+                name
+                for name, x in (("sinks", sinks), ("k_scales", k_scales), ("v_scales", v_scales))
+                if x is not None
+            ]
             for name in optional:
                 args.append({"sinks": sinks, "k_scales": k_scales, "v_scales": v_scales}[name])
                 specs.append(P(AXIS) if name == "sinks" else scales)
@@ -331,8 +356,9 @@ class TensorParallel:
                 return fn(*a[:7], **dict(zip(optional, a[7:], strict=True)), **kw)
 
             # check_vma off: pallas_call has no varying-manual-axes rule
-            return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=heads,
-                                 check_vma=False)(*args)
+            return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False)(
+                *args
+            )
 
         return wrapped
 
@@ -356,7 +382,8 @@ class TensorParallel:
             def local(*a):
                 return fn(*a[:7], a[7] if len(a) > 7 else None)
 
-            return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=chan,
-                                 check_vma=False)(*args)
+            return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=chan, check_vma=False)(
+                *args
+            )
 
         return wrapped

@@ -33,10 +33,15 @@ from tokenspeed_jax.runtime.filtering import filtered_logits
 __all__ = ["verify_drafts"]
 
 
-def verify_drafts(hidden: jax.Array, ops: DeviceOps, n: int, k: int,
-                  lm_head: Callable[[jax.Array], jax.Array],
-                  gather_logits: Callable[[jax.Array], jax.Array] | None = None,
-                  greedy_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def verify_drafts(
+    hidden: jax.Array,
+    ops: DeviceOps,
+    n: int,
+    k: int,
+    lm_head: Callable[[jax.Array], jax.Array],
+    gather_logits: Callable[[jax.Array], jax.Array] | None = None,
+    greedy_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Verify the drafts of the first n rows (k = the most drafts a row may carry, static).
 
     hidden f[T, H] the model's last hidden states; ops: the step's unpacked StepOps arrays
@@ -51,7 +56,7 @@ def verify_drafts(hidden: jax.Array, ops: DeviceOps, n: int, k: int,
     j = jnp.arange(k + 1, dtype=jnp.int32)
     # positions of the row's last known token (j = 0) and its drafts; clipped past the row's end
     # (those columns are never used)
-    first = ops.cu_q_lens[1:n + 1] - 1 - d
+    first = ops.cu_q_lens[1 : n + 1] - 1 - d
     idx = jnp.clip(first[:, None] + jnp.minimum(j[None, :], d[:, None]), 0, t - 1)
 
     def head_at_idx() -> jax.Array:  # the logits at idx: [n (k + 1), V]
@@ -74,8 +79,9 @@ def verify_drafts(hidden: jax.Array, ops: DeviceOps, n: int, k: int,
         def per_row(x):
             return jnp.repeat(x[:n], k + 1)
 
-        flat = filtered_logits(grid().astype(jnp.float32), per_row(temperature),
-                               per_row(ops.top_k), per_row(ops.top_p))
+        flat = filtered_logits(
+            grid().astype(jnp.float32), per_row(temperature), per_row(ops.top_k), per_row(ops.top_p)
+        )
         # position j draws with the key an ordinary row sampling output index sample_index + j
         # would use (`sampling.sample`), so the drawn token is the one decoding without drafts
         # would have drawn there

@@ -63,8 +63,9 @@ def layer_cache_shapes(
     return out
 
 
-def pool_dtypes(config: ModelConfig, kv_cache_dtype: str = "auto",
-                bits_pools: bool = False) -> dict[str, jnp.dtype]:
+def pool_dtypes(
+    config: ModelConfig, kv_cache_dtype: str = "auto", bits_pools: bool = False
+) -> dict[str, jnp.dtype]:
     """The storage dtype of each pool name: the model's dtype for float pools, int8 / fp8
     values and f16 scales for a quantized K/V cache. bits_pools (the reference backend): 16- and
     8-bit floats stored as their unsigned bits (`pallas_kernels.pool_bits`)."""
@@ -78,8 +79,12 @@ def pool_dtypes(config: ModelConfig, kv_cache_dtype: str = "auto",
     return out
 
 
-def bytes_per_page(config: ModelConfig, layer_groups: tuple[int, ...],
-                   page_sizes: tuple[int, ...], kv_cache_dtype: str = "auto") -> int:
+def bytes_per_page(
+    config: ModelConfig,
+    layer_groups: tuple[int, ...],
+    page_sizes: tuple[int, ...],
+    kv_cache_dtype: str = "auto",
+) -> int:
     """Device bytes one page id costs summed over every layer's pool (scales included)."""
     dtypes = pool_dtypes(config, kv_cache_dtype)
     shapes = layer_cache_shapes(config, layer_groups, page_sizes, 1, kv_cache_dtype)

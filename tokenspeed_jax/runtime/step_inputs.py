@@ -17,14 +17,18 @@ Cuts applied while packing (shapes depend only on the shape key):
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scheduler.cache_layout import CacheLayout
+from scheduler.page_table_oracle import clamped_rows
 from scheduler.step_ops import LOGIT_BIAS_WIDTH, GroupStepOps, StepOps, device_schema
 from tokenspeed_jax.runtime.device_ops import DeviceGroupOps, DeviceOps
 
+logger = logging.getLogger("tokenspeed_jax.runtime.runner")  # the runner's warnings, as before
 _STEP_SCHEMA = device_schema(StepOps)
 _GROUP_SCHEMA = device_schema(GroupStepOps)
 
@@ -56,8 +60,14 @@ class StepLayout:
 
 
 def _shape(axis: str, rows: int, bucket: int, delta: int, cols: int) -> tuple[int, ...]:
-    return {"row": (rows,), "row+1": (rows + 1,), "token": (bucket,), "row,delta": (rows, delta),
-            "row,width": (rows, cols), "row,bias": (rows, LOGIT_BIAS_WIDTH)}[axis]
+    return {
+        "row": (rows,),
+        "row+1": (rows + 1,),
+        "token": (bucket,),
+        "row,delta": (rows, delta),
+        "row,width": (rows, cols),
+        "row,bias": (rows, LOGIT_BIAS_WIDTH),
+    }[axis]
 
 
 def layout_for(rows: int, bucket: int, deltas: tuple[int, ...], cols: tuple[int, ...]) -> StepLayout:
@@ -90,8 +100,7 @@ def pack(ops: StepOps, layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
         else:  # u32 travels as the same 32 bits; bool as 0 / 1
             ints.append(src.reshape(-1).view(np.int32) if s.dtype == "u32" else src.reshape(-1))
     # one concatenate per buffer: a per-field copy loop costs several times more host time
-    return (np.concatenate(ints, dtype=np.int32, casting="unsafe"),
-            np.concatenate(floats, dtype=np.float32))
+    return (np.concatenate(ints, dtype=np.int32, casting="unsafe"), np.concatenate(floats, dtype=np.float32))
 
 
 def unpack(i32: jax.Array, f32: jax.Array, layout: StepLayout) -> DeviceOps:
@@ -107,3 +116,27 @@ def unpack(i32: jax.Array, f32: jax.Array, layout: StepLayout) -> DeviceOps:
             x = jax.lax.bitcast_convert_type(x, jnp.uint32)
         (fields if s.group < 0 else groups[s.group])[s.name] = x
     return DeviceOps(**fields, groups=tuple(DeviceGroupOps(**g) for g in groups))
+
+
+def warn_clamped(ops: StepOps, lay: CacheLayout) -> None:
+    """DESIGN §6 rule 3: a row whose update outgrows its mirror is clamped on the device (never
+    a crash); name its request. `add_request` admits no such request, so this is the guard
+    for hand-built StepOps (vectorised: a few µs per step)."""
+    for g, grp in enumerate(ops.groups):
+        rows = clamped_rows(
+            ops.req_slots,
+            grp.begins,
+            grp.sizes,
+            ops.full_refresh,
+            grp.row_lens,
+            lay.widths[g],
+            lay.honor_full_refresh,
+        )
+        for i in rows.tolist():
+            rid = ops.request_ids[i] if i < len(ops.request_ids) else f"row {i}"
+            logger.warning(
+                "page-table row of request %s in cache group %s outgrows width %d; clamped",
+                rid,
+                lay.groups[g].group_id,
+                lay.widths[g],
+            )

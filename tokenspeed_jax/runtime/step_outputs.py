@@ -12,8 +12,7 @@ __all__ = ["StepHandle", "StepOutputs", "StepResult", "host_results"]
 
 # device outputs of one step: sampled ids i32[R], logprobs f32[R], prompt logprobs f32[T],
 # (top ids i32[R, K], top logprobs f32[R, K]), accepted drafts i32[R]
-StepOutputs: TypeAlias = tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array],
-                               jax.Array]
+StepOutputs: TypeAlias = tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +56,18 @@ def host_results(handle: StepHandle, rows: int, tokens: int) -> StepResult:
     """Block until a dispatched step is done; its host results at full size (R = `rows`,
     T = `tokens`; an empty step's are all padding)."""
     if handle.tokens is None:
-        return StepResult(np.full(rows, -1, np.int32), np.full(rows, np.nan, np.float32),
-                          np.full(tokens, np.nan, np.float32))
+        return StepResult(
+            np.full(rows, -1, np.int32),
+            np.full(rows, np.nan, np.float32),
+            np.full(tokens, np.nan, np.float32),
+        )
     plp_full = np.full(tokens, np.nan, np.float32)
     if handle.prompt_logprobs is not None:  # else all NaN: no copy
-        plp_full[:handle.bucket] = np.asarray(handle.prompt_logprobs)
+        plp_full[: handle.bucket] = np.asarray(handle.prompt_logprobs)
     top_ids = top_lp = None
     if handle.top is not None:
         top_ids, top_lp = np.asarray(handle.top[0]), np.asarray(handle.top[1])
     accepted = None if handle.accepted is None else np.asarray(handle.accepted)
-    return StepResult(np.asarray(handle.tokens), np.asarray(handle.logprobs), plp_full,
-                      top_ids, top_lp, accepted)
+    return StepResult(
+        np.asarray(handle.tokens), np.asarray(handle.logprobs), plp_full, top_ids, top_lp, accepted
+    )

@@ -64,9 +64,13 @@ class StepPrograms:
     its executable-store key (computed without tracing) or None when there is no store.
     """
 
-    def __init__(self, lower: Callable[[StepShape], jax.stages.Lowered],
-                 key: Callable[[StepShape], str] | None, store: ExecutableStore | None,
-                 devices: list[Any] | None = None) -> None:
+    def __init__(
+        self,
+        lower: Callable[[StepShape], jax.stages.Lowered],
+        key: Callable[[StepShape], str] | None,
+        store: ExecutableStore | None,
+        devices: list[Any] | None = None,
+    ) -> None:
         self._lower, self._key, self.store, self.devices = lower, key, store, devices
         self.ready: dict[StepShape, jax.stages.Compiled] = {}
         self.records: list[ShapeReady] = []
@@ -146,8 +150,7 @@ class StepPrograms:
         return compiled
 
     # ------------------------------------------------------------------ many shapes
-    def prepare_many(self, shapes: Iterable[StepShape], *, workers: int = 2,
-                     progress: bool = False) -> int:
+    def prepare_many(self, shapes: Iterable[StepShape], *, workers: int = 2, progress: bool = False) -> int:
         """Make every shape ready, longest first, `workers` at a time; returns how many were not
         ready before. `progress`: a tqdm bar on stderr with each shape's time."""
         todo = sorted({s for s in shapes if s not in self.ready}, reverse=True)
@@ -166,8 +169,9 @@ class StepPrograms:
                     if bar is not None:
                         rec = self.record_of(futs[fut])
                         if rec is not None:
-                            bar.set_postfix_str(f"{rec.shape.bucket}x{rec.shape.level} "
-                                                f"{rec.source} {rec.total_s:.1f}s")
+                            bar.set_postfix_str(
+                                f"{rec.shape.bucket}x{rec.shape.level} {rec.source} {rec.total_s:.1f}s"
+                            )
                         bar.update(1)
         finally:
             if bar is not None:

@@ -48,23 +48,37 @@ def describe(llm, model_name: str) -> str:
     """The one startup line: model, dtype, pages, page size, max context, buckets, backend."""
     e = llm.engines[0]
     cfg, runner = e.scheduler.config, e.runner
-    return (f"model={model_name} dtype={getattr(llm, 'dtype', '?')} replicas={len(llm.engines)} "
-            f"pages={cfg.num_pages - 1} page_size={cfg.page_size} "
-            f"max_context={cfg.max_context_len} max_batch={cfg.max_batch_requests} "
-            f"buckets={list(runner.buckets)} "
-            f"backend={runner.backend}")
+    return (
+        f"model={model_name} dtype={getattr(llm, 'dtype', '?')} replicas={len(llm.engines)} "
+        f"pages={cfg.num_pages - 1} page_size={cfg.page_size} "
+        f"max_context={cfg.max_context_len} max_batch={cfg.max_batch_requests} "
+        f"buckets={list(runner.buckets)} "
+        f"backend={runner.backend}"
+    )
 
 
-def _lifespan(llm: Any, model_name: str, holder: dict[str, AsyncEngine], metrics: ServerMetrics,
-              drain: Drain, *, warmup: bool, route: str
-              ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(
+    llm: Any,
+    model_name: str,
+    holder: dict[str, AsyncEngine],
+    metrics: ServerMetrics,
+    drain: Drain,
+    *,
+    warmup: bool,
+    route: str,
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """The app's lifespan: its `AsyncEngine` (stepping threads, warmup) exists only while the app
     runs, so building an app starts nothing; `holder["engine"]` is where the routes find it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        engine = AsyncEngine(llm.engines, warmup=warmup, on_finish=metrics.observe,
-                             on_scheduled=metrics.observe_queue_time, route=route)
+        engine = AsyncEngine(
+            llm.engines,
+            warmup=warmup,
+            on_finish=metrics.observe,
+            on_scheduled=metrics.observe_queue_time,
+            route=route,
+        )
         holder["engine"] = engine
         _app.state.engine = engine
         drain.live, drain.abort_rest = engine.num_live, engine.abort_all
@@ -75,21 +89,28 @@ def _lifespan(llm: Any, model_name: str, holder: dict[str, AsyncEngine], metrics
     return lifespan
 
 
-def _add_middleware(app: FastAPI, max_request_bytes: int | None, api_keys: Sequence[str],
-                    metrics_require_key: bool) -> None:
+def _add_middleware(
+    app: FastAPI, max_request_bytes: int | None, api_keys: Sequence[str], metrics_require_key: bool
+) -> None:
     if max_request_bytes is not None:
         app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_keys:  # added last: outermost, so it answers before the body is read
-        app.add_middleware(ApiKeyMiddleware, keys=list(api_keys),
-                           require_key_for_metrics=metrics_require_key)
+        app.add_middleware(ApiKeyMiddleware, keys=list(api_keys), require_key_for_metrics=metrics_require_key)
 
 
-def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
-              route: str = "prefix", api_keys: Sequence[str] = (),
-              metrics_require_key: bool = False,
-              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-              max_queued_requests: int | None = None, request_timeout_s: float | None = None,
-              shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> FastAPI:
+def build_app(
+    llm,
+    model_name: str = "tiny-random",
+    *,
+    warmup: bool = True,
+    route: str = "prefix",
+    api_keys: Sequence[str] = (),
+    metrics_require_key: bool = False,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+    max_queued_requests: int | None = None,
+    request_timeout_s: float | None = None,
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+) -> FastAPI:
     """The server app over every data-parallel replica of `llm` (`llm.engines`), routing requests
     by `route` ("prefix", the default, or "load": `tokenspeed_jax.engine.replicas`).
 
@@ -106,8 +127,10 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
     holder: dict[str, AsyncEngine] = {}
     metrics = ServerMetrics(lambda: holder["engine"].stats())
     drain = Drain(shutdown_grace_s)
-    app = FastAPI(title="tokenspeed-jax", lifespan=_lifespan(
-        llm, model_name, holder, metrics, drain, warmup=warmup, route=route))
+    app = FastAPI(
+        title="tokenspeed-jax",
+        lifespan=_lifespan(llm, model_name, holder, metrics, drain, warmup=warmup, route=route),
+    )
     app.state.drain = drain
     install_error_handlers(app)
     _add_middleware(app, max_request_bytes, api_keys, metrics_require_key)
@@ -116,9 +139,16 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
     def engine() -> AsyncEngine:
         return holder["engine"]
 
-    service = CompletionService(engine, tokenizer, model_name, vocab_size, max_context, drain,
-                                max_queued_requests=max_queued_requests,
-                                request_timeout_s=request_timeout_s)
+    service = CompletionService(
+        engine,
+        tokenizer,
+        model_name,
+        vocab_size,
+        max_context,
+        drain,
+        max_queued_requests=max_queued_requests,
+        request_timeout_s=request_timeout_s,
+    )
 
     @app.get("/health")
     def health():
@@ -138,9 +168,18 @@ def build_app(llm, model_name: str = "tiny-random", *, warmup: bool = True,
 
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "tokenspeed-jax",
-            "max_model_len": max_context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "tokenspeed-jax",
+                    "max_model_len": max_context,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):

@@ -54,10 +54,15 @@ class AsyncEngine:
     policy over the replicas, "prefix" (the default) or "load"
     (`tokenspeed_jax.engine.replicas`)."""
 
-    def __init__(self, engines: Engine | Sequence[Engine], *, warmup: bool = True,
-                 on_finish: Callable[[CompletionOutput], None] | None = None,
-                 on_scheduled: Callable[[float], None] | None = None,
-                 route: str = "prefix") -> None:
+    def __init__(
+        self,
+        engines: Engine | Sequence[Engine],
+        *,
+        warmup: bool = True,
+        on_finish: Callable[[CompletionOutput], None] | None = None,
+        on_scheduled: Callable[[float], None] | None = None,
+        route: str = "prefix",
+    ) -> None:
         engines = [engines] if isinstance(engines, Engine) else list(engines)
         self.router = Replicas(engines, route=route)
         self.replicas = [ReplicaState(i, e) for i, e in enumerate(engines)]
@@ -67,9 +72,10 @@ class AsyncEngine:
         self._warmup = warmup
         self._stopped = False
         self._owner: dict[str, ReplicaState] = {}
-        self._threads = [threading.Thread(target=self._loop, args=(r,), daemon=True,
-                                          name=f"tokenspeed-engine-{r.index}")
-                         for r in self.replicas]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(r,), daemon=True, name=f"tokenspeed-engine-{r.index}")
+            for r in self.replicas
+        ]
         for t in self._threads:
             t.start()
 
@@ -89,11 +95,13 @@ class AsyncEngine:
 
     def _held(self, k: int) -> list[int]:
         """Outstanding tokens of the samples deferred on replica k (not in its engine yet)."""
-        return [len(c.ids) + c.params.max_tokens
-                for rest in self.replicas[k].deferred.values() for _, c in rest]
+        return [
+            len(c.ids) + c.params.max_tokens for rest in self.replicas[k].deferred.values() for _, c in rest
+        ]
 
-    def submit(self, prompt: list[int], params: SamplingParams | Sequence[SamplingParams]
-               ) -> tuple[list[str], asyncio.Queue]:
+    def submit(
+        self, prompt: list[int], params: SamplingParams | Sequence[SamplingParams]
+    ) -> tuple[list[str], asyncio.Queue]:
         """Queue one request per params entry (the n samples of one prompt) on one replica and
         subscribe to them: returns their request ids and the queue of their events. ValueError
         on bad input: then nothing is queued."""
@@ -190,15 +198,22 @@ class AsyncEngine:
                 try:
                     rep.compiled = rep.engine.warmup()
                 except Exception:  # noqa: BLE001 - serve anyway: shapes then compile on first use
-                    log.exception("replica %d: warm-up failed; step shapes compile on first use",
-                                  rep.index)
+                    log.exception("replica %d: warm-up failed; step shapes compile on first use", rep.index)
             rep.warmup_s = time.perf_counter() - t0
             up = rep.engine.startup_stats()
-            log.info("replica %d ready: %d step shapes in %.1fs (%d compiled: trace %.1fs + XLA "
-                     "%.1fs; %d loaded from the executable cache in %.1fs; model load %.1fs)",
-                     rep.index, rep.compiled, rep.warmup_s, up.get("shapes_compiled", 0),
-                     up.get("trace_s", 0.0), up.get("compile_s", 0.0), up.get("shapes_loaded", 0),
-                     up.get("load_exe_s", 0.0), up.get("load_s", 0.0))
+            log.info(
+                "replica %d ready: %d step shapes in %.1fs (%d compiled: trace %.1fs + XLA "
+                "%.1fs; %d loaded from the executable cache in %.1fs; model load %.1fs)",
+                rep.index,
+                rep.compiled,
+                rep.warmup_s,
+                up.get("shapes_compiled", 0),
+                up.get("trace_s", 0.0),
+                up.get("compile_s", 0.0),
+                up.get("shapes_loaded", 0),
+                up.get("load_exe_s", 0.0),
+                up.get("load_s", 0.0),
+            )
         rep.ready = True
         while not self._stopped:
             with rep.lock:
@@ -274,10 +289,16 @@ class AsyncEngine:
             if waiting is None:
                 continue
             try:
-                tail = out.token_ids[waiting.sent:]
+                tail = out.token_ids[waiting.sent :]
                 if tail:
-                    waiting.push(("delta", list(tail), (out.logprobs or [])[waiting.sent:],
-                                  (out.top_logprobs or [])[waiting.sent:]))
+                    waiting.push(
+                        (
+                            "delta",
+                            list(tail),
+                            (out.logprobs or [])[waiting.sent :],
+                            (out.top_logprobs or [])[waiting.sent :],
+                        )
+                    )
                 waiting.push(("done", out))
             except Exception:  # noqa: BLE001 - e.g. its event loop is gone
                 log.exception("delivering request %s failed", out.request_id)

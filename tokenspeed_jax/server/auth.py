@@ -52,15 +52,22 @@ class ApiKeyMiddleware:
         return ok
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"].rstrip("/") in self.open \
-                or scope.get("method") == "OPTIONS":
+        if (
+            scope["type"] != "http"
+            or scope["path"].rstrip("/") in self.open
+            or scope.get("method") == "OPTIONS"
+        ):
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers") or ()).get(b"authorization")
         if self.allowed(header):
             await self.app(scope, receive, send)
             return
-        message = ("Missing API key: send 'Authorization: Bearer <key>'" if header is None
-                   else "Incorrect API key provided")
-        await send_error(send, 401, message, code="invalid_api_key",
-                         headers=((b"www-authenticate", b"Bearer"),))
+        message = (
+            "Missing API key: send 'Authorization: Bearer <key>'"
+            if header is None
+            else "Incorrect API key provided"
+        )
+        await send_error(
+            send, 401, message, code="invalid_api_key", headers=((b"www-authenticate", b"Bearer"),)
+        )

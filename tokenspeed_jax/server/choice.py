@@ -35,8 +35,7 @@ def find_stop(text: str, stops: list[str]) -> int:
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet reversed: the printable character each byte is spelled with
     in a ByteLevel BPE vocabulary -> the byte."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-          *range(ord("®"), ord("ÿ") + 1)]
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = list(bs)
     n = 0
     for b in range(256):
@@ -119,22 +118,27 @@ class ChoiceState:
             return text[:hit]
         if final:
             return text
-        text = text[:len(text) - held_back(text, self.stops)]
+        text = text[: len(text) - held_back(text, self.stops)]
         return text.rstrip("\ufffd")
 
-    def feed(self, token_ids: list[int], logprobs: list[float] | None,
-             top: list[list[tuple[int, float]]] | None, final: bool = False) -> Delta:
+    def feed(
+        self,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        top: list[list[tuple[int, float]]] | None,
+        final: bool = False,
+    ) -> Delta:
         if self.stopped:  # tokens that arrived after the stop string are not part of the choice
             return Delta("", [], [], [])
         self.tokens += token_ids
-        lp = list(logprobs or [])[:len(token_ids)]
-        tp = list(top or [])[:len(token_ids)]
+        lp = list(logprobs or [])[: len(token_ids)]
+        tp = list(top or [])[: len(token_ids)]
         self.logprobs += lp
         self.top += tp
         text = self.text(final or False)
         delta = ""
         if text.startswith(self.emitted) and len(text) > len(self.emitted):
-            delta = text[len(self.emitted):]
+            delta = text[len(self.emitted) :]
             self.emitted = text
         return Delta(delta, list(token_ids), lp, tp)
 
@@ -142,8 +146,7 @@ class ChoiceState:
     def token_str(self, tok: int) -> str:
         return self._decode([tok])
 
-    def completion_logprobs(self, ids: list[int], lps: list[float], tops: list,
-                            want_top: bool) -> dict:
+    def completion_logprobs(self, ids: list[int], lps: list[float], tops: list, want_top: bool) -> dict:
         """OpenAI completions `logprobs` object for `ids`; text offsets continue from the
         previous call (start `text_offset` at the echoed prompt's length)."""
         offsets, off = [], self.text_offset

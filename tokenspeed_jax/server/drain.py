@@ -45,8 +45,9 @@ class Drain:
     live(): requests the engine still generates for (`AsyncEngine.num_live`); abort_rest():
     abort them all in the engine (both set by the app once its engine exists)."""
 
-    def __init__(self, grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.grace_s = float(grace_s)
         self.clock = clock
         self.started_at: float | None = None
@@ -61,8 +62,11 @@ class Drain:
 
     def aborting(self) -> bool:
         """The grace is over: handlers end their remaining choices with "abort"."""
-        if self.aborting_at is None and self.started_at is not None \
-                and self.clock() >= self.started_at + self.grace_s:
+        if (
+            self.aborting_at is None
+            and self.started_at is not None
+            and self.clock() >= self.started_at + self.grace_s
+        ):
             self.aborting_at = self.clock()
         return self.aborting_at is not None
 
@@ -70,8 +74,11 @@ class Drain:
         """Start draining (first signal); a later call skips the rest of the grace."""
         if self.started_at is None:
             self.started_at = self.clock()
-            log.info("shutting down: no new requests; %d in flight get up to %gs to finish "
-                     "(--shutdown-grace-s)", self.live(), self.grace_s)
+            log.info(
+                "shutting down: no new requests; %d in flight get up to %gs to finish (--shutdown-grace-s)",
+                self.live(),
+                self.grace_s,
+            )
         elif self.aborting_at is None:
             self.aborting_at = self.clock()
             log.info("second signal: aborting the %d requests in flight now", self.live())
@@ -90,15 +97,17 @@ class Drain:
             return False
         n = self.abort_rest()
         if n:
-            log.warning("shutdown: %d requests aborted in the engine (their handlers did not end "
-                        "them)", n)
+            log.warning("shutdown: %d requests aborted in the engine (their handlers did not end them)", n)
         return True
 
     def refusal(self) -> JSONResponse:
         """The 503 a request gets while draining."""
-        return error_response(503, "the server is shutting down and accepts no new requests; "
-                              "retry on another instance", code="server_shutting_down",
-                              headers={"Retry-After": "1"})
+        return error_response(
+            503,
+            "the server is shutting down and accepts no new requests; retry on another instance",
+            code="server_shutting_down",
+            headers={"Retry-After": "1"},
+        )
 
 
 class DrainingServer(uvicorn.Server):
@@ -126,6 +135,7 @@ class DrainingServer(uvicorn.Server):
 def serve(app: Any, host: str, port: int, *, log_level: str = "info") -> None:
     """Run `app` (from `build_app`, which put its `Drain` on `app.state.drain`) until a signal
     has drained it; returns normally (exit status 0)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=int(FLUSH_S))
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(FLUSH_S)
+    )
     DrainingServer(config, app.state.drain).run()

@@ -19,30 +19,57 @@ class UnsupportedField(ValueError):
         self.field = field
 
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-          404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 422: "request_failed_error", 503: "service_unavailable",
-          500: "internal_server_error", 504: "timeout_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "request_failed_error",
+    503: "service_unavailable",
+    500: "internal_server_error",
+    504: "timeout_error",
+}
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
-               type_: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None, type_: str | None = None
+) -> dict:
     """The OpenAI error object; also sent by the ASGI middlewares that answer before FastAPI."""
-    return {"error": {"message": message, "type": type_ or _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": type_ or _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
-def error_response(status: int, message: str, *, param: str | None = None,
-                   code: str | None = None, type_: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, headers=headers, content=error_body(
-        status, message, param=param, code=code, type_=type_))
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    type_: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        headers=headers,
+        content=error_body(status, message, param=param, code=code, type_=type_),
+    )
 
 
 def model_not_found(model: str, served: str) -> JSONResponse:
     """The 404 for a `model` this server does not serve (one model per server: `served`)."""
-    return error_response(404, f"The model '{model}' does not exist (this server serves "
-                          f"'{served}')", param="model", code="model_not_found")
+    return error_response(
+        404,
+        f"The model '{model}' does not exist (this server serves '{served}')",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def error_event(status: int, message: str, *, code: str | None = None) -> str:
@@ -86,12 +113,21 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), code=code)
 
 
-async def send_error(send, status: int, message: str, *, code: str | None = None,
-                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+async def send_error(
+    send, status: int, message: str, *, code: str | None = None, headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     """An OpenAI error answered straight over ASGI (middlewares that refuse a request before it
     reaches FastAPI: no key, body too large)."""
     body = json.dumps(error_body(status, message, code=code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

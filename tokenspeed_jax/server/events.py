@@ -32,8 +32,10 @@ class TimedOut(Exception):
     """The request ran past `--request-timeout-s`."""
 
     def __init__(self, timeout_s: float) -> None:
-        super().__init__(f"the request did not finish within the server's request timeout of "
-                         f"{timeout_s:g} s (--request-timeout-s); it was aborted")
+        super().__init__(
+            f"the request did not finish within the server's request timeout of "
+            f"{timeout_s:g} s (--request-timeout-s); it was aborted"
+        )
         self.timeout_s = timeout_s
 
 
@@ -59,8 +61,9 @@ class Deadline:
             raise TimedOut(self.timeout_s)
 
 
-async def _next(queue: asyncio.Queue, http: Request, deadline: Deadline,
-                aborting: Callable[[], bool], clock: list[float]):
+async def _next(
+    queue: asyncio.Queue, http: Request, deadline: Deadline, aborting: Callable[[], bool], clock: list[float]
+):
     """The next engine event; None once the drain aborts in-flight requests (and the events
     that had already arrived are consumed). Raises `Disconnected` / `TimedOut` within ~POLL_S of
     the client leaving or the deadline passing."""
@@ -79,10 +82,15 @@ async def _next(queue: asyncio.Queue, http: Request, deadline: Deadline,
             continue
 
 
-async def choice_events(engine: AsyncEngine, queue: asyncio.Queue, choices: list[ChoiceState],
-                        rids: list[str], http: Request, deadline: Deadline,
-                        aborting: Callable[[], bool] = lambda: False,
-                        ) -> AsyncIterator[tuple[ChoiceState, Delta, str | None]]:
+async def choice_events(
+    engine: AsyncEngine,
+    queue: asyncio.Queue,
+    choices: list[ChoiceState],
+    rids: list[str],
+    http: Request,
+    deadline: Deadline,
+    aborting: Callable[[], bool] = lambda: False,
+) -> AsyncIterator[tuple[ChoiceState, Delta, str | None]]:
     """(choice, Delta, finish_reason or None) as tokens arrive, until every choice ends (see the
     module docstring). `aborting()`: the drain's grace is over (end every choice with "abort")."""
     done: set[int] = set()

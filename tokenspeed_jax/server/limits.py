@@ -78,6 +78,10 @@ def queue_full(stats: list[dict], limit: int | None) -> JSONResponse | None:
     waiting = sum(int(s.get("num_waiting", 0)) for s in stats)
     if waiting < limit:
         return None
-    return error_response(503, f"the server is overloaded ({waiting} requests waiting, "
-                          f"--max-queued-requests {limit}); retry shortly",
-                          code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return error_response(
+        503,
+        f"the server is overloaded ({waiting} requests waiting, "
+        f"--max-queued-requests {limit}); retry shortly",
+        code="server_overloaded",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )

@@ -29,14 +29,20 @@ _COUNTERS = {
     "num_engine_steps": ("tokenspeed_engine_steps", "device steps run"),
     "num_aborted": ("tokenspeed_aborted_requests", "requests aborted (client gone, stop string)"),
     "spec_draft_tokens": ("tokenspeed_spec_draft_tokens", "speculative draft tokens proposed"),
-    "spec_accepted_tokens": ("tokenspeed_spec_accepted_tokens",
-                             "speculative draft tokens accepted"),
-    "spec_num_rows": ("tokenspeed_spec_rows", "speculative rows verified (one per request and "
-                      "step that drafted)"),
+    "spec_accepted_tokens": ("tokenspeed_spec_accepted_tokens", "speculative draft tokens accepted"),
+    "spec_num_rows": (
+        "tokenspeed_spec_rows",
+        "speculative rows verified (one per request and step that drafted)",
+    ),
 }
 # Engine.startup_stats() keys exported as tokenspeed_startup_seconds{phase=...}
-_STARTUP_PHASES = {"load": "load_s", "warmup": "warmup_s", "trace": "trace_s",
-                   "compile": "compile_s", "load_executables": "load_exe_s"}
+_STARTUP_PHASES = {
+    "load": "load_s",
+    "warmup": "warmup_s",
+    "trace": "trace_s",
+    "compile": "compile_s",
+    "load_executables": "load_exe_s",
+}
 
 
 class _EngineCollector:
@@ -46,30 +52,48 @@ class _EngineCollector:
     def collect(self):
         per = self._stats()
         gauges = {
-            "running": GaugeMetricFamily("tokenspeed_num_requests_running",
-                                         "requests holding pages", labels=["replica"]),
-            "waiting": GaugeMetricFamily("tokenspeed_num_requests_waiting",
-                                         "requests queued or retracted", labels=["replica"]),
-            "free": GaugeMetricFamily("tokenspeed_pages_free", "free pages of the pool (shared by "
-                                      "all groups)", labels=["replica"]),
-            "total": GaugeMetricFamily("tokenspeed_pages_total", "pages of the pool (null page "
-                                       "excluded)", labels=["replica"]),
-            "group": GaugeMetricFamily("tokenspeed_pages_used", "pages held by running requests, "
-                                       "per cache group", labels=["replica", "group"]),
-            "hit": GaugeMetricFamily("tokenspeed_prefix_hit_rate", "prefix-cache hit tokens / "
-                                     "prompt tokens looked up", labels=["replica"]),
-            "startup": GaugeMetricFamily("tokenspeed_startup_seconds", "start-up time by phase: "
-                                         "load (model + engine), warmup (wall), and summed over "
-                                         "compile threads: trace (+ lowering), compile (XLA), "
-                                         "load_executables (executable cache reads)",
-                                         labels=["replica", "phase"]),
-            "shapes": GaugeMetricFamily("tokenspeed_step_shapes_ready", "step shapes made ready, "
-                                        "by source: compiled, loaded (executable cache), "
-                                        "background (compiled lazily while serving; also counted "
-                                        "as compiled or loaded)", labels=["replica", "source"]),
+            "running": GaugeMetricFamily(
+                "tokenspeed_num_requests_running", "requests holding pages", labels=["replica"]
+            ),
+            "waiting": GaugeMetricFamily(
+                "tokenspeed_num_requests_waiting", "requests queued or retracted", labels=["replica"]
+            ),
+            "free": GaugeMetricFamily(
+                "tokenspeed_pages_free", "free pages of the pool (shared by all groups)", labels=["replica"]
+            ),
+            "total": GaugeMetricFamily(
+                "tokenspeed_pages_total", "pages of the pool (null page excluded)", labels=["replica"]
+            ),
+            "group": GaugeMetricFamily(
+                "tokenspeed_pages_used",
+                "pages held by running requests, per cache group",
+                labels=["replica", "group"],
+            ),
+            "hit": GaugeMetricFamily(
+                "tokenspeed_prefix_hit_rate",
+                "prefix-cache hit tokens / prompt tokens looked up",
+                labels=["replica"],
+            ),
+            "startup": GaugeMetricFamily(
+                "tokenspeed_startup_seconds",
+                "start-up time by phase: "
+                "load (model + engine), warmup (wall), and summed over "
+                "compile threads: trace (+ lowering), compile (XLA), "
+                "load_executables (executable cache reads)",
+                labels=["replica", "phase"],
+            ),
+            "shapes": GaugeMetricFamily(
+                "tokenspeed_step_shapes_ready",
+                "step shapes made ready, "
+                "by source: compiled, loaded (executable cache), "
+                "background (compiled lazily while serving; also counted "
+                "as compiled or loaded)",
+                labels=["replica", "source"],
+            ),
         }
-        counters = {k: CounterMetricFamily(name, doc, labels=["replica"])
-                    for k, (name, doc) in _COUNTERS.items()}
+        counters = {
+            k: CounterMetricFamily(name, doc, labels=["replica"]) for k, (name, doc) in _COUNTERS.items()
+        }
         for i, st in enumerate(per):
             r = str(i)
             gauges["running"].add_metric([r], st.get("num_running", 0))
@@ -96,23 +120,44 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], list[dict]]) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
-        self.ttft = Histogram("tokenspeed_time_to_first_token_seconds", "arrival to first token",
-                              buckets=_LATENCY_BUCKETS, registry=reg)
-        self.tpot = Histogram("tokenspeed_time_per_output_token_seconds", "mean time per output "
-                              "token after the first", buckets=_TPOT_BUCKETS, registry=reg)
-        self.queue_time = Histogram("tokenspeed_queue_time_seconds", "time a request (each of its "
-                                    "n samples) waited from submission to the engine until the "
-                                    "first step that scheduled it", buckets=_LATENCY_BUCKETS,
-                                    registry=reg)
-        self.e2e = Histogram("tokenspeed_e2e_request_latency_seconds", "arrival to finish",
-                             buckets=_LATENCY_BUCKETS, registry=reg)
-        self.prompt_tokens = Counter("tokenspeed_prompt_tokens", "prompt tokens of finished "
-                                     "requests", registry=reg)
-        self.generation_tokens = Counter("tokenspeed_generation_tokens", "tokens generated by "
-                                         "finished requests", registry=reg)
-        self.requests = Counter("tokenspeed_requests_finished", "finished requests by reason "
-                                "(abort: ended by a shutdown; timeout: --request-timeout-s)",
-                                ["finish_reason"], registry=reg)
+        self.ttft = Histogram(
+            "tokenspeed_time_to_first_token_seconds",
+            "arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            "tokenspeed_time_per_output_token_seconds",
+            "mean time per output token after the first",
+            buckets=_TPOT_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "tokenspeed_queue_time_seconds",
+            "time a request (each of its "
+            "n samples) waited from submission to the engine until the "
+            "first step that scheduled it",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "tokenspeed_e2e_request_latency_seconds",
+            "arrival to finish",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "tokenspeed_prompt_tokens", "prompt tokens of finished requests", registry=reg
+        )
+        self.generation_tokens = Counter(
+            "tokenspeed_generation_tokens", "tokens generated by finished requests", registry=reg
+        )
+        self.requests = Counter(
+            "tokenspeed_requests_finished",
+            "finished requests by reason (abort: ended by a shutdown; timeout: --request-timeout-s)",
+            ["finish_reason"],
+            registry=reg,
+        )
         reg.register(_EngineCollector(stats))
 
     def observe(self, out: CompletionOutput) -> None:

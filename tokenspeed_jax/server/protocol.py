@@ -17,15 +17,22 @@ from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.server.errors import UnsupportedField
 from tokenspeed_jax.server.structured import field_error, request_constraint
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "UNSUPPORTED",
-           "UnsupportedField"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "UNSUPPORTED", "UnsupportedField"]
 
 # bounds checked by pydantic (a 400 naming the field) come from the scheduler's one limits table
 _MAX_TOP_LOGPROBS = int(LIMITS["top_logprobs"].hi)
 
 # OpenAI request fields that exist but are not implemented here: a non-null value is a 400.
-UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "modalities", "prediction",
-               "web_search_options", "reasoning_effort")
+UNSUPPORTED = (
+    "functions",
+    "function_call",
+    "suffix",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+)
 
 
 def _unicode(text: str) -> str:
@@ -112,8 +119,9 @@ class _Sampling(BaseModel):
         """The output constraint this request asks for (UnsupportedField if two at once)."""
         return request_constraint(self)
 
-    def to_params(self, max_tokens: int, index: int = 0,
-                  constraint: Constraint = (None, None)) -> SamplingParams:
+    def to_params(
+        self, max_tokens: int, index: int = 0, constraint: Constraint = (None, None)
+    ) -> SamplingParams:
         """Params of sample `index` of this request (seed + index, so n samples differ), under
         `constraint` (`constraint()`, or the one tool_choice implies). ValueError (-> HTTP 400)
         on bad values, naming the field."""
@@ -122,19 +130,26 @@ class _Sampling(BaseModel):
         bias = dict(zip(self.bias_ids(), (self.logit_bias or {}).values()))
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                top_k=self.top_k, seed=seed, stop_token_ids=tuple(self.stop_token_ids),
-                logprobs=self.wants_logprobs(), top_logprobs=self.num_top_logprobs(),
-                ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=seed,
+                stop_token_ids=tuple(self.stop_token_ids),
+                logprobs=self.wants_logprobs(),
+                top_logprobs=self.num_top_logprobs(),
+                ignore_eos=self.ignore_eos,
+                presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty, logit_bias=bias or None,
-                structured_outputs=spec)
+                repetition_penalty=self.repetition_penalty,
+                logit_bias=bias or None,
+                structured_outputs=spec,
+            )
         except ParamError as e:
             if field is not None and e.param == "structured_outputs":
                 raise field_error(field, e) from None
             sent = self.request_field(e.param)
-            raise UnsupportedField(sent, str(e).replace(f"SamplingParams.{e.param}", sent, 1)
-                                   ) from None
+            raise UnsupportedField(sent, str(e).replace(f"SamplingParams.{e.param}", sent, 1)) from None
 
     def request_field(self, name: str) -> str:
         """The request field a `SamplingParams` field's value came from (an error names what
@@ -155,19 +170,26 @@ class _Sampling(BaseModel):
         outside the vocabulary, stop ids or logit_bias keys outside it, no room to generate."""
         if not prompt_ids:
             raise UnsupportedField(self.prompt_field, f"{self.prompt_field}: the prompt is empty")
-        for field, ids in ((self.prompt_field, prompt_ids), ("stop_token_ids", self.stop_token_ids),
-                           ("logit_bias", self.bias_ids())):
+        for field, ids in (
+            (self.prompt_field, prompt_ids),
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", self.bias_ids()),
+        ):
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
-                raise UnsupportedField(field, f"{field}: token id {bad} outside the vocabulary "
-                                              f"[0, {vocab_size})")
+                raise UnsupportedField(
+                    field, f"{field}: token id {bad} outside the vocabulary [0, {vocab_size})"
+                )
         wanted = self.requested_max_tokens()
         max_tokens = wanted if wanted is not None else max_context - len(prompt_ids)
         if len(prompt_ids) + max(max_tokens, 1) > max_context:
             field = self.request_field("max_tokens") if wanted is not None else self.prompt_field
-            raise UnsupportedField(field, f"{field}: the prompt ({len(prompt_ids)} tokens) + "
-                                          f"{max(max_tokens, 1)} tokens to generate exceed the "
-                                          f"model's context of {max_context} tokens")
+            raise UnsupportedField(
+                field,
+                f"{field}: the prompt ({len(prompt_ids)} tokens) + "
+                f"{max(max_tokens, 1)} tokens to generate exceed the "
+                f"model's context of {max_context} tokens",
+            )
         return max_tokens
 
     prompt_field: ClassVar[str] = "prompt"
@@ -242,8 +264,9 @@ class ChatMessage(BaseModel):
         out = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise UnsupportedField("messages", f"message content of type {part.type!r} is not "
-                                                   f"supported (text only)")
+                raise UnsupportedField(
+                    "messages", f"message content of type {part.type!r} is not supported (text only)"
+                )
             out.append(part.text)
         return "".join(out)
 

@@ -30,8 +30,7 @@ def tokenizer_call(fn: Callable[[Any], Any], arg: Any) -> Any:
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - tokenizers raise TypeError, exceptions of their own
-        raise ValueError(f"the tokenizer could not process this text ({type(e).__name__}: {e})"
-                         ) from None
+        raise ValueError(f"the tokenizer could not process this text ({type(e).__name__}: {e})") from None
 
 
 def failure(e: Exception) -> tuple[int, str, str]:
@@ -43,12 +42,22 @@ def failure(e: Exception) -> tuple[int, str, str]:
     if not isinstance(e, RequestFailed):
         log.error("request failed while its output was produced", exc_info=e)
     what = str(e) if isinstance(e, RequestFailed) else f"{type(e).__name__}: {e}"
-    return 422, (f"this request failed while its output was produced ({what}); other requests "
-                 f"are not affected"), "request_failed"
+    return (
+        422,
+        (f"this request failed while its output was produced ({what}); other requests are not affected"),
+        "request_failed",
+    )
 
 
-def whole_body(chat: bool, meta: dict, choices: list[ChoiceState], tool_out: list, echo: str,
-               logprobs_of: Callable[..., Any], use: dict) -> dict:
+def whole_body(
+    chat: bool,
+    meta: dict,
+    choices: list[ChoiceState],
+    tool_out: list,
+    echo: str,
+    logprobs_of: Callable[..., Any],
+    use: dict,
+) -> dict:
     """The non-streaming response body once every choice has ended."""
     out = []
     for ch in choices:
@@ -63,13 +72,18 @@ def whole_body(chat: bool, meta: dict, choices: list[ChoiceState], tool_out: lis
                 message = {"role": "assistant", "content": content}
                 if calls:
                     message["tool_calls"] = calls
-            out.append({"index": ch.index, "message": message, "logprobs": lp,
-                        "finish_reason": reason})
+            out.append({"index": ch.index, "message": message, "logprobs": lp, "finish_reason": reason})
         else:
-            out.append({"index": ch.index, "text": echo + text, "logprobs": lp,
-                        "finish_reason": ch.finish_reason, "token_ids": ch.tokens})
-    return {**meta, "object": "chat.completion" if chat else "text_completion",
-            "choices": out, "usage": use}
+            out.append(
+                {
+                    "index": ch.index,
+                    "text": echo + text,
+                    "logprobs": lp,
+                    "finish_reason": ch.finish_reason,
+                    "token_ids": ch.tokens,
+                }
+            )
+    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out, "usage": use}
 
 
 @dataclasses.dataclass
@@ -91,11 +105,15 @@ class Completion:
 
     def usage(self) -> dict[str, int]:
         done = sum(len(c.tokens) for c in self.choices)
-        return {"prompt_tokens": self.prompt_len, "completion_tokens": done,
-                "total_tokens": self.prompt_len + done}
+        return {
+            "prompt_tokens": self.prompt_len,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_len + done,
+        }
 
-    def logprobs_of(self, ch: ChoiceState, ids: list[int], lps: list[float],
-                    tops: list[Any]) -> dict[str, Any] | None:
+    def logprobs_of(
+        self, ch: ChoiceState, ids: list[int], lps: list[float], tops: list[Any]
+    ) -> dict[str, Any] | None:
         """The logprobs object of these tokens in the request's own format (None: not asked)."""
         if not self.body.wants_logprobs():
             return None

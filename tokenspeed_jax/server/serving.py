@@ -56,10 +56,18 @@ class CompletionService:
     """What the completion routes share: the model, its tokenizer and limits, the drain, and the
     engine (a getter: the app's lifespan creates it after the routes exist)."""
 
-    def __init__(self, engine: Callable[[], AsyncEngine], tokenizer: Any, model_name: str,
-                 vocab_size: int, max_context: int, drain: Drain, *,
-                 max_queued_requests: int | None = None,
-                 request_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: Callable[[], AsyncEngine],
+        tokenizer: Any,
+        model_name: str,
+        vocab_size: int,
+        max_context: int,
+        drain: Drain,
+        *,
+        max_queued_requests: int | None = None,
+        request_timeout_s: float | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -81,11 +89,13 @@ class CompletionService:
         if not body.messages:
             return error_response(400, "messages is empty", param="messages")
         if self.tokenizer is None:
-            return error_response(400, "this model has no tokenizer (no tokenizer.json): chat "
-                                  "needs one", param="messages")
+            return error_response(
+                400, "this model has no tokenizer (no tokenizer.json): chat needs one", param="messages"
+            )
         try:
-            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
-                              constrained=body.constraint()[1])
+            plan = plan_tools(
+                body.tools, body.tool_choice, body.parallel_tool_calls, constrained=body.constraint()[1]
+            )
             messages = [m.as_dict() for m in body.messages]
             prompt_ids = render_prompt(self.tokenizer, messages, plan.rendered if plan else None)
         except UnsupportedField as e:
@@ -93,8 +103,11 @@ class CompletionService:
         except (ValueError, TypeError) as e:  # TypeError: `tokenizers` refusing a string
             return error_response(400, str(e), param="messages")
         except Exception as e:  # noqa: BLE001 - the tokenizer / chat template refusing them
-            return error_response(400, f"these messages cannot be rendered or tokenized "
-                                  f"({type(e).__name__}: {e})", param="messages")
+            return error_response(
+                400,
+                f"these messages cannot be rendered or tokenized ({type(e).__name__}: {e})",
+                param="messages",
+            )
         return await self._run(http, body, prompt_ids, chat=True, plan=plan)
 
     def encode(self, prompt: str | list[int] | list[str]) -> list[int]:
@@ -111,8 +124,9 @@ class CompletionService:
         raise ValueError("prompt must be a string, a list of token ids, or a list of one string")
 
     # ------------------------------------------------------------------ the flow
-    async def _run(self, http: Request, body: AnyRequest, prompt_ids: list[int], chat: bool,
-                   plan: ToolPlan | None = None) -> Reply:
+    async def _run(
+        self, http: Request, body: AnyRequest, prompt_ids: list[int], chat: bool, plan: ToolPlan | None = None
+    ) -> Reply:
         # the deadline counts from here: admission and queueing are part of the request's time
         deadline = Deadline(self.request_timeout_s)
         if self.drain.draining:
@@ -125,8 +139,9 @@ class CompletionService:
             return StreamingResponse(sse(c), media_type="text/event-stream")
         return await whole_response(c)
 
-    def _admit(self, body: AnyRequest, prompt_ids: list[int], chat: bool,
-               plan: ToolPlan | None) -> Response | _Admitted:
+    def _admit(
+        self, body: AnyRequest, prompt_ids: list[int], chat: bool, plan: ToolPlan | None
+    ) -> Response | _Admitted:
         """Check the request and queue it, or the error that refuses it (nothing queued then)."""
         try:
             body.check_supported()
@@ -155,19 +170,41 @@ class CompletionService:
         except ValueError as e:
             raise UnsupportedField("prompt", str(e)) from None
 
-    def _completion(self, http: Request, body: AnyRequest, prompt_ids: list[int], chat: bool,
-                    plan: ToolPlan | None, admitted: _Admitted, deadline: Deadline) -> Completion:
+    def _completion(
+        self,
+        http: Request,
+        body: AnyRequest,
+        prompt_ids: list[int],
+        chat: bool,
+        plan: ToolPlan | None,
+        admitted: _Admitted,
+        deadline: Deadline,
+    ) -> Completion:
         """The admitted request's choices and the events that feed them."""
         stops = body.stop_strings()
         choices = [ChoiceState(j, self.tokenizer, stops) for j in range(body.n)]
-        tool_out = [ToolOutput(plan) if plan is not None and plan.parses else None
-                    for _ in choices]
-        events = choice_events(self.engine(), admitted.queue, choices, admitted.rids, http,
-                               deadline, self.drain.aborting)
+        tool_out = [ToolOutput(plan) if plan is not None and plan.parses else None for _ in choices]
+        events = choice_events(
+            self.engine(), admitted.queue, choices, admitted.rids, http, deadline, self.drain.aborting
+        )
         for ch in choices:  # completions logprobs' text offsets count the echoed prompt
             ch.text_offset = len(admitted.echo)
         top_k = body.num_top_logprobs()
-        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
-                "created": int(time.time()), "model": self.model_name}
-        return Completion(body, chat, len(prompt_ids), choices, tool_out, admitted.echo, meta,
-                          admitted.rids, events, self.engine(), top_k)
+        meta = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        return Completion(
+            body,
+            chat,
+            len(prompt_ids),
+            choices,
+            tool_out,
+            admitted.echo,
+            meta,
+            admitted.rids,
+            events,
+            self.engine(),
+            top_k,
+        )

@@ -42,11 +42,24 @@ class _Chunks:
         """What comes before any token: chat's role chunk, or the echoed prompt."""
         c = self.c
         if c.chat:  # the first chunk of every choice carries the role
-            yield self.chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None} for ch in c.choices])
+            yield self.chunk(
+                [
+                    {
+                        "index": ch.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for ch in c.choices
+                ]
+            )
         elif c.echo:
-            yield self.chunk([{"index": ch.index, "text": c.echo, "logprobs": None,
-                               "finish_reason": None} for ch in c.choices])
+            yield self.chunk(
+                [
+                    {"index": ch.index, "text": c.echo, "logprobs": None, "finish_reason": None}
+                    for ch in c.choices
+                ]
+            )
 
     def update(self, ch: ChoiceState, d: Delta, reason: str | None) -> Iterator[str]:
         """The chunks of one choice update (none for a token a tool parser holds back)."""
@@ -61,19 +74,26 @@ class _Chunks:
             delta = {"content": d.text} if d.text else {}
             one = {"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
-            one = {"index": ch.index, "text": d.text, "logprobs": lp, "finish_reason": reason,
-                   "token_ids": d.token_ids}
+            one = {
+                "index": ch.index,
+                "text": d.text,
+                "logprobs": lp,
+                "finish_reason": reason,
+                "token_ids": d.token_ids,
+            }
         yield self.chunk([one])
 
-    def _tool_update(self, tools_out: ToolOutput, ch: ChoiceState, d: Delta,
-                     reason: str | None, lp: dict[str, Any] | None) -> Iterator[str]:
+    def _tool_update(
+        self, tools_out: ToolOutput, ch: ChoiceState, d: Delta, reason: str | None, lp: dict[str, Any] | None
+    ) -> Iterator[str]:
         """Content held back around tool calls, the calls themselves at the end; the update's
         logprobs ride on its first delta."""
         for k, (delta, why) in enumerate(tools_out.deltas(d.text, reason)):
             part_lp = None if k else lp
             if delta or why or part_lp:  # no empty chunk per held token
-                yield self.chunk([{"index": ch.index, "delta": delta, "logprobs": part_lp,
-                                   "finish_reason": why}])
+                yield self.chunk(
+                    [{"index": ch.index, "delta": delta, "logprobs": part_lp, "finish_reason": why}]
+                )
 
 
 async def sse(c: Completion) -> AsyncIterator[str]:

@@ -19,8 +19,12 @@ from typing import Any
 
 from tokenspeed_jax.server.errors import UnsupportedField
 
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-          "guided_grammar": "grammar"}
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
@@ -32,14 +36,18 @@ def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
-            raise UnsupportedField("response_format", "response_format.json_schema must be an "
-                                                      "object with 'name' and 'schema'")
+            raise UnsupportedField(
+                "response_format", "response_format.json_schema must be an object with 'name' and 'schema'"
+            )
         if "schema" not in spec:  # OpenAI makes it optional; an unconstrained "schema" is a guess
-            raise UnsupportedField("response_format", "response_format.json_schema.schema is "
-                                                      "required by this server")
+            raise UnsupportedField(
+                "response_format", "response_format.json_schema.schema is required by this server"
+            )
         return {"json": spec["schema"]}
-    raise UnsupportedField("response_format", f"response_format.type must be 'text', "
-                                              f"'json_object' or 'json_schema', got {kind!r:.60}")
+    raise UnsupportedField(
+        "response_format",
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r:.60}",
+    )
 
 
 def request_constraint(body: Any) -> tuple[dict[str, Any] | None, str | None]:
@@ -60,8 +68,7 @@ def request_constraint(body: Any) -> tuple[dict[str, Any] | None, str | None]:
         found.append(("structured_outputs", dict(so)))
     if len(found) > 1:
         names = [name for name, _ in found]
-        raise UnsupportedField(names[0], f"set at most one output constraint, got "
-                                         f"{', '.join(names)}")
+        raise UnsupportedField(names[0], f"set at most one output constraint, got {', '.join(names)}")
     return (found[0][1], found[0][0]) if found else (None, None)
 
 

@@ -21,8 +21,9 @@ class ServerThread:
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level=log_level))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level=log_level)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="uvicorn")
         self.thread.start()
         deadline = time.time() + 60

@@ -44,8 +44,9 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def add_tokenize_routes(app: FastAPI, tokenizer: Any, model_name: str, max_context: int,
-                        vocab_size: int) -> None:
+def add_tokenize_routes(
+    app: FastAPI, tokenizer: Any, model_name: str, max_context: int, vocab_size: int
+) -> None:
     def refuse(model: str | None):
         if tokenizer is None:
             return error_response(400, "this model has no tokenizer (no tokenizer.json)")
@@ -58,15 +59,17 @@ def add_tokenize_routes(app: FastAPI, tokenizer: Any, model_name: str, max_conte
         if (bad := refuse(body.model)) is not None:
             return bad
         if (body.prompt is None) == (body.messages is None):
-            return error_response(400, "send exactly one of 'prompt' and 'messages'",
-                                  param="prompt")
+            return error_response(400, "send exactly one of 'prompt' and 'messages'", param="prompt")
         field = "prompt" if body.prompt is not None else "messages"
         try:
             if body.prompt is not None:
                 ids = encode_text(tokenizer, body.prompt, body.add_special_tokens)
             else:
-                ids = render_chat(tokenizer, [m.as_dict() for m in body.messages or ()],
-                                  add_generation_prompt=body.add_generation_prompt)
+                ids = render_chat(
+                    tokenizer,
+                    [m.as_dict() for m in body.messages or ()],
+                    add_generation_prompt=body.add_generation_prompt,
+                )
         except UnsupportedField as e:
             return error_response(400, str(e), param=e.field)
         except (ValueError, TypeError) as e:  # incl. UnicodeEncodeError (a lone surrogate)
@@ -80,6 +83,7 @@ def add_tokenize_routes(app: FastAPI, tokenizer: Any, model_name: str, max_conte
             return bad
         outside = [t for t in body.tokens if not 0 <= t < vocab_size]
         if outside:
-            return error_response(400, f"token id {outside[0]} outside the vocabulary "
-                                  f"[0, {vocab_size})", param="tokens")
+            return error_response(
+                400, f"token id {outside[0]} outside the vocabulary [0, {vocab_size})", param="tokens"
+            )
         return {"prompt": tokenizer.decode(body.tokens)}

@@ -38,8 +38,11 @@ _MISSING = object()
 
 def new_call(name: str, arguments: str) -> dict[str, Any]:
     """One OpenAI tool call (arguments as JSON text), with a fresh id."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def _call_of(obj: Any, known: Collection[str]) -> dict[str, Any] | None:
@@ -93,9 +96,9 @@ def parse_auto(text: str, known: Collection[str]) -> tuple[str | None, list[dict
             pieces.append(rest)
             break
         pieces.append(rest[:i])
-        rest = rest[i + len(TOOL_OPEN):]
+        rest = rest[i + len(TOOL_OPEN) :]
         j = rest.find(TOOL_CLOSE)
-        body, rest = (rest, "") if j < 0 else (rest[:j], rest[j + len(TOOL_CLOSE):])
+        body, rest = (rest, "") if j < 0 else (rest[:j], rest[j + len(TOOL_CLOSE) :])
         call = _call_of(_loads(body.strip()), known)
         if call is None:
             return text, []
@@ -107,8 +110,7 @@ def parse_auto(text: str, known: Collection[str]) -> tuple[str | None, list[dict
 def parse_required(text: str, known: Collection[str]) -> list[dict[str, Any]]:
     """The calls of a `required` reply ([] if it does not parse, e.g. cut by max_tokens)."""
     value = _loads(text)
-    if not isinstance(value, list) or not all(isinstance(v, dict) and "parameters" in v
-                                              for v in value):
+    if not isinstance(value, list) or not all(isinstance(v, dict) and "parameters" in v for v in value):
         return []
     return _calls_of(value, set(known)) or []
 
@@ -121,7 +123,7 @@ def _held(text: str) -> int:
         if text.endswith(TOOL_OPEN[:k]):
             keep = k
             break
-    body = text[:len(text) - keep]
+    body = text[: len(text) - keep]
     return keep + len(body) - len(body.rstrip())
 
 
@@ -147,21 +149,23 @@ class ToolOutput:
             return ""
         i = self.text.find(TOOL_OPEN)
         safe = self.text[:i] if i >= 0 else self.text
-        safe = safe[:len(safe) - _held(safe)]
+        safe = safe[: len(safe) - _held(safe)]
         self.blocked = i >= 0
-        out = safe[len(self.emitted):]
+        out = safe[len(self.emitted) :]
         self.emitted = safe if len(safe) > len(self.emitted) else self.emitted
         return out
 
-    def final(self, text: str, reason: str | None
-              ) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    def final(self, text: str, reason: str | None) -> tuple[str | None, list[dict[str, Any]], str | None]:
         """(content, calls, finish_reason) of the whole reply `text`."""
         mode, known = self.plan.mode, self.plan.params
         if mode == "named":
             assert self.plan.named is not None
             complete = isinstance(_loads(text), dict)
-            return None, [new_call(self.plan.named, text)], (
-                "tool_calls" if complete and reason != "length" else reason)
+            return (
+                None,
+                [new_call(self.plan.named, text)],
+                ("tool_calls" if complete and reason != "length" else reason),
+            )
         calls = parse_required(text, known) if mode == "required" else []
         content: str | None = text
         if mode == "auto":
@@ -170,17 +174,19 @@ class ToolOutput:
                 calls = calls[:1]
         if not calls:
             return text, [], reason
-        return (None if mode == "required" else content), calls, (
-            "tool_calls" if reason != "length" else reason)
+        return (
+            (None if mode == "required" else content),
+            calls,
+            ("tool_calls" if reason != "length" else reason),
+        )
 
-    def finish(self, delta: str, reason: str | None
-               ) -> tuple[str, list[dict[str, Any]], str | None]:
+    def finish(self, delta: str, reason: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
         """The last delta: (content still to stream, calls, finish_reason)."""
         self.text += delta
         content, calls, reason = self.final(self.text, reason)
         content = content or ""
         assert content.startswith(self.emitted), (content, self.emitted)
-        return content[len(self.emitted):], calls, reason
+        return content[len(self.emitted) :], calls, reason
 
     def deltas(self, delta: str, reason: str | None) -> list[tuple[dict[str, Any], str | None]]:
         """Chat chunk deltas for `delta` (the reply's last text when `reason` is set): content,

@@ -77,10 +77,21 @@ class ToolPlan:
 
 def required_schema(params: Mapping[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """vLLM's schema for tool_choice "required": an array of {"name", "parameters"} calls."""
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": name}, "parameters": p},
-         "required": ["name", "parameters"], "additionalProperties": False}
-        for name, p in params.items()]}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "parameters": p},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for name, p in params.items()
+            ]
+        },
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -92,21 +103,26 @@ def _check_tool(i: int, tool: Any) -> dict[str, Any]:
     if not isinstance(tool, dict):
         raise UnsupportedField("tools", f"{where} must be an object, got {type(tool).__name__}")
     if tool.get("type") != "function":
-        raise UnsupportedField("tools", f"{where}.type must be 'function' (the only tool type "
-                                        f"this server runs), got {tool.get('type')!r:.60}")
+        raise UnsupportedField(
+            "tools",
+            f"{where}.type must be 'function' (the only tool type "
+            f"this server runs), got {tool.get('type')!r:.60}",
+        )
     fn = tool.get("function")
     if not isinstance(fn, dict):
         raise UnsupportedField("tools", f"{where}.function must be an object with a 'name'")
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise UnsupportedField("tools", f"{where}.function.name must be 1-64 letters, digits, "
-                                        f"'_' or '-', got {name!r:.80}")
+        raise UnsupportedField(
+            "tools", f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r:.80}"
+        )
     params = fn.get("parameters")
     if params is None:  # OpenAI: omitted = a function without parameters
         params = EMPTY_PARAMETERS
     if not isinstance(params, dict) or params.get("type", "object") != "object":
-        raise UnsupportedField("tools", f"{where}.function.parameters must be a JSON schema of "
-                                        f"an object, got {params!r:.80}")
+        raise UnsupportedField(
+            "tools", f"{where}.function.parameters must be a JSON schema of an object, got {params!r:.80}"
+        )
     try:
         compile_spec({"json": params})
     except ValueError as e:
@@ -119,24 +135,33 @@ def _choice(tool_choice: Any, names: Sequence[str]) -> tuple[str, str | None]:
         return ("auto" if names else "none"), None
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise UnsupportedField("tool_choice", f"tool_choice must be 'none', 'auto', 'required' "
-                                                  f"or a named function, got {tool_choice!r:.60}")
+            raise UnsupportedField(
+                "tool_choice",
+                f"tool_choice must be 'none', 'auto', 'required' "
+                f"or a named function, got {tool_choice!r:.60}",
+            )
         if tool_choice == "required" and not names:
             raise UnsupportedField("tool_choice", "tool_choice 'required' needs tools")
         return tool_choice, None
     fn = tool_choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if tool_choice.get("type") != "function" or not isinstance(name, str):
-        raise UnsupportedField("tool_choice", "tool_choice must be {\"type\": \"function\", "
-                                              "\"function\": {\"name\": ...}}")
+        raise UnsupportedField(
+            "tool_choice", 'tool_choice must be {"type": "function", "function": {"name": ...}}'
+        )
     if name not in names:
-        raise UnsupportedField("tool_choice", f"tool_choice names function {name!r:.80}, which "
-                                              f"is not in tools")
+        raise UnsupportedField(
+            "tool_choice", f"tool_choice names function {name!r:.80}, which is not in tools"
+        )
     return "named", name
 
 
-def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-               constrained: str | None = None) -> ToolPlan | None:
+def plan_tools(
+    tools: list[Any] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool | None,
+    constrained: str | None = None,
+) -> ToolPlan | None:
     """The checked plan of a chat request's tool fields; None when it has no tools to offer or
     parse. constrained: the request field that already constrains the output (response_format,
     guided_*), which cannot be combined with tools. UnsupportedField (HTTP 400) on bad input."""
@@ -149,23 +174,30 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
     if not checked and mode in ("none", "auto"):
         return None
     if constrained is not None and mode != "none":
-        raise UnsupportedField(constrained, f"{constrained} cannot be combined with tools (use "
-                                            f"tool_choice 'none', or drop one)")
-    return ToolPlan(tools=checked, mode=mode, named=named,
-                    params={t["function"]["name"]: t["function"]["parameters"] for t in checked},
-                    parallel=parallel_tool_calls is not False)
+        raise UnsupportedField(
+            constrained, f"{constrained} cannot be combined with tools (use tool_choice 'none', or drop one)"
+        )
+    return ToolPlan(
+        tools=checked,
+        mode=mode,
+        named=named,
+        params={t["function"]["name"]: t["function"]["parameters"] for t in checked},
+        parallel=parallel_tool_calls is not False,
+    )
 
 
 # ---------------------------------------------------------------------------- rendering
 def tools_system_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
     """The Hermes / Qwen 2.5 tool instructions, for templates that do not render tools."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n"
-            f"<tools>\n{listed}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments "
-            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{listed}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 def _arguments(call: Mapping[str, Any]) -> Any:
@@ -182,13 +214,13 @@ def _arguments(call: Mapping[str, Any]) -> Any:
 def _with_object_arguments(m: Mapping[str, Any]) -> dict[str, Any]:
     if not m.get("tool_calls"):
         return dict(m)
-    calls = [{**c, "function": {**c["function"], "arguments": _arguments(c)}}
-             for c in m["tool_calls"]]
+    calls = [{**c, "function": {**c["function"], "arguments": _arguments(c)}} for c in m["tool_calls"]]
     return {**m, "tool_calls": calls}
 
 
-def hermes_messages(messages: Sequence[Mapping[str, Any]],
-                    tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+def hermes_messages(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> list[dict[str, Any]]:
     """`messages` spelled for a template without tool support: plain role + content only."""
     out: list[dict[str, Any]] = []
     tool_turn = False  # the last message out is a user turn of tool responses
@@ -205,9 +237,11 @@ def hermes_messages(messages: Sequence[Mapping[str, Any]],
         tool_turn = False
         if role == "assistant" and m.get("tool_calls"):
             calls = "\n".join(
-                "<tool_call>\n" + json.dumps({"name": c["function"]["name"],
-                                              "arguments": _arguments(c)}, ensure_ascii=False)
-                + "\n</tool_call>" for c in m["tool_calls"])
+                "<tool_call>\n"
+                + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)}, ensure_ascii=False)
+                + "\n</tool_call>"
+                for c in m["tool_calls"]
+            )
             content = f"{content}\n{calls}" if content else calls
         out.append({"role": role, "content": content})
     if tools:
@@ -220,8 +254,9 @@ def hermes_messages(messages: Sequence[Mapping[str, Any]],
     return out
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                  tools: Sequence[Mapping[str, Any]] | None) -> list[int]:
+def render_prompt(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> list[int]:
     """Prompt ids of a chat request: `render_chat` unless tools or tool messages are involved,
     then the template's own tool rendering when it has one, else `hermes_messages`."""
     toolish = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
@@ -233,8 +268,9 @@ def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
 
         kwargs = {"tools": list(tools)} if tools else {}
         try:
-            text = tokenizer.apply_chat_template([_with_object_arguments(m) for m in messages],
-                                                 add_generation_prompt=True, **kwargs)
+            text = tokenizer.apply_chat_template(
+                [_with_object_arguments(m) for m in messages], add_generation_prompt=True, **kwargs
+            )
         except TemplateError as e:  # e.g. the template's raise_exception on a role order
             raise ValueError(f"the chat template refused these messages: {e}") from None
         return list(tokenizer.encode(text, add_special_tokens=False))

@@ -21,8 +21,7 @@ import numpy as np
 class GrammarBook:
     """Matchers by request id over one llguidance tokenizer (built on first use)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 max_rows: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], max_rows: int) -> None:
         self._source = (tokenizer, vocab_size, tuple(eos_token_ids))
         self._ll = None
         self.max_rows, self.words = max_rows, (vocab_size + 31) // 32
@@ -66,8 +65,9 @@ class GrammarBook:
             return True
         return matcher.is_stopped()
 
-    def constrained_rows(self, request_ids: Sequence[str], sample_mask: np.ndarray,
-                         num_rows: int) -> list[tuple[int, str]]:
+    def constrained_rows(
+        self, request_ids: Sequence[str], sample_mask: np.ndarray, num_rows: int
+    ) -> list[tuple[int, str]]:
         """(row, request id) of the step's sampling rows that have a matcher."""
         if not self._matchers:
             return []
@@ -90,5 +90,9 @@ class GrammarBook:
         return mask
 
     def stats(self) -> dict[str, float]:
-        return {"structured_live": len(self._matchers), "structured_steps": self.num_masked_steps,
-                "structured_rows": self.num_masked_rows, "structured_mask_s": self.mask_s}
+        return {
+            "structured_live": len(self._matchers),
+            "structured_steps": self.num_masked_steps,
+            "structured_rows": self.num_masked_rows,
+            "structured_mask_s": self.mask_s,
+        }

@@ -45,23 +45,28 @@ def _grammar(kind: str, value: Any) -> str:
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if not isinstance(value, (dict, bool)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got "
-                             f"{type(value).__name__}")
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (an object), got {type(value).__name__}"
+            )
         return m.grammar_from_json_schema(value, defaults=JSON_DEFAULTS)
     if kind == "regex":
         if not isinstance(value, str) or not value:
             raise ValueError(f"structured_outputs.regex must be a non-empty string, got {value!r:.80}")
         return m.grammar_from_regex(value)
     if kind == "choice":
-        if (isinstance(value, str) or not isinstance(value, (list, tuple)) or not value
-                or not all(isinstance(c, str) and c for c in value)):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
-                             f"strings, got {value!r:.80}")
+        if (
+            isinstance(value, str)
+            or not isinstance(value, (list, tuple))
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r:.80}"
+            )
         return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
     if kind == "grammar":
         if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"structured_outputs.grammar must be a non-empty string, got "
-                             f"{value!r:.80}")
+            raise ValueError(f"structured_outputs.grammar must be a non-empty string, got {value!r:.80}")
         try:
             return llg.grammar_from("grammar", value)  # Lark as is; GBNF converted to Lark
         except ValueError as e:
@@ -73,12 +78,15 @@ def compile_spec(spec: Mapping[str, Any]) -> str:
     """The llguidance grammar of one `structured_outputs` dict; ValueError naming the field when
     the dict is malformed or the compiler refuses the schema / regex / grammar."""
     if not isinstance(spec, Mapping):
-        raise ValueError(f"structured_outputs must be a dict with one of {', '.join(KINDS)}, got "
-                         f"{type(spec).__name__}")
+        raise ValueError(
+            f"structured_outputs must be a dict with one of {', '.join(KINDS)}, got {type(spec).__name__}"
+        )
     kinds = [k for k, v in spec.items() if v is not None and v is not False]
     if len(kinds) != 1:
-        raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}, got "
-                         f"{sorted(spec) if kinds else 'none'}")
+        raise ValueError(
+            f"structured_outputs must set exactly one of {', '.join(KINDS)}, got "
+            f"{sorted(spec) if kinds else 'none'}"
+        )
     kind, value = kinds[0], spec[kinds[0]]
     # the same constraint again (n samples, a schema every request repeats) is cached by its JSON
     # text; other values (tuples, sets, ...) compile, or are refused, as given
@@ -100,8 +108,9 @@ def _compile(kind: str, value: Any) -> str:
         grammar = _grammar(kind, value)
     except ValueError as e:
         msg = str(e)
-        raise ValueError(msg if msg.startswith("structured_outputs") else
-                         f"structured_outputs.{kind}: {msg}") from None
+        raise ValueError(
+            msg if msg.startswith("structured_outputs") else f"structured_outputs.{kind}: {msg}"
+        ) from None
     error = _llg().LLMatcher.validate_grammar(grammar, None)
     if error:
         raise ValueError(f"structured_outputs.{kind} is invalid: {error.strip()}")

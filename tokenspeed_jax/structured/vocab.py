@@ -18,8 +18,9 @@ class _ByteVocab:
         self.bos_token_id = tokenizer.bos_token_id
         self.special_token_ids = [i for i in SPECIAL_IDS if i < vocab_size]
         names = {i: f"<|special_{i}|>".encode() for i in self.special_token_ids}
-        self.tokens = [bytes([i]) if i < 256 else names.get(i, f"<|unused_{i}|>".encode())
-                       for i in range(vocab_size)]
+        self.tokens = [
+            bytes([i]) if i < 256 else names.get(i, f"<|unused_{i}|>".encode()) for i in range(vocab_size)
+        ]
 
     def __call__(self, text: bytes) -> list[int]:
         return list(text)
@@ -35,10 +36,12 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
 
     eos = list(eos_token_ids) or None
     if isinstance(tokenizer, ByteTokenizer):
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tokenizer, vocab_size)),
-                                      n_vocab=vocab_size, eos_token=eos)
+        return llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_ByteVocab(tokenizer, vocab_size)), n_vocab=vocab_size, eos_token=eos
+        )
     backend = getattr(tokenizer, "backend", None)  # HFTokenizer: a `tokenizers.Tokenizer`
     if backend is None or not hasattr(backend, "to_str"):
-        raise ValueError(f"structured outputs need a byte or Hugging Face tokenizer, got "
-                         f"{type(tokenizer).__name__}")
+        raise ValueError(
+            f"structured outputs need a byte or Hugging Face tokenizer, got {type(tokenizer).__name__}"
+        )
     return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)

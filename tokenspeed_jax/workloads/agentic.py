@@ -59,24 +59,39 @@ class WorkloadReport:
     def summary(self) -> dict:
         pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")  # noqa: E731
         return {
-            "requests": self.requests, "steps": self.steps, "wall_s": round(self.wall_s, 2),
-            "prompt_tokens": self.prompt_tokens, "computed_prompt_tokens": self.computed_prompt_tokens,
+            "requests": self.requests,
+            "steps": self.steps,
+            "wall_s": round(self.wall_s, 2),
+            "prompt_tokens": self.prompt_tokens,
+            "computed_prompt_tokens": self.computed_prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "output_tok_per_s": round(self.generated_tokens / self.wall_s, 1),
             "computed_tok_per_s": round(
-                (self.computed_prompt_tokens + self.generated_tokens) / self.wall_s, 1),
-            "ttft_ms_p50": round(pct(self.ttft_s, 50), 1), "ttft_ms_p90": round(pct(self.ttft_s, 90), 1),
+                (self.computed_prompt_tokens + self.generated_tokens) / self.wall_s, 1
+            ),
+            "ttft_ms_p50": round(pct(self.ttft_s, 50), 1),
+            "ttft_ms_p90": round(pct(self.ttft_s, 90), 1),
             "ttft_ms_p99": round(pct(self.ttft_s, 99), 1),
-            "tpot_ms_p50": round(pct(self.tpot_s, 50), 1), "tpot_ms_p90": round(pct(self.tpot_s, 90), 1),
+            "tpot_ms_p50": round(pct(self.tpot_s, 50), 1),
+            "tpot_ms_p90": round(pct(self.tpot_s, 90), 1),
             "tpot_ms_p99": round(pct(self.tpot_s, 99), 1),
-            "prefix_hit_rate": round(self.prefix_hit_rate, 3), "retractions": self.retractions,
-            "peak_pages": self.peak_pages, "total_pages": self.total_pages,
+            "prefix_hit_rate": round(self.prefix_hit_rate, 3),
+            "retractions": self.retractions,
+            "peak_pages": self.peak_pages,
+            "total_pages": self.total_pages,
             "compiles": self.compiles,
         }
 
 
-def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, vocab: int = 256,
-                 progress: bool = False, prompts=None, route: str = "prefix") -> WorkloadReport:
+def run_workload(
+    engine: Engine | Sequence[Engine],
+    cfg: WorkloadConfig,
+    *,
+    vocab: int = 256,
+    progress: bool = False,
+    prompts=None,
+    route: str = "prefix",
+) -> WorkloadReport:
     """Serve the workload to completion on `engine` (or on every data-parallel replica of a
     list, driven by `engine.replicas.Replicas`: every busy replica steps once per round, in
     threads); returns latency / throughput / cache figures.
@@ -94,8 +109,7 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
     history: dict[str, list[int]] = {}
     turn_of: dict[str, int] = {}
     session_of: dict[str, int] = {}
-    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                            ignore_eos=cfg.ignore_eos)
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos)
     total = cfg.sessions * cfg.turns
     bar = None
     if progress:
@@ -110,8 +124,13 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
         session_of[rid] = session
 
     for s in range(cfg.sessions):
-        send(s, 0, system + rng.integers(0, vocab, cfg.user_tokens).tolist()
-             if prompts is None else prompts.first(s))
+        send(
+            s,
+            0,
+            system + rng.integers(0, vocab, cfg.user_tokens).tolist()
+            if prompts is None
+            else prompts.first(s),
+        )
     ttft, tpot = [], []
     prompt_tokens = generated = done = 0
     for e in engines:  # peak pages: each pool's high-water mark over this workload
@@ -140,8 +159,9 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
                     continue
                 # drawn per (session, turn), not from the shared stream: the prompts must not
                 # depend on the order requests finish in (loops / engines compare token for token)
-                follow = np.random.default_rng((cfg.seed, sid, nxt)).integers(
-                    0, vocab, cfg.user_tokens).tolist()
+                follow = (
+                    np.random.default_rng((cfg.seed, sid, nxt)).integers(0, vocab, cfg.user_tokens).tolist()
+                )
                 send(sid, nxt, history[out.request_id] + out.token_ids + follow)
     wall = time.perf_counter() - t0
     # one replica: its exact high-water mark; several: the sum of theirs (an upper bound)
@@ -151,9 +171,17 @@ def run_workload(engine: Engine | Sequence[Engine], cfg: WorkloadConfig, *, voca
         bar.close()
     stats = replicas.stats()
     return WorkloadReport(
-        requests=done, prompt_tokens=prompt_tokens,
+        requests=done,
+        prompt_tokens=prompt_tokens,
         computed_prompt_tokens=sum(e.num_prefill_tokens for e in engines) - prefill0,
-        generated_tokens=generated, wall_s=wall,
-        steps=sum(e.num_steps for e in engines) - steps0, ttft_s=ttft, tpot_s=tpot,
-        prefix_hit_rate=stats["prefix_hit_rate"], retractions=stats["num_retractions"],
-        peak_pages=peak, total_pages=stats["total_pages"], compiles=stats.get("num_compiles", 0))
+        generated_tokens=generated,
+        wall_s=wall,
+        steps=sum(e.num_steps for e in engines) - steps0,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        prefix_hit_rate=stats["prefix_hit_rate"],
+        retractions=stats["num_retractions"],
+        peak_pages=peak,
+        total_pages=stats["total_pages"],
+        compiles=stats.get("num_compiles", 0),
+    )

@@ -38,15 +38,28 @@ class RequestRecord:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-async def _one(client, url: str, model: str, prompt: list[int], wl: WorkloadConfig, t0: float,
-               records: list[RequestRecord]) -> list[int] | None:
+async def _one(
+    client,
+    url: str,
+    model: str,
+    prompt: list[int],
+    wl: WorkloadConfig,
+    t0: float,
+    records: list[RequestRecord],
+) -> list[int] | None:
     import json
 
     rec = RequestRecord(start=time.perf_counter() - t0, prompt_tokens=len(prompt))
     records.append(rec)
-    body = {"model": model, "prompt": prompt, "max_tokens": wl.max_tokens,
-            "temperature": wl.temperature, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": wl.ignore_eos}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": wl.max_tokens,
+        "temperature": wl.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": wl.ignore_eos,
+    }
     begin = last = time.perf_counter()
     ids: list[int] = []
     try:
@@ -76,17 +89,25 @@ async def _one(client, url: str, model: str, prompt: list[int], wl: WorkloadConf
     return ids
 
 
-async def run_level(url: str, model: str, wl: WorkloadConfig, *, rate: float,
-                    max_concurrency: int, arrival: str = "poisson",
-                    vocab: int = 256) -> tuple[list[RequestRecord], float]:
+async def run_level(
+    url: str,
+    model: str,
+    wl: WorkloadConfig,
+    *,
+    rate: float,
+    max_concurrency: int,
+    arrival: str = "poisson",
+    vocab: int = 256,
+) -> tuple[list[RequestRecord], float]:
     """Serve the workload once (random prompt ids below `vocab`); returns (request records,
     wall seconds)."""
     import httpx
 
     rng = np.random.default_rng(wl.seed)
     system = rng.integers(0, vocab, wl.system_tokens).tolist()
-    users = [[rng.integers(0, vocab, wl.user_tokens).tolist() for _ in range(wl.turns)]
-             for _ in range(wl.sessions)]
+    users = [
+        [rng.integers(0, vocab, wl.user_tokens).tolist() for _ in range(wl.turns)] for _ in range(wl.sessions)
+    ]
     if math.isinf(rate):
         starts = np.zeros(wl.sessions)
     elif arrival == "poisson":
@@ -115,8 +136,7 @@ async def run_level(url: str, model: str, wl: WorkloadConfig, *, rate: float,
     return records, wall
 
 
-def summarize(records: list[RequestRecord], wall: float, *, slo_ttft_s: float,
-              slo_tpot_s: float) -> dict:
+def summarize(records: list[RequestRecord], wall: float, *, slo_ttft_s: float, slo_tpot_s: float) -> dict:
     """Throughput, TTFT / TPOT / ITL / e2e p50 / p90 / p99 (ms) and goodput (requests / s that
     met both SLOs)."""
     ok = [r for r in records if r.error is None and r.latency is not None]
@@ -132,14 +152,20 @@ def summarize(records: list[RequestRecord], wall: float, *, slo_ttft_s: float,
 
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    good = [r for r in ok if r.ttft is not None and r.ttft <= slo_ttft_s
-            and (r.tpot is None or r.tpot <= slo_tpot_s)]
+    good = [
+        r
+        for r in ok
+        if r.ttft is not None and r.ttft <= slo_ttft_s and (r.tpot is None or r.tpot <= slo_tpot_s)
+    ]
     return {
-        "completed": len(ok), "failed": len(records) - len(ok), "duration_s": round(wall, 3),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": round(wall, 3),
         "request_throughput": round(len(ok) / wall, 3),
         "output_throughput": round(out_tokens / wall, 2),
         "total_token_throughput": round((in_tokens + out_tokens) / wall, 2),
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
         **stats("ttft", [r.ttft for r in ok if r.ttft is not None]),
         **stats("tpot", [r.tpot for r in ok if r.tpot is not None]),
         **stats("itl", [x for r in ok for x in r.itl]),

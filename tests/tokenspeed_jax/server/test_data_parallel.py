@@ -26,15 +26,35 @@ pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner lo
 def dp_server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("dp") / "serve.log"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "tokenspeed_jax.cli", "serve", "--data-parallel-size", "2",
-           "--num-pages", "120", "--page-size", "8", "--max-batch-requests", "4",
-           "--max-scheduled-tokens", "32", "--max-context-len", "128", "--port", str(port)]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenspeed_jax.cli",
+        "serve",
+        "--data-parallel-size",
+        "2",
+        "--num-pages",
+        "120",
+        "--page-size",
+        "8",
+        "--max-batch-requests",
+        "4",
+        "--max-scheduled-tokens",
+        "32",
+        "--max-context-len",
+        "128",
+        "--port",
+        str(port),
+    ]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-                                    os.path.dirname(os.path.abspath(__file__))))))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
+        )
     url = f"http://127.0.0.1:{port}"
     seen = set()
     deadline = time.time() + 240
@@ -58,14 +78,23 @@ def test_two_replicas_both_serve_and_route_by_prefix(dp_server):
     url, seen, log = dp_server
     assert 200 in seen
     line = next(ln for ln in log.read_text().splitlines() if "tokenspeed-jax serving" in ln)
-    for key in ("model=tiny-random", "dtype=float32", "replicas=2", "pages=119", "page_size=8",
-                "max_context=128", "buckets=[1, 16, 32]", "backend="):
+    for key in (
+        "model=tiny-random",
+        "dtype=float32",
+        "replicas=2",
+        "pages=119",
+        "page_size=8",
+        "max_context=128",
+        "buckets=[1, 16, 32]",
+        "backend=",
+    ):
         assert key in line, (key, line)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
     def ask(prompt: str, n: int = 24):
-        return client.completions.create(model="tiny-random", prompt=prompt, max_tokens=n,
-                                         temperature=0, extra_body={"ignore_eos": True})
+        return client.completions.create(
+            model="tiny-random", prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True}
+        )
 
     # prompts that share no page (routing then balances by load): 8 at once
     with ThreadPoolExecutor(8) as pool:

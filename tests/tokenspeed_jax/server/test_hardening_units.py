@@ -113,7 +113,8 @@ def test_token_bytes_bytelevel_bpe():
     bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(["hello world", "héllo wörld €€ 日本"] * 20, trainer=trainer)
     tok = HFTokenizer(bpe)
     text = "héllo 漢字 €"  # 漢字 unseen in training: one token per byte

@@ -82,18 +82,25 @@ def test_deadline():
         Deadline(0.5, start=0.0).check()
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
-    (dict(top_p=2), "top_p"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(logit_bias={1: 1000}), "logit_bias"), (dict(top_logprobs=99), "top_logprobs"),
-    (dict(structured_outputs={"regex": ""}), "structured_outputs"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=2), "top_p"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(logit_bias={1: 1000}), "logit_bias"),
+        (dict(top_logprobs=99), "top_logprobs"),
+        (dict(structured_outputs={"regex": ""}), "structured_outputs"),
+    ],
+)
 def test_sampling_params_errors_carry_the_field(kwargs, param):
     with pytest.raises(ParamError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param and isinstance(e.value, ValueError)
-    assert str(e.value).startswith("SamplingParams." if param != "structured_outputs"
-                                   else "structured_outputs")
+    assert str(e.value).startswith(
+        "SamplingParams." if param != "structured_outputs" else "structured_outputs"
+    )
 
 
 def test_check_raises_param_error():
@@ -102,18 +109,24 @@ def test_check_raises_param_error():
     assert e.value.param == "seed"
 
 
-@pytest.mark.parametrize("body,ids,param", [
-    (dict(prompt="x"), [], "prompt"),
-    (dict(prompt="x"), [1, 999], "prompt"),
-    (dict(prompt="x", stop_token_ids=[5, 999]), [1], "stop_token_ids"),
-    (dict(prompt="x", logit_bias={"999": 1}), [1], "logit_bias"),
-    (dict(prompt="x", logit_bias={"a": 1}), [1], "logit_bias"),
-    (dict(prompt="x", max_tokens=60), [1] * 5, "max_tokens"),
-    (dict(prompt="x"), [1] * 64, "prompt"),  # no room left to generate
-    (dict(messages=[{"role": "user", "content": "x"}], max_completion_tokens=64), [1],
-     "max_completion_tokens"),
-    (dict(messages=[{"role": "user", "content": "x"}]), [], "messages"),
-])
+@pytest.mark.parametrize(
+    "body,ids,param",
+    [
+        (dict(prompt="x"), [], "prompt"),
+        (dict(prompt="x"), [1, 999], "prompt"),
+        (dict(prompt="x", stop_token_ids=[5, 999]), [1], "stop_token_ids"),
+        (dict(prompt="x", logit_bias={"999": 1}), [1], "logit_bias"),
+        (dict(prompt="x", logit_bias={"a": 1}), [1], "logit_bias"),
+        (dict(prompt="x", max_tokens=60), [1] * 5, "max_tokens"),
+        (dict(prompt="x"), [1] * 64, "prompt"),  # no room left to generate
+        (
+            dict(messages=[{"role": "user", "content": "x"}], max_completion_tokens=64),
+            [1],
+            "max_completion_tokens",
+        ),
+        (dict(messages=[{"role": "user", "content": "x"}]), [], "messages"),
+    ],
+)
 def test_request_checks_name_the_field_sent(body, ids, param):
     req = (ChatCompletionRequest if "messages" in body else CompletionRequest)(**body)
     with pytest.raises(UnsupportedField) as e:

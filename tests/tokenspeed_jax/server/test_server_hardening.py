@@ -33,10 +33,16 @@ LIMIT = 64 * 1024
 
 @pytest.fixture(scope="module")
 def srv():
-    llm = LLM("tiny-random", num_pages=300, page_size=8, max_batch_requests=1,
-              max_scheduled_tokens=32, max_context_len=CTX, min_kv_bucket=CTX)
-    server = LiveServer(build_app(llm, api_keys=[KEY], max_request_bytes=LIMIT,
-                                  max_queued_requests=1))
+    llm = LLM(
+        "tiny-random",
+        num_pages=300,
+        page_size=8,
+        max_batch_requests=1,
+        max_scheduled_tokens=32,
+        max_context_len=CTX,
+        min_kv_bucket=CTX,
+    )
+    server = LiveServer(build_app(llm, api_keys=[KEY], max_request_bytes=LIMIT, max_queued_requests=1))
     server.wait_ready(900)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
     yield types.SimpleNamespace(url=server.url, llm=llm, client=client, tok=llm.tokenizer)
@@ -45,8 +51,13 @@ def srv():
 
 def _post(srv, path: str, body, headers=AUTH, **kw) -> httpx.Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{srv.url}{path}", content=data,
-                      headers={"Content-Type": "application/json", **headers}, timeout=60, **kw)
+    return httpx.post(
+        f"{srv.url}{path}",
+        content=data,
+        headers={"Content-Type": "application/json", **headers},
+        timeout=60,
+        **kw,
+    )
 
 
 def _error(r: httpx.Response, status: int) -> dict:
@@ -62,13 +73,15 @@ def _all_pages_free(srv) -> bool:
 
 
 CHAT = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-ROUTES = [("GET", "/v1/models", None),
-          ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
-          ("POST", "/v1/chat/completions", CHAT),
-          ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
-          ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True}),
-          ("POST", "/tokenize", {"prompt": "Hello"}),
-          ("POST", "/detokenize", {"tokens": [72, 105]})]
+ROUTES = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
+    ("POST", "/v1/chat/completions", CHAT),
+    ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
+    ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True}),
+    ("POST", "/tokenize", {"prompt": "Hello"}),
+    ("POST", "/detokenize", {"tokens": [72, 105]}),
+]
 
 
 # ---------------------------------------------------------------------------- API keys
@@ -90,52 +103,64 @@ def test_open_routes_and_openai_client(srv):
     bad = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="tiny-random", messages=CHAT["messages"], max_tokens=2)
-    stream = srv.client.chat.completions.create(model="tiny-random", messages=CHAT["messages"],
-                                                max_tokens=4, temperature=0, stream=True)
+    stream = srv.client.chat.completions.create(
+        model="tiny-random", messages=CHAT["messages"], max_tokens=4, temperature=0, stream=True
+    )
     assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"
 
 
 # ---------------------------------------------------------------------------- 400s naming the field
 def test_lone_surrogates_are_400_not_500(srv):
-    chat = b'{"model": "tiny-random", "max_tokens": 2, "messages": [{"role": "user", ' \
-           b'"content": "a\\ud800b"}]}'
-    parts = b'{"model": "tiny-random", "max_tokens": 2, "messages": [{"role": "user", ' \
-            b'"content": [{"type": "text", "text": "\\udfff"}]}]}'
+    chat = (
+        b'{"model": "tiny-random", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    )
+    parts = (
+        b'{"model": "tiny-random", "max_tokens": 2, "messages": [{"role": "user", '
+        b'"content": [{"type": "text", "text": "\\udfff"}]}]}'
+    )
     done = b'{"model": "tiny-random", "max_tokens": 2, "prompt": "a\\udc00b"}'
     listed = b'{"model": "tiny-random", "max_tokens": 2, "prompt": ["a\\udc00b"]}'
     stop = b'{"model": "tiny-random", "max_tokens": 3, "prompt": "Hi", "stop": ["x\\ud800"]}'
     one_stop = b'{"model": "tiny-random", "max_tokens": 3, "prompt": "Hi", "stop": "\\ud800"}'
-    for path, body, param in [("/v1/chat/completions", chat, "messages"),
-                              ("/v1/chat/completions", parts, "messages"),
-                              ("/v1/completions", done, "prompt"),
-                              ("/v1/completions", listed, "prompt"),
-                              ("/v1/completions", stop, "stop"),
-                              ("/v1/completions", one_stop, "stop"),
-                              ("/tokenize", b'{"prompt": "a\\ud800"}', "prompt")]:
+    for path, body, param in [
+        ("/v1/chat/completions", chat, "messages"),
+        ("/v1/chat/completions", parts, "messages"),
+        ("/v1/completions", done, "prompt"),
+        ("/v1/completions", listed, "prompt"),
+        ("/v1/completions", stop, "stop"),
+        ("/v1/completions", one_stop, "stop"),
+        ("/tokenize", b'{"prompt": "a\\ud800"}', "prompt"),
+    ]:
         err = _error(_post(srv, path, body), 400)
         assert err["param"] == param and "not valid Unicode" in err["message"], (body, err)
     assert _all_pages_free(srv)
 
 
-@pytest.mark.parametrize("path,extra,param", [
-    ("/v1/completions", {"max_tokens": -5}, "max_tokens"),
-    ("/v1/completions", {"temperature": -1}, "temperature"),
-    ("/v1/completions", {"top_p": 1.5}, "top_p"),
-    ("/v1/completions", {"presence_penalty": 5}, "presence_penalty"),
-    ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
-    ("/v1/completions", {"top_k": 0}, "top_k"),
-    ("/v1/completions", {"prompt": [72, 100_000]}, "prompt"),
-    ("/v1/completions", {"stop_token_ids": [100_000]}, "stop_token_ids"),
-    ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
-    ("/v1/completions", {"max_tokens": CTX}, "max_tokens"),
-    ("/v1/chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens"),
-    ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {"temperature": -1}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "path,extra,param",
+    [
+        ("/v1/completions", {"max_tokens": -5}, "max_tokens"),
+        ("/v1/completions", {"temperature": -1}, "temperature"),
+        ("/v1/completions", {"top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"presence_penalty": 5}, "presence_penalty"),
+        ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/completions", {"top_k": 0}, "top_k"),
+        ("/v1/completions", {"prompt": [72, 100_000]}, "prompt"),
+        ("/v1/completions", {"stop_token_ids": [100_000]}, "stop_token_ids"),
+        ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
+        ("/v1/completions", {"max_tokens": CTX}, "max_tokens"),
+        ("/v1/chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"temperature": -1}, "temperature"),
+    ],
+)
 def test_validation_errors_name_the_sent_field(srv, path, extra, param):
     base = {"model": "tiny-random", "max_tokens": 2}
-    base.update({"prompt": "Hi"} if path.endswith("/completions") and "chat" not in path
-                else {"messages": CHAT["messages"]})
+    base.update(
+        {"prompt": "Hi"}
+        if path.endswith("/completions") and "chat" not in path
+        else {"messages": CHAT["messages"]}
+    )
     err = _error(_post(srv, path, {**base, **extra}), 400)
     assert err["param"] == param and "SamplingParams" not in err["message"], err
 
@@ -164,24 +189,33 @@ def test_body_over_limit_is_413_before_parsing(srv):
     assert _error(_post(srv, "/v1/completions", big), 413)["type"] == "invalid_request_error"
 
     def chunked():  # no Content-Length: counted as it arrives
-        yield big[:LIMIT // 2]
-        yield big[LIMIT // 2:]
+        yield big[: LIMIT // 2]
+        yield big[LIMIT // 2 :]
 
-    r = httpx.post(f"{srv.url}/v1/completions", content=chunked(),
-                   headers={"Content-Type": "application/json", **AUTH}, timeout=60)
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        content=chunked(),
+        headers={"Content-Type": "application/json", **AUTH},
+        timeout=60,
+    )
     _error(r, 413)
     ok = {"model": "tiny-random", "prompt": "x" * 100, "max_tokens": 1}
     assert _post(srv, "/v1/completions", ok).status_code == 200
 
 
 def test_queue_limit_503_at_once_then_the_rest_finish(srv):
-    long = {"model": "tiny-random", "prompt": "Hi", "max_tokens": CTX - 8, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    long = {
+        "model": "tiny-random",
+        "prompt": "Hi",
+        "max_tokens": CTX - 8,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     results: dict[int, tuple[int, str]] = {}
 
     def stream(k: int) -> None:
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=long, headers=AUTH,
-                          timeout=300) as r:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=long, headers=AUTH, timeout=300) as r:
             results[k] = (r.status_code, r.read().decode())
 
     threads = [threading.Thread(target=stream, args=(k,)) for k in range(2)]
@@ -207,9 +241,16 @@ def test_queue_limit_503_at_once_then_the_rest_finish(srv):
 
 # ---------------------------------------------------------------------------- logprob bytes
 def test_chat_logprob_bytes_are_raw_token_bytes(srv):
-    r = srv.client.chat.completions.create(model="tiny-random", messages=CHAT["messages"],
-                                           max_tokens=24, temperature=1.0, seed=5, logprobs=True,
-                                           top_logprobs=3, extra_body={"ignore_eos": True})
+    r = srv.client.chat.completions.create(
+        model="tiny-random",
+        messages=CHAT["messages"],
+        max_tokens=24,
+        temperature=1.0,
+        seed=5,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 24  # every sampled token, EOS or not
     for e in content:

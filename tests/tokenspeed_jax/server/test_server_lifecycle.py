@@ -35,8 +35,14 @@ BAD, GOOD = ord("Z"), ord("a")
 
 @pytest.fixture(scope="module")
 def srv():
-    llm = LLM("tiny-random", num_pages=300, page_size=8, max_batch_requests=8,
-              max_scheduled_tokens=32, max_context_len=CTX)
+    llm = LLM(
+        "tiny-random",
+        num_pages=300,
+        page_size=8,
+        max_batch_requests=8,
+        max_scheduled_tokens=32,
+        max_context_len=CTX,
+    )
     engine, slow = llm.engines[0], threading.Event()
     step = engine.step
 
@@ -59,8 +65,14 @@ def _post(srv, body: dict, path: str = "/v1/completions") -> httpx.Response:
 
 
 def _forced(token: int, max_tokens: int = 4, **more) -> dict:
-    return {"prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "logit_bias": {str(token): 100}, **more}
+    return {
+        "prompt": "Hello",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logit_bias": {str(token): 100},
+        **more,
+    }
 
 
 def _stream(srv, body: dict, path: str = "/v1/completions") -> list:
@@ -70,7 +82,7 @@ def _stream(srv, body: dict, path: str = "/v1/completions") -> list:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -79,8 +91,7 @@ def _pages_back(srv, within: float = 20.0) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         st = httpx.get(f"{srv.url}/stats").json()
-        if st["free_pages"] == st["total_pages"] and st["num_running"] == 0 \
-                and st["num_waiting"] == 0:
+        if st["free_pages"] == st["total_pages"] and st["num_running"] == 0 and st["num_waiting"] == 0:
             return True
         time.sleep(0.05)
     return False
@@ -134,8 +145,9 @@ def test_tokenizer_failing_on_one_prompt_fails_that_request_only(srv, monkeypatc
     with ThreadPoolExecutor(4) as pool:
         good = [pool.submit(_post, srv, _forced(GOOD)) for _ in range(3)]
         bad = _post(srv, {**_forced(GOOD), "prompt": "BOOM"})
-        chat = _post(srv, {"messages": [{"role": "user", "content": "BOOM"}], "max_tokens": 2},
-                     "/v1/chat/completions")
+        chat = _post(
+            srv, {"messages": [{"role": "user", "content": "BOOM"}], "max_tokens": 2}, "/v1/chat/completions"
+        )
         for f in good:
             _good_text(f.result(timeout=60))
     assert _error(bad, 400)["param"] == "prompt" and "exploded" in bad.json()["error"]["message"]

@@ -28,8 +28,20 @@ from tests.tokenspeed_jax.server.live import free_port  # noqa: E402
 
 GRACE_S = 1.5
 MAX_TOKENS = 200
-ENGINE = ["--model", "tiny-random", "--page-size", "8", "--num-pages", "300",
-          "--max-batch-requests", "8", "--max-scheduled-tokens", "32", "--max-context-len", "256"]
+ENGINE = [
+    "--model",
+    "tiny-random",
+    "--page-size",
+    "8",
+    "--num-pages",
+    "300",
+    "--max-batch-requests",
+    "8",
+    "--max-scheduled-tokens",
+    "32",
+    "--max-context-len",
+    "256",
+]
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -50,14 +62,19 @@ def _stream(url: str, i: int, opened: list, first_token: threading.Event) -> lis
     gains an entry once the server has queued it (its 200 came), `first_token` is set by the
     first token of any stream."""
     out: list = []
-    body = {"prompt": f"Hello {i}", "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": f"Hello {i}",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         opened.append(i)
         for line in r.iter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 out.append(data if data == "[DONE]" else json.loads(data))
                 if data != "[DONE]" and out[-1]["choices"][0]["token_ids"]:
                     first_token.set()
@@ -69,9 +86,21 @@ def test_sigterm_drains_streams_and_exits_0(tmp_path):
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read back on failure
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenspeed_jax.cli", "serve", *ENGINE, "--port", str(port),
-         "--shutdown-grace-s", str(GRACE_S)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        [
+            sys.executable,
+            "-m",
+            "tokenspeed_jax.cli",
+            "serve",
+            *ENGINE,
+            "--port",
+            str(port),
+            "--shutdown-grace-s",
+            str(GRACE_S),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     try:
         _wait_ready(url, proc)
         first_token, opened = threading.Event(), []
@@ -85,8 +114,7 @@ def test_sigterm_drains_streams_and_exits_0(tmp_path):
             t0 = time.monotonic()
             # draining: still listening, but refusing new work and failing its health check
             health = httpx.get(f"{url}/health", timeout=10)
-            late = httpx.post(f"{url}/v1/completions", json={"prompt": "late", "max_tokens": 2},
-                              timeout=10)
+            late = httpx.post(f"{url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
             results = [f.result(timeout=60) for f in streams]
         rc = proc.wait(timeout=60)
         exit_s = time.monotonic() - t0

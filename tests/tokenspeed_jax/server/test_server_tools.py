@@ -22,11 +22,16 @@ from tokenspeed_jax.server.tools import (  # noqa: E402
     required_schema,
 )
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
-           "required": ["city"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "forecast",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "now"}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "description": "forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now"}},
+]
 
 
 def _plan(choice=None, parallel=None, tools=TOOLS):
@@ -53,23 +58,46 @@ def test_plan_modes_and_constraints():
     assert first["additionalProperties"] is False
 
 
-@pytest.mark.parametrize("tools,choice,param,words", [
-    ([{"type": "code_interpreter"}], None, "tools", "type must be 'function'"),
-    ([{"type": "function", "function": {"description": "x"}}], None, "tools", "function.name"),
-    ([{"type": "function", "function": {"name": "a b"}}], None, "tools", "function.name"),
-    ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], None, "tools",
-     "parameters must be a JSON schema"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None,
-     "tools", "of an object"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "bogus"}}}}}], None, "tools", "bogus"),
-    (TOOLS + TOOLS[:1], None, "tools", "duplicate"),
-    (TOOLS, "sometimes", "tool_choice", "tool_choice must be"),
-    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice", "'nope'"),
-    (TOOLS, {"type": "function"}, "tool_choice", "tool_choice must be"),
-    (None, "required", "tool_choice", "needs tools"),
-    (None, {"type": "function", "function": {"name": "weather"}}, "tool_choice", "not in tools"),
-])
+@pytest.mark.parametrize(
+    "tools,choice,param,words",
+    [
+        ([{"type": "code_interpreter"}], None, "tools", "type must be 'function'"),
+        ([{"type": "function", "function": {"description": "x"}}], None, "tools", "function.name"),
+        ([{"type": "function", "function": {"name": "a b"}}], None, "tools", "function.name"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+            None,
+            "tools",
+            "parameters must be a JSON schema",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+            None,
+            "tools",
+            "of an object",
+        ),
+        (
+            [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"x": {"type": "bogus"}}},
+                    },
+                }
+            ],
+            None,
+            "tools",
+            "bogus",
+        ),
+        (TOOLS + TOOLS[:1], None, "tools", "duplicate"),
+        (TOOLS, "sometimes", "tool_choice", "tool_choice must be"),
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice", "'nope'"),
+        (TOOLS, {"type": "function"}, "tool_choice", "tool_choice must be"),
+        (None, "required", "tool_choice", "needs tools"),
+        (None, {"type": "function", "function": {"name": "weather"}}, "tool_choice", "not in tools"),
+    ],
+)
 def test_bad_tools_name_the_field(tools, choice, param, words):
     with pytest.raises(UnsupportedField) as e:
         plan_tools(tools, choice, None)
@@ -88,47 +116,74 @@ def _body(**kw) -> ChatCompletionRequest:
     return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
 
 
-@pytest.mark.parametrize("kw,want", [
-    ({}, (None, None)),
-    ({"response_format": {"type": "text"}}, (None, None)),
-    ({"response_format": {"type": "json_object"}}, ({"json_object": True}, "response_format")),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": WEATHER}}},
-     ({"json": WEATHER}, "response_format")),
-    ({"guided_json": WEATHER}, ({"json": WEATHER}, "guided_json")),
-    ({"guided_regex": "a+"}, ({"regex": "a+"}, "guided_regex")),
-    ({"guided_choice": ["x", "y"]}, ({"choice": ["x", "y"]}, "guided_choice")),
-    ({"guided_grammar": "start: \"a\""}, ({"grammar": "start: \"a\""}, "guided_grammar")),
-    ({"structured_outputs": {"regex": "b"}}, ({"regex": "b"}, "structured_outputs")),
-])
+@pytest.mark.parametrize(
+    "kw,want",
+    [
+        ({}, (None, None)),
+        ({"response_format": {"type": "text"}}, (None, None)),
+        ({"response_format": {"type": "json_object"}}, ({"json_object": True}, "response_format")),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": WEATHER}}},
+            ({"json": WEATHER}, "response_format"),
+        ),
+        ({"guided_json": WEATHER}, ({"json": WEATHER}, "guided_json")),
+        ({"guided_regex": "a+"}, ({"regex": "a+"}, "guided_regex")),
+        ({"guided_choice": ["x", "y"]}, ({"choice": ["x", "y"]}, "guided_choice")),
+        ({"guided_grammar": 'start: "a"'}, ({"grammar": 'start: "a"'}, "guided_grammar")),
+        ({"structured_outputs": {"regex": "b"}}, ({"regex": "b"}, "structured_outputs")),
+    ],
+)
 def test_constraint_fields_map_to_structured_outputs(kw, want):
     assert _body(**kw).constraint() == want
     assert CompletionRequest(prompt="x", **kw).constraint() == want
 
 
-@pytest.mark.parametrize("kw,param,words", [
-    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "guided_choice"),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
-     "response_format", "structured_outputs"),
-    ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format", "schema"),
-])
+@pytest.mark.parametrize(
+    "kw,param,words",
+    [
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "guided_choice"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "response_format",
+            "structured_outputs",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            "schema",
+        ),
+    ],
+)
 def test_bad_constraint_fields(kw, param, words):
     with pytest.raises(UnsupportedField) as e:
         _body(**kw).constraint()
     assert e.value.field == param and words in str(e.value)
 
 
-@pytest.mark.parametrize("kw,param", [
-    ({"guided_regex": "(ab"}, "guided_regex"),
-    ({"guided_json": {"type": "bogus"}}, "guided_json"),
-    ({"guided_json": "{not json"}, "guided_json"),
-    ({"guided_choice": []}, "guided_choice"),
-    ({"guided_grammar": "start: nothing_here"}, "guided_grammar"),
-    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"minimum": "zero"}}}}}}, "response_format"),
-])
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"guided_regex": "(ab"}, "guided_regex"),
+        ({"guided_json": {"type": "bogus"}}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_grammar": "start: nothing_here"}, "guided_grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"minimum": "zero"}}},
+                    },
+                }
+            },
+            "response_format",
+        ),
+    ],
+)
 def test_compile_errors_are_reported_on_the_field_sent(kw, param):
     body = _body(**kw)
     with pytest.raises(UnsupportedField) as e:
@@ -144,12 +199,24 @@ def test_to_params_carries_the_constraint():
 
 
 def test_chat_messages_accept_tool_calls_and_results():
-    body = ChatCompletionRequest(messages=[
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "rain"}])
+    body = ChatCompletionRequest(
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "refusal": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+        ]
+    )
     msgs = [m.as_dict() for m in body.messages]
     assert msgs[1]["content"] == "" and msgs[1]["tool_calls"][0]["function"]["name"] == "weather"
     assert msgs[2] == {"role": "tool", "content": "rain", "tool_call_id": "call_1"}
@@ -157,23 +224,35 @@ def test_chat_messages_accept_tool_calls_and_results():
 
 # ---------------------------------------------------------------------------- rendering
 def test_hermes_rendering_for_templates_without_tools():
-    msgs = [{"role": "system", "content": "be brief"},
-            {"role": "user", "content": "weather in Oslo?"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c", "type": "function",
-                 "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-            {"role": "tool", "content": "rain", "tool_call_id": "c"},
-            {"role": "tool", "content": "cold", "tool_call_id": "d"}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "rain", "tool_call_id": "c"},
+        {"role": "tool", "content": "cold", "tool_call_id": "d"},
+    ]
     out = hermes_messages(msgs, TOOLS)
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
     system = out[0]["content"]
     assert system.startswith("be brief\n\n# Tools") and "<tools>\n" in system
     listed = system.split("<tools>\n")[1].split("\n</tools>")[0].split("\n")
     assert [json.loads(t) for t in listed] == TOOLS
-    assert out[2]["content"] == ('<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}'
-                                 '\n</tool_call>')
-    assert out[3]["content"] == ("<tool_response>\nrain\n</tool_response>\n"
-                                 "<tool_response>\ncold\n</tool_response>")
+    assert out[2]["content"] == (
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    assert out[3]["content"] == (
+        "<tool_response>\nrain\n</tool_response>\n<tool_response>\ncold\n</tool_response>"
+    )
     # no system message: one is added; no tools: none
     assert hermes_messages(msgs[1:2], TOOLS)[0]["role"] == "system"
     assert hermes_messages(msgs[1:2], None) == msgs[1:2]
@@ -199,11 +278,19 @@ def test_render_prompt_byte_fallback_and_template_with_tools():
             return [len(text)]
 
     t = Templated()
-    history = [*user, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "now", "arguments": "{}"}}]}]
+    history = [
+        *user,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "now", "arguments": "{}"}}],
+        },
+    ]
     assert render_prompt(t, history, TOOLS) == [len("rendered")]
     assert t.seen["tools"] == TOOLS and t.seen["messages"][1]["tool_calls"][0]["function"] == {
-        "name": "now", "arguments": {}}
+        "name": "now",
+        "arguments": {},
+    }
 
     class Refusing(Templated):
         def apply_chat_template(self, messages, add_generation_prompt=True, **kw):
@@ -219,22 +306,34 @@ def test_render_prompt_byte_fallback_and_template_with_tools():
 KNOWN = {"weather": WEATHER, "now": {}}
 
 
-@pytest.mark.parametrize("text,content,calls", [
-    ("plain reply", "plain reply", []),
-    ('<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>', None,
-     [("weather", {"city": "Oslo"})]),
-    ('Let me check.\n<tool_call>{"name": "now", "arguments": {}}</tool_call>\n'
-     '<tool_call>{"name": "weather", "parameters": {"city": "Rome"}}</tool_call> done',
-     "Let me check.\ndone", [("now", {}), ("weather", {"city": "Rome"})]),
-    ('<tool_call>{"name": "now", "arguments": "{}"}', None, [("now", {})]),  # unclosed, args text
-    (' {"name": "weather", "arguments": {"city": "Oslo"}} ', None, [("weather", {"city": "Oslo"})]),
-    ('[{"name": "now", "arguments": {}}, {"name": "now", "parameters": {}}]', None,
-     [("now", {}), ("now", {})]),
-    ('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', None, None),
-    ('<tool_call>{"name": "now", "arguments": </tool_call>', None, None),
-    ('{"name": "now"}', None, None),  # no arguments: not a call
-    ('{"city": "Oslo"}', None, None),
-])
+@pytest.mark.parametrize(
+    "text,content,calls",
+    [
+        ("plain reply", "plain reply", []),
+        (
+            '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+            None,
+            [("weather", {"city": "Oslo"})],
+        ),
+        (
+            'Let me check.\n<tool_call>{"name": "now", "arguments": {}}</tool_call>\n'
+            '<tool_call>{"name": "weather", "parameters": {"city": "Rome"}}</tool_call> done',
+            "Let me check.\ndone",
+            [("now", {}), ("weather", {"city": "Rome"})],
+        ),
+        ('<tool_call>{"name": "now", "arguments": "{}"}', None, [("now", {})]),  # unclosed, args text
+        (' {"name": "weather", "arguments": {"city": "Oslo"}} ', None, [("weather", {"city": "Oslo"})]),
+        (
+            '[{"name": "now", "arguments": {}}, {"name": "now", "parameters": {}}]',
+            None,
+            [("now", {}), ("now", {})],
+        ),
+        ('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', None, None),
+        ('<tool_call>{"name": "now", "arguments": </tool_call>', None, None),
+        ('{"name": "now"}', None, None),  # no arguments: not a call
+        ('{"city": "Oslo"}', None, None),
+    ],
+)
 def test_parse_auto(text, content, calls):
     got_content, got = parse_auto(text, KNOWN)
     if calls is None:  # unparseable: the reply is plain content
@@ -256,20 +355,23 @@ def _stream(plan, pieces: list[str], reason: str):
     return content, calls, deltas[-1][1]
 
 
-@pytest.mark.parametrize("text", [
-    "Sure, here it is: a < b and c <tool and <tool_callx",
-    "  Hi!  \n",
-    'Checking.  \n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
-    '\n{"name": "now", "arguments": {}}',
-    '{"city": 1} is not a call',
-    '<tool_call>{"name": "now", "arguments": {}}</tool_call>after',
-    '<tool_call>{"broken"',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Sure, here it is: a < b and c <tool and <tool_callx",
+        "  Hi!  \n",
+        'Checking.  \n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        '\n{"name": "now", "arguments": {}}',
+        '{"city": 1} is not a call',
+        '<tool_call>{"name": "now", "arguments": {}}</tool_call>after',
+        '<tool_call>{"broken"',
+    ],
+)
 def test_streamed_auto_adds_up_to_the_whole_reply(text):
     plan = _plan()
     want_content, want_calls, want_reason = ToolOutput(plan).final(text, "stop")
     for size in (1, 3, len(text)):
-        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
         content, calls, reason = _stream(plan, pieces, "stop")
         assert content == (want_content or "") and reason == want_reason
         assert [c["function"] for c in calls] == [c["function"] for c in want_calls]
@@ -296,16 +398,18 @@ def test_final_per_mode():
     _, calls, reason = named.final('{"city": "Os', "length")  # cut: still the call, reason kept
     assert calls[0]["function"]["arguments"] == '{"city": "Os' and reason == "length"
     req = ToolOutput(_plan("required"))
-    content, calls, reason = req.final('[{"name": "now", "parameters": {}}, '
-                                       '{"name": "weather", "parameters": {"city": "x"}}]', "stop")
+    content, calls, reason = req.final(
+        '[{"name": "now", "parameters": {}}, {"name": "weather", "parameters": {"city": "x"}}]', "stop"
+    )
     assert content is None and reason == "tool_calls" and len(calls) == 2
-    assert req.final('[{"name": "now", "param', "length") == ('[{"name": "now", "param', [],
-                                                              "length")
+    assert req.final('[{"name": "now", "param', "length") == ('[{"name": "now", "param', [], "length")
     single = ToolOutput(_plan(parallel=False))
-    _, calls, _ = single.final('<tool_call>{"name": "now", "arguments": {}}</tool_call>'
-                               '<tool_call>{"name": "now", "arguments": {}}</tool_call>', "stop")
+    _, calls, _ = single.final(
+        '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+        "stop",
+    )
     assert len(calls) == 1
     # a forced reply streams nothing until it ends, then its calls
-    content, calls, reason = _stream(_plan("required"), ['[{"name": "now", ', '"parameters": {}}]'],
-                                     "stop")
+    content, calls, reason = _stream(_plan("required"), ['[{"name": "now", ', '"parameters": {}}]'], "stop")
     assert content == "" and reason == "tool_calls" and calls[0]["function"]["name"] == "now"
