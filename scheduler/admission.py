@@ -160,9 +160,9 @@ class Admission:
             if r.num_pending and r.finishes_by_length(max_len):
                 continue  # planned no more
             if r.prefill_done and r.reserved == 0:
-                for t in cast("list[BlockTable]", r.tables):
+                for t in r.held_tables:
                     if t.tail_avail < 1:  # only then can one more token need a page
-                        total += coord.blocks_needed_for(cast("list[BlockTable]", r.tables), 1)
+                        total += coord.blocks_needed_for(r.held_tables, 1)
                         break
         return total
 
@@ -174,7 +174,7 @@ class Admission:
         and describe the row; `holes` are the slots reclaim punched for it. samples: whether the
         row samples (None: iff it reaches the end of the request's tokens; a speculative row
         runs past them and samples)."""
-        tables = cast("list[BlockTable]", req.tables)  # running: set
+        tables = req.held_tables  # running: set
         begins = [len(t.pages) for t in tables]
         ok = self.coord.acquire(tables, n, available=self.available_for(req))
         assert ok, "acquire failed after the availability check"
@@ -238,7 +238,7 @@ class Admission:
         reserved = 0
         for req in running:
             reserved += req.reserved
-            for t in cast("list[BlockTable]", req.tables):
+            for t in req.held_tables:
                 for p in t.pages:
                     if p:
                         refs[p] = refs.get(p, 0) + 1

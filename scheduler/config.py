@@ -79,6 +79,12 @@ class SchedulerConfig:
         if self.speculative is not None:
             self._check_speculative(self.speculative)
 
+    @property
+    def group_specs(self) -> list[PagedCacheGroupSpec]:
+        """`groups` after construction (None became the one full-history group)."""
+        assert self.groups is not None
+        return self.groups
+
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         k = spec.num_speculative_tokens
         if k + 1 > self.max_scheduled_tokens:
@@ -86,7 +92,7 @@ class SchedulerConfig:
                 f"speculative_config.num_speculative_tokens {k} + 1 exceeds "
                 f"max_scheduled_tokens {self.max_scheduled_tokens}"
             )
-        for g in cast("list[PagedCacheGroupSpec]", self.groups):
+        for g in self.group_specs:
             if g.family == "state":
                 raise ValueError(
                     f"speculative decoding is not supported with recurrent-state "
@@ -111,7 +117,7 @@ class SchedulerConfig:
         """Static shape facts of every group: page size, mirror width
         W_g = ceil(max_context_len / page_size), delta width N_g = min(W_g, ceil(T / page_size) + 1)."""
         out = []
-        for spec in cast("list[PagedCacheGroupSpec]", self.groups):
+        for spec in self.group_specs:
             width = ceil_div(self.max_context_len, spec.page_size)
             delta = min(width, ceil_div(self.max_scheduled_tokens, spec.page_size) + 1)
             out.append(

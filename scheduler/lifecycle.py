@@ -13,14 +13,12 @@ the queues, slots and counters they keep and `check_invariants`, which checks th
 from __future__ import annotations
 
 import itertools
-from typing import Any, cast
+from typing import Any
 
 from scheduler.admission import Admission, Admitted, check_prompt, requeue
 from scheduler.block_pool import BlockPool
-from scheduler.block_table import BlockTable
 from scheduler.config import SchedulerConfig
 from scheduler.coordinator import CacheCoordinator
-from scheduler.group_spec import PagedCacheGroupSpec
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.sampling_options import SamplingOptions
@@ -32,7 +30,7 @@ class RequestLifecycle:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.pool = BlockPool(config.num_pages)
-        self.coord = CacheCoordinator(cast("list[PagedCacheGroupSpec]", config.groups), self.pool)
+        self.coord = CacheCoordinator(config.group_specs, self.pool)
         self._builder = OpsBuilder(config)
         self.layouts = self._builder.layouts
         self._requests: dict[str, Request] = {}
@@ -41,7 +39,7 @@ class RequestLifecycle:
         self._free_slots = list(range(config.num_live_slots - 1, -1, -1))
         self._num_finishing = 0  # Status.FINISHING: released, last token still in flight
         self._admission = Admission(config, self.coord, self.layouts)  # pages and reservations
-        self._num_groups = len(cast("list[PagedCacheGroupSpec]", config.groups))
+        self._num_groups = len(config.group_specs)
         self._stats = {
             "num_retractions": 0,
             "prefix_hit_tokens": 0,
@@ -212,7 +210,7 @@ class RequestLifecycle:
             return
         req.hasher.extend(req.tokens)
         moved = coord.publish(
-            cast("list[BlockTable]", req.tables),
+            req.held_tables,
             req.hasher.hashes,
             computed,
             adopt=self.config.enable_adoption,
@@ -224,7 +222,7 @@ class RequestLifecycle:
             self._stats["adopted_pages"] += sum(len(m) for m in moved)
 
     def _release(self, req: Request) -> None:
-        self.coord.free(cast("list[BlockTable]", req.tables))
+        self.coord.free(req.held_tables)
         req.proposal = None
         req.tables = None
         self._free_slots.append(req.slot)
@@ -239,7 +237,7 @@ class RequestLifecycle:
     # ------------------------------------------------------------------ checks
     def authoritative_rows(self) -> dict[int, list[list[int]]]:
         """slot -> per-group page rows of every running request (for checks and tests)."""
-        return {r.slot: [t.page_ids() for t in cast("list[BlockTable]", r.tables)] for r in self._running}
+        return {r.slot: [t.page_ids() for t in r.held_tables] for r in self._running}
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless: slots are unique and accounted for; waiting and

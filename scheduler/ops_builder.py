@@ -8,7 +8,6 @@ from typing import cast
 
 import numpy as np
 
-from scheduler.block_table import BlockTable
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
 from scheduler.sampling_options import COLUMNS
@@ -157,8 +156,7 @@ class OpsBuilder:
         for g, arrays in enumerate(groups):
             if n:
                 arrays[0][:n] = [
-                    len(cast("list[BlockTable]", r.req.tables)[g].pages) if r.begins is None else r.begins[g]
-                    for r in rows
+                    len(r.req.held_tables[g].pages) if r.begins is None else r.begins[g] for r in rows
                 ]
             self._fill_busy(g, arrays, busy)
         return StepOps(
@@ -222,7 +220,7 @@ class OpsBuilder:
         groups = []
         for g, lay in enumerate(self.layouts):
             arrays = self._empty_group(g, lay)
-            begins = [len(cast("list[BlockTable]", r.tables)[g].pages) for r in reqs]
+            begins = [len(r.held_tables[g].pages) for r in reqs]
             for i, row in busy:
                 begins[i] = cast("list[int]", row.begins)[g]
             arrays[0][:n] = begins
@@ -253,7 +251,7 @@ class OpsBuilder:
         """Group g's mirror-update columns of the non-plain rows (batch index, row)."""
         _, sizes, new_pages, full_rows, row_lens, hole_slots = arrays
         for i, row in busy:
-            pages = cast("list[BlockTable]", row.req.tables)[g].pages  # running: set
+            pages = row.req.held_tables[g].pages  # running: set
             if row.full_refresh:
                 full_rows[i, : len(pages)] = pages
                 row_lens[i] = len(pages)

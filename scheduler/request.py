@@ -124,6 +124,12 @@ class Request:
         self.spec_run = 0  # its newest tokens that its proposals predicted, in a row
 
     @property
+    def held_tables(self) -> list[BlockTable]:
+        """Its tables while it holds pages (running, or finishing until released)."""
+        assert self.tables is not None, f"request {self.request_id} holds no pages"
+        return self.tables
+
+    @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 

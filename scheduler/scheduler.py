@@ -21,11 +21,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from scheduler.block_table import BlockTable
 from scheduler.bucket_fit import fit_chunk
 from scheduler.config import SchedulerConfig
 from scheduler.drafting import check_proposal, plan_drafts
-from scheduler.group_spec import PagedCacheGroupSpec
 from scheduler.lifecycle import RequestLifecycle
 from scheduler.mirror_check import MirrorChecker
 from scheduler.ops_builder import ScheduledRow
@@ -153,7 +151,7 @@ class Scheduler(RequestLifecycle):
                 and not req.reserved
                 and req.prefill_done
                 and len(tokens) + pending - start == 1
-                and coord.grow_in_tail(cast("list[BlockTable]", req.tables), extent)
+                and coord.grow_in_tail(req.held_tables, extent)
             ):
                 req.num_decode_rows += 1
                 # the input is the last known token, or the one the step in flight samples
@@ -259,7 +257,7 @@ class Scheduler(RequestLifecycle):
     ) -> ScheduledRow | None:
         coord = self.coord
         n = min(req.remaining, budget, self._admission.chunk_cap)
-        tables = cast("list[BlockTable]", req.tables)  # running: set
+        tables = req.held_tables  # running: set
         # Reclaim at `extent`, whose pages are already published (same hashes as the synchronous
         # loop). With a step in flight that is its scheduled extent: a slot that step still reads
         # may be freed now, as whoever gets the page is in a later step, which runs after it.
@@ -351,7 +349,7 @@ class Scheduler(RequestLifecycle):
         pool = self.pool
         per_group = [0] * self._num_groups
         for req in self._running:
-            for g, t in enumerate(cast("list[BlockTable]", req.tables)):
+            for g, t in enumerate(req.held_tables):
                 per_group[g] += sum(1 for p in t.pages if p)
         out: dict[str, Any] = dict(self._stats)
         out.update(
@@ -362,10 +360,7 @@ class Scheduler(RequestLifecycle):
             num_running=len(self._running),
             num_waiting=len(self._waiting),
             num_evictions=pool.num_evictions,
-            group_pages={
-                s.group_id: n
-                for s, n in zip(cast("list[PagedCacheGroupSpec]", self.config.groups), per_group)
-            },
+            group_pages={s.group_id: n for s, n in zip(self.config.group_specs, per_group)},
         )
         q = out["prefix_query_tokens"]
         out["prefix_hit_rate"] = out["prefix_hit_tokens"] / q if q else 0.0

@@ -12,11 +12,9 @@ alone took (`roll_back_drafts`). What holds pool or queue state (publish, releas
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
 
 import numpy as np
 
-from scheduler.block_table import BlockTable
 from scheduler.coordinator import CacheCoordinator
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.step_ops import StepOps
@@ -115,6 +113,6 @@ def roll_back_drafts(req: Request, coord: CacheCoordinator) -> None:
     if (
         req.status is Status.RUNNING
         and req.finish_reason is None
-        and coord.truncate(cast("list[BlockTable]", req.tables), req.num_computed)
+        and coord.truncate(req.held_tables, req.num_computed)
     ):
         req.needs_refresh = True
