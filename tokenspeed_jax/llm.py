@@ -70,6 +70,9 @@ def _load(model: str, dtype: str, seed: int, lazy: bool = False, gguf_blocks: bo
     )
 
 
+_D = EngineArgs()  # the defaults of LLM's keywords
+
+
 class LLM:
     """Load a model and serve batched `generate` calls with continuous batching inside.
 
@@ -119,8 +122,39 @@ class LLM:
     when uncached, e.g. an unwritable dir: a warning says so).
     """
 
-    def __init__(self, model: str = "tiny-random", **options: Any) -> None:
-        self.args = EngineArgs.from_options(model, **options)  # ValueError: unknown or bad
+    def __init__(
+        self,
+        model: str = "tiny-random",
+        *,
+        page_size: int = _D.page_size,
+        num_pages: int | None = _D.num_pages,
+        max_batch_requests: int = _D.max_batch_requests,
+        max_scheduled_tokens: int = _D.max_scheduled_tokens,
+        max_context_len: int | None = _D.max_context_len,
+        enable_prefix_cache: bool = _D.enable_prefix_cache,
+        dtype: str = _D.dtype,
+        attention_backend: str = _D.attention_backend,
+        seed: int = _D.seed,
+        tensor_parallel_size: int = _D.tensor_parallel_size,
+        data_parallel_size: int = _D.data_parallel_size,
+        **more_options: Any,
+    ) -> None:
+        # SPEC's keywords spelled out (their defaults are `EngineArgs`'), the rest by name
+        self.args = EngineArgs.from_options(
+            model,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_batch_requests=max_batch_requests,
+            max_scheduled_tokens=max_scheduled_tokens,
+            max_context_len=max_context_len,
+            enable_prefix_cache=enable_prefix_cache,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            **more_options,
+        )  # ValueError: unknown or bad
         self._build(self.args)
 
     @classmethod

@@ -44,6 +44,7 @@ SMALL = dict(
     num_pages=96,
     max_batch_requests=4,
     max_scheduled_tokens=16,
+    min_token_bucket=16,  # no 1-token bucket on CPU besides
     max_context_len=64,
     attention_backend="reference",
 )

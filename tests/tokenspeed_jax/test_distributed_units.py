@@ -77,7 +77,7 @@ def test_config_validation_and_env():
 
 def test_cli_flags():
     p = argparse.ArgumentParser()
-    add_distributed_args(p)
+    add_engine_args(p, num_pages=None)  # the parallel sizes are engine options
     args = p.parse_args(
         [
             "--coordinator",
@@ -96,10 +96,10 @@ def test_cli_flags():
     assert (cfg.num_processes, cfg.process_id, cfg.follower_timeout_s) == (2, 1, 5.0)
     assert args.tensor_parallel_size == 4 and args.data_parallel_size == 1
     assert distributed_config(p.parse_args([])) is None
-    # the parallel flags are defined once, in cli.common: the engine flags include them
+    # the launch flags alone (add_distributed_args) carry no engine option
     q = argparse.ArgumentParser()
-    add_engine_args(q, num_pages=None)
-    assert q.parse_args(["--tensor-parallel-size", "7"]).tensor_parallel_size == 7
+    add_distributed_args(q)
+    assert not hasattr(q.parse_args([]), "tensor_parallel_size")
 
 
 class _FakeKV:

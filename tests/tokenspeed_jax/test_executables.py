@@ -19,7 +19,15 @@ from tokenspeed_jax.runtime.executables import ExecutableStore
 from tokenspeed_jax.runtime.shapes import StepShape
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SMALL = dict(page_size=4, max_batch_requests=2, max_scheduled_tokens=16, max_context_len=64, min_kv_bucket=16)
+# one token bucket (16; no 1-token bucket) x 3 kv buckets: 3 step shapes per engine to compile
+SMALL = dict(
+    page_size=4,
+    max_batch_requests=2,
+    max_scheduled_tokens=16,
+    min_token_bucket=16,
+    max_context_len=64,
+    min_kv_bucket=16,
+)
 
 _CHILD = """
 import json, sys

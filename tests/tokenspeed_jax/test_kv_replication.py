@@ -19,7 +19,15 @@ import pytest
 
 pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it in the inner loop; CI runs it
 
-SMALL = dict(page_size=4, num_pages=96, max_batch_requests=4, max_scheduled_tokens=16, max_context_len=64)
+# min_token_bucket=16: one step shape per LLM (no 1-token bucket to compile besides)
+SMALL = dict(
+    page_size=4,
+    num_pages=96,
+    max_batch_requests=4,
+    max_scheduled_tokens=16,
+    min_token_bucket=16,
+    max_context_len=64,
+)
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=8)  # tp=8 needs 8 q heads
 
 
