@@ -25,11 +25,11 @@ step vs_vllm_chat "$here/vs_vllm.py" --model "$model" "${vllm[@]}" --dtypes floa
 step vs_vllm_random "$here/vs_vllm.py" --model "$model" "${vllm[@]}" --dtypes float32,bfloat16 \
   --workload random
 step serve_f32 "$here/vs_vllm_serve.py" --model "$model" "${vllm[@]}" --dtype float32
-step serve_bf16 "$here/vs_vllm_serve.py" --model "$model" "${vllm[@]}" --dtype bfloat16
 step batch1 "$here/batch1.py" --model "$model"
 step gguf_vs_llama "$here/quantization.py" --model smollm2-135m "${llama[@]}" \
   --configs auto/none,auto/gguf
 step spec_decode "$here/spec_decode.py" --model "$model" --policies cost,padding:4
+step serve_bf16 "$here/vs_vllm_serve.py" --model "$model" "${vllm[@]}" --dtype bfloat16
 step startup "$here/startup.py" --model "$model" --max-context-len 2048 --max-batch-requests 64 \
   --max-scheduled-tokens 2048 "${vllm[@]}"
 echo "$(date -u +%H:%M:%S) done: $out"
