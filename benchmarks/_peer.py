@@ -318,11 +318,23 @@ def binding_line(name: str, pid: int, log_path: str | None = None) -> str:
     return f"{name}: " + (f"vLLM log: {logged}; " if logged else "") + thread_binding(pid)
 
 
-def signal_tree(pid: int, sig: int) -> None:
-    """Send `sig` to `pid` and every process below it."""
-    for p in process_tree(pid):
+def signal_tree(pid: int, sig: int, *, timeout_s: float = 2.0) -> None:
+    """Send `sig` to `pid` and every process below it. SIGSTOP returns once each has stopped
+    (state T; signals are delivered asynchronously, so a process read right after the kill may
+    still be running), or after `timeout_s`."""
+    tree = process_tree(pid)
+    for p in tree:
         with contextlib.suppress(OSError):
             os.kill(p, sig)
+    if sig != signal.SIGSTOP:
+        return
+    deadline = time.monotonic() + timeout_s
+    for p in tree:
+        while time.monotonic() < deadline:
+            fields = _stat_fields(p)
+            if fields is None or fields[0] in ("T", "t", "Z", "X"):
+                break
+            time.sleep(0.001)
 
 
 def interleave(
