@@ -6,8 +6,11 @@ keywords, the CLI commands and the benchmarks derive their flags from it. Jax-fr
 checks its flags before jax loads); the choice lists that jax modules also hold are checked
 equal by tests/tokenspeed_jax/test_engine_args.py.
 
-Defaults marked "platform" are the ones a GPU would want different (issue 46); the CLI's own
-defaults differ from `LLM`'s only where `CLI_DEFAULTS` says.
+Defaults marked "platform" are None in the record: "the platform's", filled in by
+`for_platform` from `PLATFORM_DEFAULTS` once the devices are known (issue 46: a GPU wants the
+checkpoint's dtype and 256 rows x 8192 tokens a step, a CPU float32 and 64 x 2048). The CLI's
+own defaults are the detected platform's (`detect_platform`, jax-free), and on CPU differ from
+`LLM`'s only where `CLI_DEFAULTS` says.
 """
 
 from __future__ import annotations
@@ -27,10 +30,56 @@ LAZY_COMPILE = ("background", "sync")
 DEFAULT_TINY_CONTEXT = 2048  # max_context_len of the built-in model ...
 DEFAULT_HF_CONTEXT = 8192  # ... and of checkpoints (at most their max_position_embeddings)
 DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fewer compiles)
-# The commands' defaults where they differ from LLM's: a CLI run shares its 2 CPU cores with a
-# load generator or an HTTP server, so smaller steps keep TTFT / TPOT steady. `num_pages` per
-# command is given to `add_cli_args`.
+# The "platform" defaults (None in the record), per kind of device: "cpu", and "gpu" for every
+# accelerator. GPU: decode is weight-read bound, so the row cap is the throughput cap (8B bf16
+# on an H100: ~4.7k tok/s at 32 rows, ~15k at 256; vLLM and SGLang run 256+ sequences), and the
+# token budget is vLLM's / SGLang's 8192 chunk. The token buckets stay powers of two from 16:
+# below the GEMMs' ridge (~250 rows of an 8B bf16 model on an H100) a bucket costs what the
+# weight read costs, above it a bucket at most doubles the real rows (docs/architecture.md,
+# "GPU defaults").
+PLATFORM_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
+    "cpu": {"dtype": "float32", "max_batch_requests": 64, "max_scheduled_tokens": 2048},
+    "gpu": {"dtype": "auto", "max_batch_requests": 256, "max_scheduled_tokens": 8192},
+}
+# The commands' defaults on CPU where they differ from LLM's: a CLI run shares its 2 CPU cores
+# with a load generator or an HTTP server, so smaller steps keep TTFT / TPOT steady. `num_pages`
+# per command is given to `add_cli_args`.
 CLI_DEFAULTS: Mapping[str, Any] = {"max_batch_requests": 32, "max_scheduled_tokens": 512}
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
+
+
+def platform_kind(platform: str) -> str:
+    """ "cpu" for jax's CPU platform, "gpu" for every accelerator (cuda, rocm, gpu, tpu)."""
+    return "cpu" if platform == "cpu" else "gpu"
+
+
+def detect_platform() -> str:
+    """The platform jax will pick, guessed without importing jax (the CLI sizes its defaults
+    before jax loads): the first of $JAX_PLATFORMS, else "gpu" when an NVIDIA / AMD device
+    node and a jax GPU plugin are both present, else "cpu". `LLM` itself resolves on the
+    devices it really got."""
+    import importlib.util
+
+    wanted = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if wanted:
+        return platform_kind(wanted)
+    node = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/kfd")
+    if not node:
+        return "cpu"
+    try:
+        plugins = importlib.util.find_spec("jax_plugins")
+    except (ImportError, ValueError):
+        plugins = None
+    if plugins is None or not plugins.submodule_search_locations:
+        return "cpu"
+    names = [n for d in plugins.submodule_search_locations if os.path.isdir(d) for n in os.listdir(d)]
+    return "gpu" if any("cuda" in n or "rocm" in n for n in names) else "cpu"
+
+
+def cli_platform_defaults(platform: str) -> dict[str, Any]:
+    """The commands' values of the platform fields on `platform`."""
+    kind = platform_kind(platform)
+    return {**PLATFORM_DEFAULTS[kind], **(CLI_DEFAULTS if kind == "cpu" else {})}
 
 
 def _opt(
@@ -47,7 +96,7 @@ def _opt(
     """A field with its CLI spelling. kind: int / str / bool / bytes / json / cache_dir / any
     (default: from the default's type); flag: the long flag without `--` (default: the name
     with dashes; a bool's flag also gets its --no- form); at_least: ints' lower bound;
-    platform: a default a GPU would want different; cli: False = no flag of its own."""
+    platform: None in the record, `PLATFORM_DEFAULTS` decides; cli: False = no flag of its own."""
     if kind is None:
         kind = "bool" if isinstance(default, bool) else type(default).__name__
     return dataclasses.field(
@@ -78,15 +127,31 @@ class EngineArgs:
     )
     kv_cache_memory_bytes: int | None = _opt(
         None,
-        "the page pool's bytes per device, e.g. 4G (binary) or 4g (decimal) (default: 85%% "
-        "of a GPU's free memory, 1 GiB on CPU)",
+        "the page pool's bytes per device, e.g. 4G (binary) or 4g (decimal) (default: on a "
+        "GPU what gpu_memory_utilization leaves after the weights and the largest step's "
+        "temporaries; 1 GiB on CPU)",
         kind="bytes",
+        at_least=1,
+    )
+    gpu_memory_utilization: float = _opt(
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        "fraction of an accelerator's memory this engine may use: weights, the largest "
+        "step's temporaries and the page pool (vLLM's meaning; ignored on CPU)",
+        kind="fraction",
+    )
+    max_batch_requests: int | None = _opt(
+        None,
+        "rows (requests) of one device step (default: 64 on CPU, 256 on GPU)",
+        kind="int",
         at_least=1,
         platform=True,
     )
-    max_batch_requests: int = _opt(64, "rows (requests) of one device step", at_least=1, platform=True)
-    max_scheduled_tokens: int = _opt(
-        2048, "tokens of one device step (the largest token bucket)", at_least=1, platform=True
+    max_scheduled_tokens: int | None = _opt(
+        None,
+        "tokens of one device step, the largest token bucket (default: 2048 on CPU, 8192 on GPU)",
+        kind="int",
+        at_least=1,
+        platform=True,
     )
     max_context_len: int | None = _opt(
         None,
@@ -95,8 +160,12 @@ class EngineArgs:
         kind="int",
         at_least=2,
     )
-    dtype: str = _opt(
-        "float32", "weights / activations dtype ('auto': the checkpoint's)", choices=DTYPES, platform=True
+    dtype: str | None = _opt(
+        None,
+        "weights / activations dtype, 'auto' = the checkpoint's (default: float32 on CPU, auto on GPU)",
+        kind="str",
+        choices=DTYPES,
+        platform=True,
     )
     attention_backend: str = _opt(
         "auto",
@@ -160,7 +229,6 @@ class EngineArgs:
         "bucket for a lone decode on CPU without speculation)",
         kind="int",
         at_least=1,
-        platform=True,
     )
     min_kv_bucket: int = _opt(DEFAULT_MIN_KV_BUCKET, "shortest kv bucket in tokens", at_least=1)
     speculative_config: dict | None = _opt(
@@ -227,6 +295,12 @@ class EngineArgs:
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
 
+    def for_platform(self, platform: str) -> EngineArgs:
+        """This record with every "platform" field still None set to `platform`'s default
+        (`PLATFORM_DEFAULTS`; platform: jax's name, "cpu", "gpu", "cuda", "tpu"...)."""
+        table = PLATFORM_DEFAULTS[platform_kind(platform)]
+        return self.replace(**{k: v for k, v in table.items() if getattr(self, k) is None})
+
     def llm_options(self) -> dict[str, Any]:
         """`LLM(self.model, **self.llm_options())` builds this record's engine."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
@@ -257,6 +331,9 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             want = "a positive int" if lo == 1 else f"an int >= {lo}"
             raise ValueError(f"{name} must be {want}, got {value!r}")
+    elif kind == "fraction":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")
     elif kind == "bool" and not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     elif kind == "str" and not isinstance(value, str):
@@ -301,6 +378,17 @@ def int_at_least(lo: int) -> Callable[[str], int]:
     return _at_least(int, lo, "an integer")
 
 
+def fraction(text: str) -> float:
+    """argparse `type=`: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction like 0.9, got {text!r}") from None
+    if not 0 < value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
 _UNITS = {
     "": 1,
     "k": 10**3,
@@ -336,12 +424,13 @@ def cli_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(EngineArgs) if f.metadata["cli"]]
 
 
-def add_cli_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
+def add_cli_args(p: argparse.ArgumentParser, *, platform: str | None = None, **defaults: Any) -> None:
     """One flag per `EngineArgs` field (bools: --X / --no-X; `compile_cache_dir` also
-    --no-compile-cache), with `CLI_DEFAULTS` and then `defaults` over the record's defaults.
+    --no-compile-cache), with the platform's command defaults (`cli_platform_defaults`;
+    platform None = `detect_platform()`) and then `defaults` over the record's defaults.
     `from_cli` reads them back. `num_pages=N` here is the command's pool unless
     --kv-cache-memory-bytes sizes it."""
-    chosen = {**CLI_DEFAULTS, **defaults}
+    chosen = {**cli_platform_defaults(platform or detect_platform()), **defaults}
     unknown = set(chosen) - {f.name for f in cli_fields()}
     if unknown:
         raise ValueError(f"add_cli_args: no engine options {sorted(unknown)}")
@@ -349,7 +438,7 @@ def add_cli_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     for f in cli_fields():
         meta, kind = f.metadata, f.metadata["kind"]
         default = chosen.get(f.name, f.default)
-        help = meta["help"] + (" [platform default]" if meta["platform"] else "")
+        help = meta["help"]
         kw: dict[str, Any] = dict(dest=f.name, default=default, help=help)
         if kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
@@ -357,6 +446,8 @@ def add_cli_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
             kw["type"] = byte_count if kind == "bytes" else int_at_least(meta["at_least"])
         elif kind == "json":
             kw["type"] = _speculative_json
+        elif kind == "fraction":
+            kw["type"] = fraction
         if meta["choices"] is not None:
             kw["choices"] = meta["choices"]
         if f.name == "num_pages":  # the command's pool lives in `_engine_num_pages`

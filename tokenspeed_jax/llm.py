@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -12,16 +13,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
 
-from scheduler import CacheLayout, SchedulerConfig, cache_layout
 from tokenspeed_jax.distributed import launch as dist
 from tokenspeed_jax.engine.engine import Engine
+from tokenspeed_jax.engine.pool_plan import cache_layout_of, plan_pool
 from tokenspeed_jax.engine.replicas import Replicas
 from tokenspeed_jax.engine.runner_protocol import Runner
-from tokenspeed_jax.engine_args import EngineArgs, default_context_len
+from tokenspeed_jax.engine_args import EngineArgs
 from tokenspeed_jax.hf.sources import load_model
 from tokenspeed_jax.outputs import CompletionOutput
+from tokenspeed_jax.runtime.device_memory import claim_allocator
 from tokenspeed_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -87,11 +88,11 @@ class LLM:
         *,
         page_size: int = _D.page_size,
         num_pages: int | None = _D.num_pages,
-        max_batch_requests: int = _D.max_batch_requests,
-        max_scheduled_tokens: int = _D.max_scheduled_tokens,
+        max_batch_requests: int | None = _D.max_batch_requests,
+        max_scheduled_tokens: int | None = _D.max_scheduled_tokens,
         max_context_len: int | None = _D.max_context_len,
         enable_prefix_cache: bool = _D.enable_prefix_cache,
-        dtype: str = _D.dtype,
+        dtype: str | None = _D.dtype,
         attention_backend: str = _D.attention_backend,
         seed: int = _D.seed,
         tensor_parallel_size: int = _D.tensor_parallel_size,
@@ -123,10 +124,13 @@ class LLM:
 
     def _build(self, args: EngineArgs) -> None:
         from tokenspeed_jax.runtime import compile_cache, sharding
-        from tokenspeed_jax.runtime.prepare import prepare
+        from tokenspeed_jax.runtime.prepare import fuse_by_default, prepare
         from tokenspeed_jax.runtime.runner import ModelRunner
 
         started = time.perf_counter()
+        # before jax's GPU backend starts: its allocator may take gpu_memory_utilization of the
+        # device (runtime/device_memory.py)
+        claim_allocator(args.gpu_memory_utilization)
         # before anything compiles: None = the per-user default dir, False = off
         self.compile_cache_dir = compile_cache.enable(args.compile_cache_dir)
 
@@ -151,6 +155,9 @@ class LLM:
         tp, dp = args.tensor_parallel_size, args.data_parallel_size
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
+        # the "platform" options left None take the defaults of the devices we really got
+        platform = (jax.devices()[0] if meshes[0] is None else meshes[0].devices.flat[0]).platform
+        args = self.args = args.for_platform(platform)
         self.kv_cache_dtype, self.quantization = args.kv_cache_dtype, args.quantization
         # Multi-process: parameters stay lazy (`param_sources`); each process reads / generates
         # only its own shards when the runner places them (`sharding.place`). GGUF files are
@@ -167,9 +174,9 @@ class LLM:
             quantization=args.quantization,
             host_staging=multi,
             one_device=meshes[0] is None,
+            fuse=fuse_by_default(platform),
         )
-        self.dtype = args.dtype
-        layout = self._layout(args, prepared.config, meshes[0], multi)
+        self.dtype = self.model_config.dtype  # "auto" resolved: the checkpoint's
         eos = self.model_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         # serialized step executables beside JAX's entries: a warm start neither traces nor
@@ -181,20 +188,23 @@ class LLM:
             store = ExecutableStore(os.path.join(os.path.dirname(self.compile_cache_dir), "executables"))
         self.executable_store = store
         self.compile_workers = args.compile_workers
+        make_runner = functools.partial(
+            ModelRunner,
+            prepared,
+            backend=args.attention_backend,
+            min_kv_bucket=args.min_kv_bucket,
+            min_token_bucket=args.min_token_bucket,
+            executable_store=store,
+            lazy_compile=args.lazy_compile,
+            scan_layers=args.scan_layers,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        base = cache_layout_of(args, self.model_config)
+        plan = plan_pool(args, prepared.config, base, meshes[0], multi, make_runner)
+        layout, self.step_temp_bytes = plan.layout, plan.step_temp_bytes
         self.engines: list[Engine] = []
         for r, mesh in enumerate(meshes):
-            runner = ModelRunner(
-                prepared,
-                layout,
-                backend=args.attention_backend,
-                min_kv_bucket=args.min_kv_bucket,
-                min_token_bucket=args.min_token_bucket,
-                mesh=mesh,
-                executable_store=store,
-                lazy_compile=args.lazy_compile,
-                scan_layers=args.scan_layers,
-                kv_cache_dtype=args.kv_cache_dtype,
-            )
+            runner = make_runner(layout, mesh=mesh)
             driven: Runner = self._distribute(runner, r) if multi else runner
             self.engines.append(
                 Engine(
@@ -214,50 +224,6 @@ class LLM:
         self._gen_ids = itertools.count()
         if multi and self.is_leader:
             atexit.register(self.shutdown)  # releases the followers however the leader ends
-
-    def _layout(self, args: EngineArgs, runtime_config, mesh, multi: bool) -> CacheLayout:
-        """The cache layout both sides share, its pool sized from memory unless num_pages."""
-        max_context_len = args.max_context_len
-        if max_context_len is None:
-            max_context_len = default_context_len(args.model, self.model_config)
-        sched_cfg = SchedulerConfig(
-            num_pages=2 if args.num_pages is None else args.num_pages,
-            max_context_len=max_context_len,
-            **args.scheduler_options(),
-        )
-        # the one setup value: the Scheduler is built from layout.scheduler_config, the runner
-        # from the layout itself (num_pages=None: 2 until the pool is sized just below)
-        layout = cache_layout(
-            sched_cfg,
-            self.model_config,
-            conv_page_size=args.conv_page_size,
-            honor_full_refresh=args.honor_full_refresh,
-        )
-        if args.num_pages is not None:
-            return layout
-        from tokenspeed_jax.runtime.state import fixed_state_bytes, pages_from_memory
-
-        device = (
-            None
-            if mesh is None
-            else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-        )
-        reserved = fixed_state_bytes(runtime_config, layout.widths, layout.max_live_requests)
-        num_pages = pages_from_memory(
-            runtime_config,
-            layout.layer_groups,
-            layout.page_sizes,
-            device=device,
-            shards=args.tensor_parallel_size,
-            reserved_bytes=reserved,
-            kv_cache_dtype=args.kv_cache_dtype,
-            budget_bytes=args.kv_cache_memory_bytes,
-        )
-        if multi:  # every process must build the same shapes: the smallest fit wins
-            from jax.experimental import multihost_utils
-
-            num_pages = int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
-        return layout.with_num_pages(num_pages)
 
     # ------------------------------------------------------------------ multi-process
     @property

@@ -94,6 +94,22 @@ def worker(group: str) -> dict:
             for p, x in jax.tree_util.tree_leaves_with_path(runner.params)
             if "kernel_scale" in jax.tree_util.keystr(p)
         }
+        # q/k/v and gate/up fused as on a GPU (issue 46): columns interleaved per shard
+        from tokenspeed_jax.runtime import prepare as prep
+
+        default = prep.fuse_by_default
+        prep.fuse_by_default = lambda platform: True
+        try:
+            runner = run("tp2_fused", 2, 1).engine.runner
+            run("tp2_w8a8_fused", 2, 1, quantization="w8a8", prompts=prompts[:3])
+        finally:
+            prep.fuse_by_default = default
+        out["fused_shards"] = {
+            jax.tree_util.keystr(p): [x.shape, list(x.addressable_shards[0].data.shape)]
+            for p, x in jax.tree_util.tree_leaves_with_path(runner.params)
+            if "qkv_proj" in jax.tree_util.keystr(p) or "gate_up_proj" in jax.tree_util.keystr(p)
+        }
+        run("tp1", 1, 1)
         run("tp2_pallas", 2, 1, backend="pallas", prompts=prompts[:3])
         run("tp1_pallas", 1, 1, backend="pallas", prompts=prompts[:3])
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import pytest
 
@@ -13,6 +14,8 @@ from tokenspeed_jax.engine_args import (
     add_cli_args,
     cli_fields,
     cli_options,
+    cli_platform_defaults,
+    detect_platform,
     from_cli,
 )
 
@@ -51,12 +54,13 @@ ROUND_TRIP = {
     "conv_page_size": (4, ["--conv-page-size", "4"]),
     "honor_full_refresh": (False, ["--no-honor-full-refresh"]),
     "debug_checks": (True, ["--debug-checks"]),
+    "gpu_memory_utilization": (0.5, ["--gpu-memory-utilization", "0.5"]),
 }
 
 
-def _parser(**defaults) -> argparse.ArgumentParser:
+def _parser(platform: str = "cpu", **defaults) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    add_cli_args(p, **defaults)
+    add_cli_args(p, platform=platform, **defaults)
     return p
 
 
@@ -74,14 +78,55 @@ def test_every_field_round_trips_through_the_cli(name):
     assert getattr(args, name) == value
     # nothing else moved off the CLI's defaults
     rest = {f.name: getattr(args, f.name) for f in cli_fields() if f.name != name}
-    want = {k: CLI_DEFAULTS.get(k, getattr(EngineArgs(), k)) for k in rest}
+    want = {k: cli_platform_defaults("cpu").get(k, getattr(EngineArgs(), k)) for k in rest}
     assert rest == want
 
 
 def test_cli_defaults_differ_from_llm_only_where_listed():
     args = from_cli(_parser().parse_args([]))
-    differ = {f.name for f in cli_fields() if getattr(args, f.name) != getattr(EngineArgs(), f.name)}
+    llm = EngineArgs().for_platform("cpu")
+    differ = {f.name for f in cli_fields() if getattr(args, f.name) != getattr(llm, f.name)}
     assert differ == set(CLI_DEFAULTS)
+
+
+def test_platform_fields_are_filled_per_platform_and_given_values_stay():
+    platform_fields = {f.name for f in dataclasses.fields(EngineArgs) if f.metadata["platform"]}
+    assert platform_fields == {"dtype", "max_batch_requests", "max_scheduled_tokens"}
+    assert all(getattr(EngineArgs(), name) is None for name in platform_fields)
+    cpu, gpu = EngineArgs().for_platform("cpu"), EngineArgs().for_platform("cuda")
+    assert (cpu.dtype, cpu.max_batch_requests, cpu.max_scheduled_tokens) == ("float32", 64, 2048)
+    assert (gpu.dtype, gpu.max_batch_requests, gpu.max_scheduled_tokens) == ("auto", 256, 8192)
+    assert EngineArgs().for_platform("tpu") == gpu  # every accelerator: the GPU table
+    given = EngineArgs(dtype="bfloat16", max_batch_requests=8).for_platform("gpu")
+    assert (given.dtype, given.max_batch_requests, given.max_scheduled_tokens) == ("bfloat16", 8, 8192)
+    # the commands: CPU keeps its smaller steps, a GPU gets the GPU table
+    on_gpu = from_cli(_parser("gpu").parse_args([]))
+    assert (on_gpu.dtype, on_gpu.max_batch_requests, on_gpu.max_scheduled_tokens) == ("auto", 256, 8192)
+    on_cpu = from_cli(_parser("cpu").parse_args([]))
+    assert (on_cpu.dtype, on_cpu.max_batch_requests, on_cpu.max_scheduled_tokens) == ("float32", 32, 512)
+
+
+@pytest.mark.parametrize(
+    "env, want", [("cpu", "cpu"), ("cuda", "gpu"), ("cuda,cpu", "gpu"), ("tpu", "gpu"), ("", "cpu")]
+)
+def test_detect_platform_reads_jax_platforms(monkeypatch, env, want):
+    monkeypatch.setenv("JAX_PLATFORMS", env)
+    if not env:  # unset: device nodes + a jax GPU plugin decide; this CPU machine has no node
+        monkeypatch.delenv("JAX_PLATFORMS")
+        monkeypatch.setattr(os.path, "exists", lambda path: False)
+    assert detect_platform() == want
+
+
+def test_an_llm_resolves_its_platform_defaults_on_its_devices():
+    from tokenspeed_jax import LLM
+
+    llm = LLM("tiny-random", num_pages=64, max_context_len=128, compile_cache_dir=False)
+    assert (llm.args.dtype, llm.args.max_batch_requests, llm.args.max_scheduled_tokens) == (
+        "float32",
+        64,
+        2048,
+    )
+    assert llm.dtype == "float32" and llm.step_temp_bytes == 0  # CPU: no memory statistics
 
 
 def test_a_command_pool_default_yields_to_memory_sizing():
@@ -108,6 +153,8 @@ def test_no_compile_cache_is_false():
         (["--kv-cache-memory-bytes", "lots"], "expected bytes"),
         (["--speculative-config", "[1]"], "bad --speculative-config"),
         (["--lazy-compile", "never"], "invalid choice"),
+        (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+        (["--gpu-memory-utilization", "nan"], "must be in (0, 1]"),
     ],
 )
 def test_bad_flags_are_argparse_errors(argv, needle, capsys):
@@ -122,7 +169,7 @@ def test_bad_flags_are_argparse_errors(argv, needle, capsys):
         (dict(page_size=0), "page_size must be a positive int, got 0"),
         (dict(seed=-1), "seed must be an int >= 0"),
         (dict(max_batch_requests=True), "max_batch_requests must be a positive int"),
-        (dict(dtype="f8"), "dtype must be one of"),
+        (dict(dtype="f8"), "dtype must be None or one of"),
         (dict(quantization="int4"), "quantization must be None or one of"),
         (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of"),
         (dict(enable_prefix_cache="yes"), "enable_prefix_cache must be True or False"),
@@ -130,6 +177,8 @@ def test_bad_flags_are_argparse_errors(argv, needle, capsys):
         (dict(quantization="gguf", tensor_parallel_size=2), "one device per replica"),
         (dict(speculative_config={"method": "eagle"}), "method"),
         (dict(pages=10), "unknown LLM options"),
+        (dict(gpu_memory_utilization=0.0), r"gpu_memory_utilization must be a fraction in \(0, 1\]"),
+        (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization must be a fraction"),
     ],
 )
 def test_bad_options_raise_value_errors_naming_them(options, needle):

@@ -29,6 +29,8 @@ def result() -> dict:
         ("tp2_int8", "tp1_int8"),
         ("tp2_w8a8", "tp1_w8a8"),
         ("tp2_q8_0", "tp1_q8_0"),
+        ("tp2_fused", "tp1"),
+        ("tp2_w8a8_fused", "tp1_w8a8"),
     ],
 )
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
@@ -55,3 +57,15 @@ def test_quantized_pools_are_sharded(result):
     q = result["int8_shards"]
     assert q["cache0.k"] == [[160, 4, 2, 16], [[160, 4, 1, 16]] * 2, "int8"]
     assert q["cache0.k_scale"] == q["cache0.v_scale"] == [[160, 4, 2], [[160, 4, 1]] * 2, "uint16"]
+
+
+def test_fused_projections_are_column_sharded(result):
+    """qkv_proj [64, 64 + 32 + 32] and gate_up_proj [64, 2 * 128]: each shard holds half the
+    columns (its own q, k, v heads; its own gate and up channels)."""
+    shards = result["fused_shards"]
+    kernels = {k: v for k, v in shards.items() if k.endswith("['kernel']")}
+    qkv = [v for k, v in kernels.items() if "qkv_proj" in k]
+    gate_up = [v for k, v in kernels.items() if "gate_up_proj" in k]
+    assert qkv and gate_up
+    assert all(v == [[64, 128], [64, 64]] for v in qkv), qkv
+    assert all(v == [[64, 256], [64, 128]] for v in gate_up), gate_up

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tokenspeed_jax.models import tiny_random_config
+from tokenspeed_jax.runtime.device_memory import ALLOCATOR_ENV, DeviceMemory, device_memory
 from tokenspeed_jax.runtime.state import (
     CPU_POOL_BUDGET_BYTES,
     bytes_per_page,
@@ -43,17 +44,24 @@ class FakeDevice:
         return self.stats
 
 
-def test_pages_from_memory():
+def test_pages_from_memory(monkeypatch):
     per = bytes_per_page(CFG, LG, BS)
+    # JAX's allocator capped at 0.8 of the device: 1000 pages' worth of cap = 1250 in all
+    monkeypatch.setenv(ALLOCATOR_ENV, "0.8")
     dev = FakeDevice({"bytes_limit": 1000 * per, "bytes_in_use": 200 * per})
-    assert pages_from_memory(CFG, LG, BS, device=dev, memory_fraction=0.5) == 400
-    # the fixed-size state (mirrors, last tokens, penalty statistics) comes out of the budget
+    assert device_memory(dev) == DeviceMemory(limit=1000 * per, in_use=200 * per, total=1250 * per)
+    assert pages_from_memory(CFG, LG, BS, device=dev, gpu_memory_utilization=0.5) == 625 - 200
+    assert pages_from_memory(CFG, LG, BS, device=dev, gpu_memory_utilization=0.9) == 1000 - 200  # the cap
+    # the largest step's temporaries and the fixed-size state (mirrors, last tokens, penalty
+    # statistics) come out of the budget
     fixed = fixed_state_bytes(CFG, (5, 3, 7), 8)
     assert fixed == 8 * (4 * 15 + 4 + 5 * CFG.vocab_size)
-    assert (
-        pages_from_memory(CFG, LG, BS, device=dev, memory_fraction=0.5, reserved_bytes=fixed)
-        == (400 * per - fixed) // per
+    got = pages_from_memory(
+        CFG, LG, BS, device=dev, gpu_memory_utilization=0.5, temp_bytes=7 * per, reserved_bytes=fixed
     )
+    assert got == (425 * per - 7 * per - fixed) // per
+    monkeypatch.delenv(ALLOCATOR_ENV)  # JAX's own 75%
+    assert device_memory(dev).total == int(1000 * per / 0.75)
     cpu = pages_from_memory(CFG, LG, BS, device=FakeDevice(None))
     assert 2 <= cpu <= CPU_POOL_BUDGET_BYTES // per
     assert pages_from_memory(CFG, LG, BS) >= 2  # the real (CPU) device

@@ -50,13 +50,17 @@ def preflight(args: EngineArgs, *, longest_request: int | None) -> str | None:
     (`run` knows it from the workload); None = one request of the full context (`serve`)."""
     from tokenspeed_jax.models import registry
 
+    if None in (args.dtype, args.max_batch_requests, args.max_scheduled_tokens):
+        from tokenspeed_jax.engine_args import detect_platform
+
+        args = args.for_platform(detect_platform())
     model = args.model
     aliases = getattr(registry, "MODEL_ALIASES", {})
     if model not in registry.BUILTIN_MODELS and model not in aliases and not os.path.exists(model):
         known = ", ".join((*registry.BUILTIN_MODELS, *aliases))
         return f"--model {model!r}: not a built-in model ({known}) nor an existing path"
     try:
-        cfg = _model_config(model, args.dtype)
+        cfg = _model_config(model, args.dtype or "auto")
     except ValueError as e:
         return f"--model {model!r}: {e}"
     if cfg is None:

@@ -21,6 +21,7 @@ def load_model(model: str, dtype: str, seed: int, lazy: bool = False, gguf_block
             ".gguf file (quantization='int8' quantizes any model at load)"
         )
     if model in registry.BUILTIN_MODELS:
+        dtype = "float32" if dtype == "auto" else dtype  # a built-in model's own dtype
         from tokenspeed_jax.models.byte_tokenizer import ByteTokenizer
 
         if lazy:

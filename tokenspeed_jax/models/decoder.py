@@ -34,6 +34,7 @@ from tokenspeed_jax.models.layers import (
     matmul,
     rope_attention_factor,
     rope_inv_freq,
+    split_fused,
 )
 from tokenspeed_jax.models.moe import MoE
 from tokenspeed_jax.models.quant import qmatmul
@@ -52,6 +53,7 @@ class Attention(nnx.Module):
         self.v_proj: Linear | None = Linear(h, hkv * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
         self.o_proj = Linear(hq * d, h, bias=cfg.o_proj_bias, cfg=cfg, rngs=rngs)
         self.qkv_proj: Linear | None = None  # q, k and v in one (`fuse_projections`)
+        self.fused_shards = 1  # qkv_proj's column layout (`Linear.absorb`)
         self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
         self.sinks = (
@@ -66,20 +68,21 @@ class Attention(nnx.Module):
         self.sm_scale = cfg.scale * rope_attention_factor(cfg, layer) ** 2
         self.inv_freq = nnx.Variable(rope_inv_freq(cfg, layer))  # not a Param: never trained/loaded
 
-    def fuse_projections(self) -> bool:
-        """q_proj, k_proj and v_proj as one tiled product (`Linear.absorb`); returns whether."""
+    def fuse_projections(self, shards: int = 1) -> bool:
+        """q_proj, k_proj and v_proj as one product (`Linear.absorb`); returns whether."""
         q, k, v = self.q_proj, self.k_proj, self.v_proj
-        if q is None or k is None or v is None or not q.absorb([k, v]):
+        if q is None or k is None or v is None or not q.absorb([k, v], shards):
             return False
         self.qkv_proj = nnx.data(q)  # was None: a static attribute
         self.q_proj = self.k_proj = self.v_proj = None
+        self.fused_shards = shards
         return True
 
     def _qkv(self, x: jax.Array, positions: jax.Array):
         t = x.shape[0]
         dq, dkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv_proj is not None:
-            q, k, v = jnp.split(self.qkv_proj(x), (dq, dq + dkv), axis=-1)
+            q, k, v = split_fused(self.qkv_proj(x), (dq, dkv, dkv), self.fused_shards)
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

@@ -10,7 +10,7 @@ import dataclasses
 
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
-from tokenspeed_jax.models.layers import tile_linears
+from tokenspeed_jax.models.layers import fuse_linears, tile_linears
 from tokenspeed_jax.models.quant import check_quantization, quantize_model, use_native
 from tokenspeed_jax.runtime import sharding
 
@@ -25,7 +25,9 @@ class PreparedModel:
     tensor_parallel_size: the shards its layouts are made for (1: one device per replica).
     quantization: None or the `models.quant` mode its Linears hold.
     tiled: Linears laid out tile-major for the native CPU matmul (the unsharded one-device
-        path only: a runner with a mesh refuses it).
+        path only: a runner with a mesh refuses it); tiling fuses q/k/v and gate/up too.
+    fused: q/k/v and gate/up fused into one Linear each, columns laid out for
+        `tensor_parallel_size` shards (`models.layers.fuse_linears`).
     """
 
     config: ModelConfig
@@ -33,6 +35,7 @@ class PreparedModel:
     tensor_parallel_size: int = 1
     quantization: str | None = None
     tiled: bool = False
+    fused: bool = False
 
     def check_mesh(self, shards: int | None) -> None:
         """ValueError unless a runner over `shards` devices (None: no mesh) can run this model."""
@@ -56,6 +59,7 @@ def prepare(
     quantization: str | None = None,
     host_staging: bool = False,
     one_device: bool = True,
+    fuse: bool = False,
 ) -> PreparedModel:
     """Check `tensor_parallel_size` against the model (ValueError naming the size it does not
     divide), then transform `net` in place: KV heads replicated up to the shard count (under
@@ -63,7 +67,10 @@ def prepare(
     host), conv in_proj re-laid for the channel shards, Linears quantized (after the re-layouts:
     scales follow the final columns) and, when the model runs unsharded on the default device
     (`one_device`: no mesh, i.e. no tensor or data parallelism) on a CPU with the native
-    kernels built, tiled for them (the sharding rules place [in, out] kernels)."""
+    kernels built, tiled for them (the sharding rules place [in, out] kernels). `fuse` (the
+    default on accelerators, `fuse_by_default`): q/k/v and gate/up fused into one product each,
+    laid out for the tensor-parallel shards (not for lazy multi-process parameters, which are
+    placed shard by shard as the checkpoint names them)."""
     tp = tensor_parallel_size
     check_quantization(quantization)
     with sharding.host_staging() if host_staging else contextlib.nullcontext():
@@ -78,6 +85,13 @@ def prepare(
     tiled = use_native() and one_device and tp == 1
     if tiled:
         tile_linears(net)
+    fused = tiled or (fuse and not host_staging and fuse_linears(net, tp) > 0)
     return PreparedModel(
-        config=config, net=net, tensor_parallel_size=tp, quantization=quantization, tiled=tiled
+        config=config, net=net, tensor_parallel_size=tp, quantization=quantization, tiled=tiled, fused=fused
     )
+
+
+def fuse_by_default(platform: str) -> bool:
+    """Fuse q/k/v and gate/up off CPU: an accelerator runs 3 GEMMs a layer instead of 5 (on
+    CPU the native kernel's tiling fuses them when it takes the model)."""
+    return platform != "cpu"

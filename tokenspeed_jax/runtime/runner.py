@@ -345,6 +345,15 @@ class ModelRunner:
         f32 = jax.ShapeDtypeStruct((lay.f32_size,), jnp.float32, sharding=self._input_sharding)
         return self._step.lower(*self._abstract, i32, f32, self._mask_abstract, lay)
 
+    def largest_step_temp_bytes(self) -> int:
+        """Device bytes of the temporaries of the largest step (the top token bucket at the
+        full kv level), from XLA's `memory_analysis()` of its executable, made ready (compiled,
+        or read from the executable store) but not run; 0 where the backend reports nothing.
+        The page pool is sized after it (`LLM`: vLLM's profile run, without the run)."""
+        shape = StepShape(self.shapes.buckets[-1], len(self.shapes.kv_levels) - 1)
+        stats = self.programs.prepare(shape).memory_analysis()
+        return int(getattr(stats, "temp_size_in_bytes", 0) or 0) if stats is not None else 0
+
     def _program_key(self, shape: StepShape) -> str:
         """The executable-store key of the step for `shape`, computed without tracing."""
         program = {

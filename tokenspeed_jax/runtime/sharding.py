@@ -8,6 +8,9 @@ inserts the collectives, one all-reduce after each row-parallel projection):
   `[s*Hkv/tp, ...)`), o_proj row-sharded; attention sinks sharded with the q heads; q/k norms
   (over head_dim) replicated. K/V pools `[P, B, Hkv, D]` sharded on the kv-head axis.
 * dense MLP: gate/up column-sharded, down row-sharded (on the intermediate axis).
+* fused q/k/v and gate/up (`models.layers.fuse_linears`, on accelerators): the fused kernel's
+  columns are interleaved per shard, `[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`, so column-sharding it
+  gives each shard its own heads of all three and `split_fused` cuts them locally.
 * MoE: sharded on the **intermediate** axis of every expert (gate/up `[E, H, I]` on I, down
   `[E, I, H]` on I), router replicated. Every device sees every token and every expert, so the
   routing and the ragged grouping stay local and the only collective is the same all-reduce as a
@@ -61,13 +64,14 @@ AXIS = "tp"
 
 # (regex over the "/"-joined parameter path, spec); the first match of the parameter's rank wins
 # (per-channel and block scales share a name), no match = replicated.
+_COLUMN_PARALLEL = r"(self_attn/(q|k|v|qkv)_proj|mlp/(gate|up|gate_up)_proj|conv/in_proj)"
 _RULES: tuple[tuple[str, P], ...] = (
-    (r"self_attn/[qkv]_proj/kernel$", P(None, AXIS)),
-    (r"self_attn/[qkv]_proj/bias$", P(AXIS)),
+    (r"self_attn/(q|k|v|qkv)_proj/kernel$", P(None, AXIS)),
+    (r"self_attn/(q|k|v|qkv)_proj/bias$", P(AXIS)),
     (r"self_attn/o_proj/kernel$", P(AXIS, None)),
     (r"self_attn/sinks$", P(AXIS)),
-    (r"mlp/(gate|up)_proj/kernel$", P(None, AXIS)),
-    (r"mlp/(gate|up)_proj/bias$", P(AXIS)),
+    (r"mlp/(gate|up|gate_up)_proj/kernel$", P(None, AXIS)),
+    (r"mlp/(gate|up|gate_up)_proj/bias$", P(AXIS)),
     (r"mlp/down_proj/kernel$", P(AXIS, None)),
     (r"mlp/experts/(gate|up)_proj$", P(None, None, AXIS)),
     (r"mlp/experts/(gate|up)_bias$", P(None, AXIS)),
@@ -79,9 +83,12 @@ _RULES: tuple[tuple[str, P], ...] = (
     (r"conv/out_proj/kernel$", P(AXIS, None)),
     # int8 weights (models/quant.py): a column-parallel kernel's scales split with its columns;
     # a row-parallel kernel's (o_proj, down_proj, out_proj) stay whole on every shard
-    (r"(self_attn/[qkv]_proj|mlp/(gate|up)_proj|conv/in_proj)/kernel_scale$", P(AXIS)),
+    (r"(self_attn/(q|k|v|qkv)_proj|mlp/(gate|up|gate_up)_proj|conv/in_proj)/kernel_scale$", P(AXIS)),
     # block scales / mins f32[in/32, out] (models/block_quant.py) split like their kernel
-    (r"(self_attn/[qkv]_proj|mlp/(gate|up)_proj|conv/in_proj)/kernel_(scale|min)$", P(None, AXIS)),
+    (
+        r"(self_attn/(q|k|v|qkv)_proj|mlp/(gate|up|gate_up)_proj|conv/in_proj)/kernel_(scale|min)$",
+        P(None, AXIS),
+    ),
     (r"(self_attn/o_proj|mlp/down_proj|conv/out_proj)/kernel_(scale|min)$", P(AXIS, None)),
     (r"(self_attn/o_proj|mlp/down_proj|conv/out_proj)/kernel_scale$", P(None)),  # per channel
 )

@@ -25,12 +25,12 @@ import numpy as np
 from pallas_kernels import kv_quant, pool_bits
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.layer_scan import LayerRun, run_cache_shapes
+from tokenspeed_jax.runtime.device_memory import device_memory
 
 # CPU has no allocator statistics: pools get this budget (capped at a quarter of the free RAM).
 # 1 GiB holds ~23k float32 tokens of SmolLM2-135M (256 MiB held 5.8k: 16 requests of 448 tokens
 # need 7.2k, before the prefix cache keeps anything). `kv_cache_memory_bytes` sets it.
 CPU_POOL_BUDGET_BYTES = 1024 * 1024 * 1024
-GPU_MEMORY_FRACTION = 0.85  # of the free device memory (bytes_limit - bytes_in_use)
 
 
 @jax.tree_util.register_dataclass
@@ -98,13 +98,6 @@ def fixed_state_bytes(config: ModelConfig, widths: tuple[int, ...], max_live_req
     return max_live_requests * (4 * sum(widths) + 4 + 5 * config.vocab_size)
 
 
-def _free_device_bytes(device) -> int | None:
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-
-
 def _free_host_bytes() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -118,7 +111,8 @@ def pages_from_memory(
     page_sizes: tuple[int, ...],
     *,
     device=None,
-    memory_fraction: float = GPU_MEMORY_FRACTION,
+    gpu_memory_utilization: float = 0.9,
+    temp_bytes: int = 0,
     max_pages: int = 1 << 20,
     shards: int = 1,
     reserved_bytes: int = 0,
@@ -127,10 +121,12 @@ def pages_from_memory(
 ) -> int:
     """Number of page ids (null page included) that fit the device memory.
 
-    Accelerators: `memory_fraction` of `bytes_limit - bytes_in_use` from `device.memory_stats()`
-    (so call it after the weights are on the device), less `reserved_bytes` (the fixed-size state
-    allocated after this call: `fixed_state_bytes`; with a 128k vocabulary and 256 live slots
-    the penalty statistics alone are ~164 MB). CPU (no memory stats): a fixed budget of
+    Accelerators (`device_memory.device_memory`): the engine's share of the device,
+    `gpu_memory_utilization` of its memory (at most the allocator's cap), less the bytes in use
+    (so call it after the weights are on the device), the largest step's temporaries
+    (`temp_bytes`: `ModelRunner.largest_step_temp_bytes`) and `reserved_bytes` (the fixed-size
+    state allocated after this call: `fixed_state_bytes`; with a 128k vocabulary and 256 live
+    slots the penalty statistics alone are ~164 MB). CPU (no memory stats): a fixed budget of
     `CPU_POOL_BUDGET_BYTES`, capped at a quarter of the free host RAM. At least 2 (null + one).
     shards: tensor-parallel degree; on accelerators each device holds 1/shards of every page
     (pools are sharded on kv heads / channels). CPU devices share one host RAM, so no scaling.
@@ -139,13 +135,13 @@ def pages_from_memory(
     """
     device = device or jax.devices()[0]
     per_page = bytes_per_page(config, layer_groups, page_sizes, kv_cache_dtype)
-    free = _free_device_bytes(device)
-    if free is not None:
+    memory = device_memory(device)
+    if memory is not None:
         per_page = -(-per_page // max(1, shards))
     if budget_bytes is not None:
         budget = budget_bytes
-    elif free is not None:
-        budget = int(free * memory_fraction) - reserved_bytes
+    elif memory is not None:
+        budget = memory.engine_budget(gpu_memory_utilization) - temp_bytes - reserved_bytes
     else:
         budget = min(CPU_POOL_BUDGET_BYTES, _free_host_bytes() // 4)
     return int(max(2, min(max_pages, budget // per_page)))

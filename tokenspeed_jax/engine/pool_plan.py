@@ -1,0 +1,98 @@
+"""How big the page pool is: given (`num_pages`), from given bytes (`kv_cache_memory_bytes`),
+or from what the device has left (issue 46).
+
+On an accelerator with nothing given, the pool gets what `gpu_memory_utilization` of the device
+leaves after the weights (already placed), the largest step's temporaries and the fixed per-slot
+state. The temporaries are measured as vLLM's profile run measures them, without the run: a
+runner over a 2-page pool makes its largest step ready (compiled, or read from the executable
+cache, where it then stays for the next start) and XLA's `memory_analysis()` reports its
+temporary bytes (`ModelRunner.largest_step_temp_bytes`); the pools are donated arguments, so the
+temporaries do not depend on the pool size. Multi-process runs skip the measurement (0 bytes)
+and take the smallest fit of every process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from scheduler import CacheLayout, SchedulerConfig, cache_layout
+from tokenspeed_jax.engine_args import EngineArgs, default_context_len
+from tokenspeed_jax.runtime.device_memory import device_memory
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """layout: the cache layout with its pool size; step_temp_bytes: the largest step's
+    temporaries reserved before the pool was sized (0 when not measured)."""
+
+    layout: CacheLayout
+    step_temp_bytes: int = 0
+
+
+def cache_layout_of(args: EngineArgs, model_config: Any) -> CacheLayout:
+    """The layout both sides share, over `num_pages` (2 until `plan_pool` sizes it)."""
+    max_context_len = args.max_context_len
+    if max_context_len is None:
+        max_context_len = default_context_len(args.model, model_config)
+    sched_cfg = SchedulerConfig(
+        num_pages=2 if args.num_pages is None else args.num_pages,
+        max_context_len=max_context_len,
+        **args.scheduler_options(),
+    )
+    return cache_layout(
+        sched_cfg,
+        model_config,
+        conv_page_size=args.conv_page_size,
+        honor_full_refresh=args.honor_full_refresh,
+    )
+
+
+def plan_pool(
+    args: EngineArgs,
+    runtime_config: Any,
+    layout: CacheLayout,
+    mesh: Any,
+    multi: bool,
+    make_runner: Callable[..., Any],
+) -> PoolPlan:
+    """`layout` with its pool sized (module docstring). make_runner(layout, mesh=...) builds a
+    `ModelRunner` (the profile runner)."""
+    if args.num_pages is not None:
+        return PoolPlan(layout)
+    from tokenspeed_jax.runtime.state import fixed_state_bytes, pages_from_memory
+
+    device = (
+        jax.devices()[0]
+        if mesh is None
+        else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    )
+    temp_bytes = 0
+    if args.kv_cache_memory_bytes is None and not multi and device_memory(device) is not None:
+        profile = make_runner(layout.with_num_pages(2), mesh=mesh)
+        temp_bytes = profile.largest_step_temp_bytes()
+        del profile
+        gc.collect()  # its buffers (tiny pools, penalties) go back before the real ones
+    reserved = fixed_state_bytes(runtime_config, layout.widths, layout.max_live_requests)
+    num_pages = pages_from_memory(
+        runtime_config,
+        layout.layer_groups,
+        layout.page_sizes,
+        device=device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        temp_bytes=temp_bytes,
+        shards=args.tensor_parallel_size,
+        reserved_bytes=reserved,
+        kv_cache_dtype=args.kv_cache_dtype,
+        budget_bytes=args.kv_cache_memory_bytes,
+    )
+    if multi:  # every process must build the same shapes: the smallest fit wins
+        from jax.experimental import multihost_utils
+
+        num_pages = int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
+    return PoolPlan(layout.with_num_pages(num_pages), temp_bytes)
