@@ -40,7 +40,12 @@ def main() -> None:
     hf = by.get("5_transformers", [{}])[-1]
     rows = sorted({k[0] for k in shares})
     top, one = (rows[-1], rows[0]) if rows else (None, None)
+    over = next((r for r in by.get("2_decode", []) if r["rows"] == top and r["overlapped"]), {})
+    # the device's idle gap between consecutive decode steps: what the host did not hide
+    gap_ms = over.get("stats", {}).get("decode_critical_ms_per_step")
     targets = {
+        "overlapped: device idle <= 10% of a decode step (most rows)": gap_ms is not None
+        and gap_ms <= 0.1 * over["ms_per_step"],
         "decode at the most rows >= 70% of roofline": (shares.get((top, True)) or 0) >= 0.70,
         "batch 1 >= 80% of roofline": (shares.get((one, True)) or 0) >= 0.80,
         "cold start <= 120 s": cold.get("start_s", 1e9) <= 120,
