@@ -43,7 +43,14 @@ PROMPT_LEN = 48 if REHEARSE else 1000
 DECODE_SHORT, DECODE_LONG = (4, 12) if REHEARSE else (16, 80)
 CHECK_PROMPTS, CHECK_PROMPT_LEN, CHECK_TOKENS = (3, 24, 8) if REHEARSE else (4, 256, 32)
 ENGINE = (
-    dict(attention_backend="reference", max_batch_requests=8, max_scheduled_tokens=128, max_context_len=256)
+    # the GPU's dtype default (the checkpoint's) spelled out: on CPU the platform default is float32
+    dict(
+        dtype="auto",
+        attention_backend="reference",
+        max_batch_requests=8,
+        max_scheduled_tokens=128,
+        max_context_len=256,
+    )  # fmt: skip
     if REHEARSE
     else dict(max_context_len=4096)  # the GPU defaults otherwise: dtype auto, 256 rows x 8192 tokens
 )
