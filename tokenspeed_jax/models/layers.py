@@ -145,6 +145,8 @@ def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Arr
 def split_fused(y: jax.Array, widths: tuple[int, ...], shards: int = 1) -> list[jax.Array]:
     """The outputs of the Linears a fused Linear absorbed (`Linear.absorb`), widths[i] columns
     each, from y f[..., sum(widths)] laid out for `shards` tensor-parallel shards."""
+    if shards == 1:
+        return jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1)
     lead = y.shape[:-1]
     y = y.reshape(*lead, shards, y.shape[-1] // shards)
     cuts = list(itertools.accumulate(w // shards for w in widths[:-1]))
