@@ -84,6 +84,7 @@ def preflight(args: EngineArgs, *, longest_request: int | None) -> str | None:
         conv_page_size=args.conv_page_size,
     )
     specs = list(layout.scheduler_config.groups or ())
+    assert args.max_scheduled_tokens is not None  # resolved above
     need = solo_peak_pages(specs, total, args.max_scheduled_tokens)
     if need > args.num_pages - 1:
         return (
