@@ -96,12 +96,14 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def decode_rates(llm, async_scheduling: bool) -> None:
+    import jax
+
     from tokenspeed_jax import SamplingParams
 
     for e in llm.engines:  # the loop is chosen per step: switch it between generate calls
         e.async_scheduling = async_scheduling
     kv_token = kv_bytes_per_token(MODEL)
-    weights = sum(x.nbytes for x in __import__("jax").tree.leaves(llm.engine.runner.param_leaves))
+    weights = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.param_leaves))
     for i, rows in enumerate(ROWS):
         times = {}
         for j, new in enumerate((DECODE_SHORT, DECODE_LONG)):

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tokenspeed_jax.models import registry
 from tokenspeed_jax.models.layers import Linear, fuse_linears, split_fused
@@ -33,7 +34,7 @@ def test_fused_model_gives_the_same_logits(shards, quantization):
 def test_interleaved_columns_split_back():
     """absorb with 2 shards lays [a_0 b_0 | a_1 b_1]; split_fused reads a and b back."""
     cfg = registry.tiny_random_config()
-    rngs = __import__("flax").nnx.Rngs(0)
+    rngs = nnx.Rngs(0)
     a, b = Linear(8, 6, bias=True, cfg=cfg, rngs=rngs), Linear(8, 4, bias=True, cfg=cfg, rngs=rngs)
     x = jax.random.normal(jax.random.PRNGKey(1), (5, 8))
     want = [np.asarray(a(x)), np.asarray(b(x))]
