@@ -1,0 +1,216 @@
+"""The gated delta rule (Gated DeltaNet: Qwen3.5 / Qwen3-Next linear attention), in jnp.
+
+Per value head, with state S f32[Dk, Dv], key k and query q (L2-normalized, q scaled by
+Dk ** -0.5), value v, log-decay g <= 0 and write strength beta in (0, 1), one token does
+
+    S <- exp(g) * S;   S <- S + k (beta * (v - S^T k))^T;   o = S^T q.
+
+Three forms over the same math:
+* `gated_delta_step`: one token for a batch of states (decode);
+* `gated_delta_chunked`: one sequence in chunks of `chunk_size` tokens (the WY / UT-transform
+  form: per chunk a unit-lower-triangular solve and matmuls instead of a rank-1 update per token,
+  then one state carry per chunk);
+* `gated_delta_packed`: the ragged step layout (many requests' tokens packed, `cu_q_lens`):
+  rows with one token take the batched step, longer rows run the chunked form over their own
+  tokens (a loop over rows and chunks whose trip counts are the real ones, so a short step does
+  not pay for the token bucket's padding). Each row starts from its own initial state and hands
+  back its final state; the caller reads / writes those from / to the state pages.
+`gated_delta_reference` is the sequential token-by-token form (the oracle of the tests, beside a
+float64 numpy twin in the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+__all__ = [
+    "GatedDeltaConfig",
+    "gated_delta_chunked",
+    "gated_delta_packed",
+    "gated_delta_reference",
+    "gated_delta_step",
+    "l2norm",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaConfig:
+    """Tuning: tokens per chunk of the chunked form (64 as in flash-linear-attention)."""
+
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis (flash-linear-attention's / HF's form)."""
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _check(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, lead: int) -> None:
+    """q, k f[*L, H, Dk]; v f[*L, H, Dv]; g, beta f[*L, H] with `lead` leading axes L."""
+    if q.ndim != lead + 2 or q.shape != k.shape:
+        raise ValueError(f"{q.shape=} {k.shape=}: q and k must both be [{lead} lead axes, H, Dk]")
+    if v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f"{v.shape=} must be {q.shape[:-1]} + (Dv,)")
+    if g.shape != q.shape[:-1] or beta.shape != q.shape[:-1]:
+        raise ValueError(f"{g.shape=} {beta.shape=} must both be {q.shape[:-1]}")
+
+
+def gated_delta_step(
+    state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One token per state: state f32[..., H, Dk, Dv], q k f[..., H, Dk], v f[..., H, Dv],
+    g beta f[..., H] -> (new state, o f32[..., H, Dv])."""
+    state = state * jnp.exp(g)[..., None, None]
+    kv_mem = jnp.einsum("...kv,...k->...v", state, k)
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return state, jnp.einsum("...kv,...k->...v", state, q)
+
+
+def _chunk(
+    state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One chunk of C tokens from `state` f32[H, Dk, Dv]: q k f32[C, H, Dk], v f32[C, H, Dv],
+    g beta f32[C, H] -> (o f32[C, H, Dv], state after the chunk). Tokens with k = v = 0,
+    beta = 0, g = 0 (padding) change nothing."""
+    q, k, v = (x.transpose(1, 0, 2) for x in (q, k, v))  # [H, C, D]
+    g, beta = g.T, beta.T  # [H, C]
+    c = q.shape[1]
+    cum = jnp.cumsum(g, axis=-1)  # log of the decay from the chunk start through token i
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i; the masked exponent keeps exp() finite
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[:, :, None] - cum[:, None, :], 0.0)), 0.0)
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    system = jnp.where(strict, (kb @ k.transpose(0, 2, 1)) * decay, 0.0)  # unit lower-triangular
+    eye = jnp.eye(c, dtype=system.dtype)
+    u = solve_triangular(system + eye, vb, lower=True, unit_diagonal=True)
+    w = solve_triangular(system + eye, kb * jnp.exp(cum)[..., None], lower=True, unit_diagonal=True)
+    v_new = u - w @ state  # the part of each write the carried state does not already predict
+    intra = (q @ k.transpose(0, 2, 1)) * decay
+    out = (q * jnp.exp(cum)[..., None]) @ state + intra @ v_new
+    last = cum[:, -1]
+    k_tail = k * jnp.exp(last[:, None] - cum)[..., None]
+    state = state * jnp.exp(last)[:, None, None] + k_tail.transpose(0, 2, 1) @ v_new
+    return out.transpose(1, 0, 2), state
+
+
+def gated_delta_chunked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+    config: GatedDeltaConfig = GatedDeltaConfig(),
+) -> tuple[jax.Array, jax.Array]:
+    """One sequence: q k f[S, H, Dk], v f[S, H, Dv], g beta f[S, H], initial_state
+    f32[H, Dk, Dv] (None = zeros) -> (o f32[S, H, Dv], final state f32[H, Dk, Dv])."""
+    _check(q, k, v, g, beta, 1)
+    s, h, dk = q.shape
+    dv = v.shape[-1]
+    c = config.chunk_size
+    pad = -s % c
+    f32 = lambda x: jnp.pad(x.astype(jnp.float32), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    q, k, v, g, beta = (f32(x) for x in (q, k, v, g, beta))
+    n = (s + pad) // c
+    chunks = tuple(x.reshape(n, c, *x.shape[1:]) for x in (q, k, v, g, beta))
+    state = jnp.zeros((h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+    def body(state, xs):
+        out, state = _chunk(state, *xs)
+        return state, out
+
+    state, out = lax.scan(body, state, chunks)
+    return out.reshape(n * c, h, dv)[:s], state
+
+
+def gated_delta_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`gated_delta_chunked`'s contract, computed token by token (`gated_delta_step`)."""
+    _check(q, k, v, g, beta, 1)
+    h, dk, dv = q.shape[1], q.shape[2], v.shape[-1]
+    state = jnp.zeros((h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    xs = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    state, out = lax.scan(lambda st, x: gated_delta_step(st, *x), state, xs)
+    return out, state
+
+
+def gated_delta_packed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_states: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    config: GatedDeltaConfig = GatedDeltaConfig(),
+) -> tuple[jax.Array, jax.Array]:
+    """Ragged step: q k f[T, H, Dk], v f[T, H, Dv], g beta f[T, H] (row r's tokens are
+    [cu_q_lens[r], cu_q_lens[r+1])), initial_states f32[R, H, Dk, Dv], cu_q_lens i32[R+1],
+    num_seqs i32[1] -> (o f32[T, H, Dv] (0 on padding), final states f32[R, H, Dk, Dv]: a row
+    without tokens keeps its initial state)."""
+    _check(q, k, v, g, beta, 1)
+    t, h, dk = q.shape
+    dv = v.shape[-1]
+    r = initial_states.shape[0]
+    if initial_states.shape != (r, h, dk, dv):
+        raise ValueError(f"{initial_states.shape=} must be [R, {h}, {dk}, {dv}]")
+    if cu_q_lens.shape != (r + 1,) or num_seqs.shape != (1,):
+        raise ValueError(f"{cu_q_lens.shape=} must be ({r + 1},), {num_seqs.shape=} must be (1,)")
+    c = config.chunk_size
+    xs = [x.astype(jnp.float32) for x in (q, k, v, g, beta)]
+    starts = cu_q_lens[:-1]
+    lens = jnp.where(jnp.arange(r) < num_seqs[0], cu_q_lens[1:] - starts, 0)
+    states = initial_states.astype(jnp.float32)
+
+    # Rows of one token: one batched step (a decode step is only this).
+    one = lens == 1
+    at = jnp.clip(starts, 0, t - 1)
+    stepped, o1 = gated_delta_step(states, *(x[at] for x in xs))
+    states = jnp.where(one[:, None, None, None], stepped, states)
+    out = jnp.zeros((t, h, dv), jnp.float32).at[jnp.where(one, starts, t)].set(o1, mode="drop")
+
+    # Longer rows: the chunked form over each row's own tokens. The packed inputs get a chunk of
+    # zero padding so a chunk's fixed-size slice never runs off the end (dynamic_slice would
+    # clamp, i.e. shift, it).
+    padded = [jnp.pad(x, [(0, c)] + [(0, 0)] * (x.ndim - 1)) for x in xs]
+    out = jnp.pad(out, ((0, c), (0, 0), (0, 0)))
+
+    def chunk_body(row, carry):
+        j, state, out = carry
+        begin = starts[row] + j * c
+        live = jnp.arange(c) < lens[row] - j * c  # tokens of this row in this chunk
+        pieces = [lax.dynamic_slice_in_dim(x, begin, c) for x in padded]
+        pieces = [jnp.where(live.reshape((c,) + (1,) * (x.ndim - 1)), x, 0.0) for x in pieces]
+        o, state = _chunk(state, *pieces)
+        old = lax.dynamic_slice_in_dim(out, begin, c)
+        out = lax.dynamic_update_slice_in_dim(out, jnp.where(live[:, None, None], o, old), begin, 0)
+        return j + 1, state, out
+
+    def row_body(row, carry):
+        states, out = carry
+        n_chunks = jnp.where(lens[row] > 1, -(-lens[row] // c), 0)
+        _, state, out = lax.while_loop(
+            lambda cy: cy[0] < n_chunks, lambda cy: chunk_body(row, cy), (jnp.int32(0), states[row], out)
+        )
+        return states.at[row].set(state), out
+
+    states, out = lax.fori_loop(0, num_seqs[0], row_body, (states, out))
+    return out[:t], states
