@@ -124,7 +124,9 @@ def gated_delta_chunked(
     q, k, v, g, beta = (f32(x) for x in (q, k, v, g, beta))
     n = (s + pad) // c
     chunks = tuple(x.reshape(n, c, *x.shape[1:]) for x in (q, k, v, g, beta))
-    state = jnp.zeros((h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    state = (
+        jnp.zeros((h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    )
 
     def body(state, xs):
         out, state = _chunk(state, *xs)
@@ -145,7 +147,9 @@ def gated_delta_reference(
     """`gated_delta_chunked`'s contract, computed token by token (`gated_delta_step`)."""
     _check(q, k, v, g, beta, 1)
     h, dk, dv = q.shape[1], q.shape[2], v.shape[-1]
-    state = jnp.zeros((h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    state = (
+        jnp.zeros((h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    )
     xs = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
     state, out = lax.scan(lambda st, x: gated_delta_step(st, *x), state, xs)
     return out, state

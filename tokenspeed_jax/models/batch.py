@@ -19,6 +19,11 @@ class PagedBatch:
       (`mirror[g][req_slots, :C_g]`; C_g = the step's kv columns, see `make_paged_batch`).
     write_idx[g] i32[T]: flat pool index `page * B_g + pos % B_g` of each token, or the
       out-of-range `num_pages * B_g` (dropped) for padding and holes.
+    state_read[g] i32[R]: the page holding the recurrent state a state group's row starts this
+      step from (the page of its last cached token), or 0 when the row starts from zeros
+      (nothing cached) or is padding.
+    state_write[g] i32[R]: the page taking the row's state after this step (the page of its
+      last token), or `num_pages` (dropped) for padding / a row without tokens / a hole.
     layer_groups (static): cache-group index of each layer.
     """
 
@@ -28,6 +33,8 @@ class PagedBatch:
     num_seqs: jax.Array
     page_tables: tuple[jax.Array, ...]
     write_idx: tuple[jax.Array, ...]
+    state_read: tuple[jax.Array, ...]
+    state_write: tuple[jax.Array, ...]
     layer_groups: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
 
@@ -58,7 +65,10 @@ def make_paged_batch(
     token_valid = (token_rows >= 0) & (token_rows < r)
     row = jnp.clip(token_rows, 0, r - 1)
     slot_ok = req_slots >= 0
-    tables, write_idx = [], []
+    tables, write_idx, state_read, state_write = [], [], [], []
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    starts = kv_lens - q_lens  # tokens cached before this step
+    live = slot_ok & (q_lens > 0)
     for g, mirror in enumerate(mirrors):
         num_slots, width = mirror.shape
         b = page_sizes[g]
@@ -69,6 +79,12 @@ def make_paged_batch(
         page = mirror[slots[row], jnp.minimum(col, width - 1)]
         ok = token_valid & slot_ok[row] & (col < width) & (page != 0)
         write_idx.append(jnp.where(ok, page * b + positions % b, num_pages * b))
+        # state groups: one snapshot per page, that of the page's last token
+        read = mirror[slots, jnp.clip((starts - 1) // b, 0, width - 1)]
+        state_read.append(jnp.where(live & (starts > 0), read, 0))
+        wcol = (kv_lens - 1) // b
+        wpage = mirror[slots, jnp.clip(wcol, 0, width - 1)]
+        state_write.append(jnp.where(live & (wcol < width) & (wpage != 0), wpage, num_pages))
     return PagedBatch(
         positions=positions,
         kv_lens=jnp.where(slot_ok, kv_lens, 0),
@@ -76,5 +92,7 @@ def make_paged_batch(
         num_seqs=jnp.sum(slot_ok, dtype=jnp.int32)[None],
         page_tables=tuple(tables),
         write_idx=tuple(write_idx),
+        state_read=tuple(state_read),
+        state_write=tuple(state_write),
         layer_groups=layer_groups,
     )

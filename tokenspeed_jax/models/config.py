@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "conv")
+LAYER_TYPES = ("full_attention", "sliding_attention", "conv", "linear_attention")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -21,7 +21,8 @@ class ModelConfig:
 
     layer_types[i] is "full_attention", "sliding_attention" (window `sliding_window` tokens:
     a query at position n reads [n - W + 1, n]) or "conv" (LFM2 short causal depthwise conv of
-    kernel `conv_L_cache`).
+    kernel `conv_L_cache`) or "linear_attention" (Gated DeltaNet, models/gated_delta.py: a
+    recurrent state per request, kept in the state cache group).
     """
 
     vocab_size: int
@@ -51,6 +52,14 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of sliding layers (None = rope_theta)
     rope_local_scaling: Any = dataclasses.field(default=None, compare=False, hash=False)
     mlp_bias: bool = False
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * f dims only (Qwen3.5: 0.25)
+    attn_output_gate: bool = False  # Qwen3.5: q_proj also gives a per-head gate, o *= sigmoid(gate)
+    # Gated DeltaNet ("linear_attention" layers, HF Qwen3.5 names)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
     num_local_experts: int = 0  # MoE (GPT-OSS, models/moe.py); 0 = dense SwiGLU MLP
     num_experts_per_tok: int = 0
     swiglu_alpha: float = 1.702  # MoE experts: gate * sigmoid(alpha * gate)
@@ -72,6 +81,27 @@ class ModelConfig:
             raise ValueError("sliding_attention layers need a positive sliding_window")
         if "conv" in self.layer_types and self.conv_L_cache < 1:
             raise ValueError(f"conv_L_cache must be >= 1, got {self.conv_L_cache}")
+        if "linear_attention" in self.layer_types:
+            dims = dict(
+                linear_num_key_heads=self.linear_num_key_heads,
+                linear_num_value_heads=self.linear_num_value_heads,
+                linear_key_head_dim=self.linear_key_head_dim,
+                linear_value_head_dim=self.linear_value_head_dim,
+                linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+            )
+            bad = {k: v for k, v in dims.items() if not v > 0}
+            if bad:
+                raise ValueError(f"linear_attention layers need positive {bad}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(
+                    f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                    f"linear_num_key_heads {self.linear_num_key_heads}"
+                )
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and give an "
+                f"even number of rotary dims of head_dim {self.head_dim}"
+            )
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported: {HIDDEN_ACTS})")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -87,6 +117,18 @@ class ModelConfig:
     @property
     def scale(self) -> float:
         return self.sm_scale if self.sm_scale is not None else self.head_dim**-0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's short conv: q, k (key heads) and v (value heads)."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim
+        )
 
     def rope_of(self, layer: int) -> tuple[float, Any]:
         """(theta, scaling) of layer `layer`'s RoPE: sliding layers use the local base if set."""

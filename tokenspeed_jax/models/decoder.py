@@ -26,6 +26,7 @@ from tokenspeed_jax.models.block_quant import block_matmul, check_blocks
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.conv import ShortConv
 from tokenspeed_jax.models.dense_attention import dense_attention
+from tokenspeed_jax.models.gated_delta import GatedDeltaNet
 from tokenspeed_jax.models.layers import (
     MLP,
     Linear,
@@ -48,7 +49,9 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         h, hq, hkv, d = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         # None once fused into qkv_proj (`fuse_projections`)
-        self.q_proj: Linear | None = Linear(h, hq * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
+        self.output_gate = cfg.attn_output_gate  # q_proj gives [q_h | gate_h] per head
+        q_out = hq * d * (2 if self.output_gate else 1)
+        self.q_proj: Linear | None = Linear(h, q_out, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
         self.k_proj: Linear | None = Linear(h, hkv * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
         self.v_proj: Linear | None = Linear(h, hkv * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
         self.o_proj = Linear(hq * d, h, bias=cfg.o_proj_bias, cfg=cfg, rngs=rngs)
@@ -79,20 +82,33 @@ class Attention(nnx.Module):
         return True
 
     def _qkv(self, x: jax.Array, positions: jax.Array):
+        """x f[T, H] -> (q f[T, Hq, D], k, v f[T, Hkv, D], output gate f[T, Hq * D] or None)."""
         t = x.shape[0]
         dq, dkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        dq *= 2 if self.output_gate else 1
         if self.qkv_proj is not None:
             q, k, v = split_fused(self.qkv_proj(x), (dq, dkv, dkv), self.fused_shards)
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.output_gate:  # per head: [q (D) | gate (D)]
+            qg = q.reshape(t, self.num_heads, 2, self.head_dim)
+            q, gate = qg[:, :, 0], qg[:, :, 1].reshape(t, -1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = self.inv_freq[...]
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v, gate
+
+    def _out(self, out: jax.Array, gate: jax.Array | None) -> jax.Array:
+        """Attention output f[T, Hq, D] -> f[T, H] (times sigmoid(gate) first, if gated)."""
+        out = out.reshape(out.shape[0], -1)
+        if gate is not None:
+            out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
+        return self.o_proj(out)
 
     def _kwargs(self) -> dict:
         return dict(
@@ -103,16 +119,15 @@ class Attention(nnx.Module):
         )
 
     def dense(self, x: jax.Array) -> jax.Array:
-        q, k, v = self._qkv(x, jnp.arange(x.shape[0], dtype=jnp.int32))
-        out = dense_attention(q, k, v, **self._kwargs())
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        q, k, v, gate = self._qkv(x, jnp.arange(x.shape[0], dtype=jnp.int32))
+        return self._out(dense_attention(q, k, v, **self._kwargs()), gate)
 
     def paged(
         self, x: jax.Array, cache: dict, batch: PagedBatch, group: int, attn_fn: AttnFn
     ) -> tuple[jax.Array, dict]:
         """x f[T, H]; cache {"k", "v": f[P, B_g, Hkv, D]} (a quantized cache adds "k_scale",
         "v_scale": f16[P, B_g, Hkv], `kv_quant`) -> (f[T, H], new cache)."""
-        q, k, v = self._qkv(x, batch.positions)
+        q, k, v, gate = self._qkv(x, batch.positions)
         idx = batch.write_idx[group]
         quantized = "k_scale" in cache
         new = {}
@@ -139,7 +154,7 @@ class Attention(nnx.Module):
             **self._kwargs(),
             **scales,
         )
-        return self.o_proj(out.reshape(x.shape[0], -1)), new
+        return self._out(out, gate), new
 
 
 def make_mlp(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -164,6 +179,8 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = norm()
         if self.layer_type == "conv":
             self.conv = ShortConv(cfg, rngs=rngs)
+        elif self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, rngs=rngs)
         else:
             self.self_attn = Attention(cfg, layer, rngs=rngs)
         self.post_attention_layernorm = norm()
@@ -182,13 +199,15 @@ class DecoderLayer(nnx.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
     def dense(self, x: jax.Array) -> jax.Array:
-        mixer = self.conv if self.layer_type == "conv" else self.self_attn
-        return self._residuals(x, mixer.dense(self.input_layernorm(x)))
+        mixer = {"conv": "conv", "linear_attention": "linear_attn"}.get(self.layer_type, "self_attn")
+        return self._residuals(x, getattr(self, mixer).dense(self.input_layernorm(x)))
 
     def paged(self, x, cache, batch: PagedBatch, group: int, attn_fn: AttnFn, conv_fn=None):
         y = self.input_layernorm(x)
         if self.layer_type == "conv":
             y, cache = self.conv.paged(y, cache, batch, group, conv_fn)
+        elif self.layer_type == "linear_attention":
+            y, cache = self.linear_attn.paged(y, cache, batch, group)
         else:
             y, cache = self.self_attn.paged(y, cache, batch, group, attn_fn)
         return self._residuals(x, y), cache

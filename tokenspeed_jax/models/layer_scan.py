@@ -75,7 +75,17 @@ def _layer_batch(
     w = writes[group]
     per_layer = num_pages * page_size
     writes[group] = jnp.where(w < per_layer, w + i * per_layer, n * per_layer)
-    return dataclasses.replace(batch, page_tables=tuple(tables), write_idx=tuple(writes))
+    reads, states = list(batch.state_read), list(batch.state_write)
+    reads[group] = reads[group] + i * num_pages
+    s = states[group]
+    states[group] = jnp.where(s < num_pages, s + i * num_pages, n * num_pages)
+    return dataclasses.replace(
+        batch,
+        page_tables=tuple(tables),
+        write_idx=tuple(writes),
+        state_read=tuple(reads),
+        state_write=tuple(states),
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -197,18 +197,22 @@ def rope_inv_freq(cfg: ModelConfig, layer: int = 0) -> jax.Array:
     """f32[head_dim // 2] inverse frequencies of layer `layer` (its theta and scaling, see
     `ModelConfig.rope_of`; models/rope.py)."""
     theta, scaling = cfg.rope_of(layer)
-    inv_freq, _ = rope_parameters(cfg.head_dim, theta, scaling, cfg.max_position_embeddings)
+    inv_freq, _ = rope_parameters(cfg.rotary_dim, theta, scaling, cfg.max_position_embeddings)
     return jnp.asarray(inv_freq)
 
 
 def rope_attention_factor(cfg: ModelConfig, layer: int = 0) -> float:
     """Factor the RoPE variant multiplies cos/sin by (YaRN mscale; 1.0 for most variants)."""
     theta, scaling = cfg.rope_of(layer)
-    return rope_parameters(cfg.head_dim, theta, scaling, cfg.max_position_embeddings)[1]
+    return rope_parameters(cfg.rotary_dim, theta, scaling, cfg.max_position_embeddings)[1]
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (Llama/Qwen/Mistral/LFM2/GPT-OSS layout). x f[T, H, D]; positions i32[T]."""
+    """Rotate-half RoPE (Llama/Qwen/Mistral/LFM2/GPT-OSS layout). x f[T, H, D]; positions i32[T].
+    inv_freq f32[D_r / 2]: a partial rotary (D_r < D) turns the first D_r dims, the rest pass."""
+    rot = 2 * inv_freq.shape[0]
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq), x[..., rot:]], axis=-1)
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos = jnp.cos(freqs)[:, None, :]
     sin = jnp.sin(freqs)[:, None, :]

