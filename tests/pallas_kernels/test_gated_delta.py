@@ -73,7 +73,7 @@ def test_packed_rows_match_each_alone(chunk):
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     jitted = jax.jit(gated_delta_packed, static_argnames="config")
     o, s = jitted(*xs, init, jnp.asarray(cu), jnp.asarray([4], jnp.int32), config=GatedDeltaConfig(chunk))
-    for row, n in enumerate(lens):
+    for row in range(len(lens)):
         a, b = cu[row], cu[row + 1]
         want_o, want_s = oracle(*(x[a:b] for x in xs), init[row])
         np.testing.assert_allclose(s[row], want_s, atol=TOL, rtol=TOL)

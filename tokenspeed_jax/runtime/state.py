@@ -77,7 +77,8 @@ def pool_dtypes(
     store = pool_bits.storage_dtype if bits_pools else jnp.dtype
     base = store(config.dtype)
     # recurrent state (models/gated_delta.py) stays float32: it accumulates over the whole context
-    out = {"conv": base, "k": base, "v": base, "ssm": jnp.dtype(jnp.float32), "conv_state": jnp.dtype(jnp.float32)}
+    f32 = jnp.dtype(jnp.float32)
+    out = {"conv": base, "k": base, "v": base, "ssm": f32, "conv_state": f32}
     q = kv_quant.quantized_dtype(kv_cache_dtype)
     if q is not None:
         scale = store(kv_quant.SCALE_DTYPE)

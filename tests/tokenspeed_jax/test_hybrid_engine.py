@@ -1,0 +1,68 @@
+"""The built-in Gated DeltaNet hybrid ("tiny-hybrid") through the whole engine against its own
+dense forward: page size 4, 16-token chunked prefill (chunks that do not divide the prompts),
+prefix-cached recurrent state, and a pool small enough to force retraction."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tokenspeed_jax import LLM, SamplingParams
+from tokenspeed_jax.models.registry import load_builtin
+
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def dense():
+    _, net = load_builtin("tiny-hybrid")
+    return net
+
+
+def _greedy(net, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(net.dense(jnp.asarray(ids, jnp.int32))[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+def _llm(num_pages: int) -> LLM:
+    return LLM("tiny-hybrid", page_size=4, num_pages=num_pages, max_batch_requests=4, max_scheduled_tokens=16,
+               max_context_len=96, attention_backend="reference", debug_checks=True)  # fmt: skip
+
+
+def test_prompt_logprobs_match_dense(dense):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 250, n).tolist() for n in (37, 5, 21)]
+    outs = _llm(200).generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=True))
+    for p, o in zip(prompts, outs, strict=True):
+        lp = np.asarray(jax.nn.log_softmax(dense.dense(jnp.asarray(p, jnp.int32)), -1))
+        want = lp[np.arange(len(p) - 1), p[1:]]
+        assert np.abs(np.asarray(o.prompt_logprobs[1:]) - want).max() < 2e-3
+
+
+@pytest.mark.parametrize("num_pages", [200, 24])
+def test_prefix_hits_and_retraction_keep_greedy_tokens(dense, num_pages):
+    """A shared 24-token prefix: the second batch starts from cached state snapshots (fewer
+    tokens computed), every continuation equals the dense greedy one; 24 pages retract."""
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(3, 250, 24).tolist()
+    prompts = [prefix + rng.integers(3, 250, n).tolist() for n in (3, 6, 9, 13)]
+    want = [_greedy(dense, p, NEW) for p in prompts]
+    llm = _llm(num_pages)
+    sp = SamplingParams(max_tokens=NEW, logprobs=True, ignore_eos=True)
+    first = llm.generate(prompts, sp)
+    hits = llm.stats()["prefix_hit_tokens"]
+    again = llm.generate(prompts, sp)
+    stats = llm.stats()
+    assert [o.token_ids for o in first] == want
+    assert [o.token_ids for o in again] == want
+    np.testing.assert_allclose([o.logprobs for o in again], [o.logprobs for o in first], atol=1e-4)
+    # roomy pool: every prompt resumes at its last cached page boundary (>= 20 of 27+ tokens)
+    least = 4 * 20 if num_pages == 200 else 1
+    assert stats["prefix_hit_tokens"] - hits >= least, "the second batch should resume from the prefix"
+    if num_pages == 24:
+        assert stats["num_retractions"] > 0
+    assert stats["free_pages"] == stats["total_pages"]
