@@ -12,7 +12,7 @@ import pytest
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.models.registry import load_builtin
 
-NEW = 10
+NEW = 12
 
 
 @pytest.fixture(scope="module")
