@@ -150,13 +150,13 @@ class GatedDeltaNet(nnx.Module):
         core, ssm1 = gated_delta_packed(q, kk, v, g, beta, ssm0, cu, batch.num_seqs, self.config)
 
         # the new tail: the row's last K-1 conv inputs, from this chunk or its old tail
-        tail1 = []
+        entries = []
         for m in range(k - 1):
             jj = q_lens - (k - 1) + m  # index in the chunk of tail entry m
             from_chunk = mixed[jnp.clip(cu[:-1] + jj, 0, t - 1)]
             from_old = tail0[jnp.arange(r), jnp.clip(q_lens + m, 0, k - 2)]
-            tail1.append(jnp.where((jj >= 0)[:, None], from_chunk, from_old))
-        tail1 = jnp.stack(tail1, axis=1) if k > 1 else tail0
+            entries.append(jnp.where((jj >= 0)[:, None], from_chunk, from_old))
+        tail1 = jnp.stack(entries, axis=1) if k > 1 else tail0
 
         write = batch.state_write[group]
         new = {
