@@ -64,6 +64,11 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Arr
         raise ValueError(f"{g.shape=} {beta.shape=} must both be {q.shape[:-1]}")
 
 
+def _initial_state(state: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
+    """The float32 starting state of one sequence: `state`, or zeros of `shape` when None."""
+    return jnp.zeros(shape, jnp.float32) if state is None else state.astype(jnp.float32)
+
+
 def gated_delta_step(
     state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -124,9 +129,7 @@ def gated_delta_chunked(
     q, k, v, g, beta = (f32(x) for x in (q, k, v, g, beta))
     n = (s + pad) // c
     chunks = tuple(x.reshape(n, c, *x.shape[1:]) for x in (q, k, v, g, beta))
-    state = (
-        jnp.zeros((h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    )
+    state = _initial_state(initial_state, (h, dk, dv))
 
     def body(state, xs):
         out, state = _chunk(state, *xs)
@@ -147,9 +150,7 @@ def gated_delta_reference(
     """`gated_delta_chunked`'s contract, computed token by token (`gated_delta_step`)."""
     _check(q, k, v, g, beta, 1)
     h, dk, dv = q.shape[1], q.shape[2], v.shape[-1]
-    state = (
-        jnp.zeros((h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    )
+    state = _initial_state(initial_state, (h, dk, dv))
     xs = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
     state, out = lax.scan(lambda st, x: gated_delta_step(st, *x), state, xs)
     return out, state
