@@ -125,13 +125,16 @@ def gated_delta_chunked(
     dv = v.shape[-1]
     c = config.chunk_size
     pad = -s % c
-    f32 = lambda x: jnp.pad(x.astype(jnp.float32), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+
+    def f32(x: jax.Array) -> jax.Array:
+        return jnp.pad(x.astype(jnp.float32), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+
     q, k, v, g, beta = (f32(x) for x in (q, k, v, g, beta))
     n = (s + pad) // c
     chunks = tuple(x.reshape(n, c, *x.shape[1:]) for x in (q, k, v, g, beta))
     state = _initial_state(initial_state, (h, dk, dv))
 
-    def body(state, xs):
+    def body(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         out, state = _chunk(state, *xs)
         return state, out
 
@@ -198,7 +201,9 @@ def gated_delta_packed(
     padded = [jnp.pad(x, [(0, c)] + [(0, 0)] * (x.ndim - 1)) for x in xs]
     out = jnp.pad(out, ((0, c), (0, 0), (0, 0)))
 
-    def chunk_body(row, carry):
+    Carry = tuple[jax.Array, jax.Array, jax.Array]
+
+    def chunk_body(row: jax.Array, carry: Carry) -> Carry:
         j, state, out = carry
         begin = starts[row] + j * c
         live = jnp.arange(c) < lens[row] - j * c  # tokens of this row in this chunk
@@ -209,7 +214,7 @@ def gated_delta_packed(
         out = lax.dynamic_update_slice_in_dim(out, jnp.where(live[:, None, None], o, old), begin, 0)
         return j + 1, state, out
 
-    def row_body(row, carry):
+    def row_body(row: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         states, out = carry
         n_chunks = jnp.where(lens[row] > 1, -(-lens[row] // c), 0)
         _, state, out = lax.while_loop(
