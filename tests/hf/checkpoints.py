@@ -1,4 +1,4 @@
-"""Random tiny Hugging Face checkpoints of the seven supported families, written by transformers.
+"""Random tiny Hugging Face checkpoints of the eight supported families, written by transformers.
 
 Every checkpoint: hidden 64, 2-6 layers, vocab 384, sliding windows of 10-12 tokens, weights
 drawn with a larger-than-default std so the logits are peaked, and every 1-D parameter (norm
@@ -65,6 +65,14 @@ def family_configs():
             num_hidden_layers=6, sliding_window=11, query_pre_attn_scalar=32,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+        # Gated DeltaNet hybrid: 3 linear-attention layers around one gated full-attention layer,
+        # 2 key heads shared by 4 value heads, partial RoPE on a quarter of head_dim.
+        "qwen3_5": tr.Qwen3_5TextConfig(**_common(
+            num_hidden_layers=4, attention_bias=True,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
     }  # fmt: skip
 
 

@@ -12,13 +12,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.hf.conftest import FAMILIES  # noqa: E402
+from tests.hf.conftest import FAMILIES, NUM_PAGES  # noqa: E402
 from tokenspeed_jax import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.hf
-
-# the pools of test_hf_parity.py (tight enough to retract)
-NUM_PAGES = {"llama": 22, "qwen3": 30, "mistral": 14, "lfm2": 24, "gpt_oss": 30, "gemma2": 30, "gemma3": 30}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

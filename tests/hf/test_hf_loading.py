@@ -31,6 +31,11 @@ def _hf_logprobs(model, ids) -> np.ndarray:
     return torch.log_softmax(logits, -1).numpy()
 
 
+# qwen3_5: transformers' own float32 forward is 2.7e-4 from its float64 one on this checkpoint
+# (measured; ours is 2.4e-4 from float64), so a 1e-4 bound would test rounding, not the mapping.
+DENSE_TOL = {"qwen3_5": 5e-4}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dense_forward_matches_transformers(hf_checkpoints, family):
     path, ref = hf_checkpoints[family]
@@ -38,7 +43,7 @@ def test_dense_forward_matches_transformers(hf_checkpoints, family):
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 48)  # longer than every window
     want = _hf_logprobs(ref, ids)
     got = np.asarray(jax.nn.log_softmax(jax.jit(model.dense)(jnp.asarray(ids, jnp.int32)), -1))
-    assert np.abs(got - want).max() < 1e-4
+    assert np.abs(got - want).max() < DENSE_TOL.get(family, 1e-4)
     assert np.exp(want).max(-1).mean() > 0.1, "logits too flat to make the parity meaningful"
 
 
@@ -74,6 +79,46 @@ def test_config_mapping_and_cache_groups(hf_checkpoints):
     assert oss.attention_sinks and oss.attention_bias and oss.o_proj_bias
     assert (oss.num_local_experts, oss.num_experts_per_tok, oss.swiglu_limit) == (4, 2, 1.5)
     assert oss.rope_scaling["rope_type"] == "yarn"
+
+
+def test_qwen3_5_config_and_multimodal_checkpoint(hf_checkpoints, tmp_path):
+    """Qwen3.5's switches, and its published layout: `Qwen3_5ForConditionalGeneration` with the
+    language model under `text_config` / `model.language_model.`, a vision tower and an MTP head
+    (skipped), loads to the same model as the text-only checkpoint."""
+    from safetensors.numpy import load_file, save_file
+
+    src, ref = hf_checkpoints["qwen3_5"]
+    cfg = load_config(src)
+    assert cfg.layer_types == ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+    assert (cfg.partial_rotary_factor, cfg.rotary_dim, cfg.rope_scaling) == (0.25, 4, None)
+    assert cfg.attn_output_gate and cfg.qk_norm and cfg.norm_weight_offset == 1.0
+    assert cfg.attention_bias and cfg.o_proj_bias
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_conv_dim) == (2, 4, 64)
+    layout = cache_layout(SchedulerConfig(num_pages=64, page_size=4), cfg)
+    kinds = [layout.scheduler_config.groups[g].family for g in layout.layer_groups]
+    assert kinds == ["state", "history", "state", "state"]
+    dst = tmp_path / "wrapped"
+    shutil.copytree(src, dst)
+    text = json.loads((dst / "config.json").read_text())
+    wrapper = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "tie_word_embeddings": False, "text_config": {**text, "model_type": "qwen3_5_text"},
+               "vision_config": {"depth": 1}}  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(wrapper))
+    tensors = {
+        (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+        for k, v in load_file(str(dst / "model.safetensors")).items()
+    }
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((3, 3), np.float32)
+    tensors["mtp.fc.weight"] = np.zeros((3, 3), np.float32)
+    save_file(tensors, str(dst / "model.safetensors"))
+    assert load_config(str(dst)) == cfg
+    _, model, _ = load_checkpoint(str(dst))
+    conv = ref.model.layers[0].linear_attn.conv1d.weight.detach().numpy()  # [C, 1, K]
+    np.testing.assert_array_equal(np.asarray(model.layers[0].linear_attn.conv_weight[...]), conv[:, 0].T)
+    ids = jnp.arange(40, dtype=jnp.int32) % 384
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(model.dense)(ids)), np.asarray(jax.jit(load_checkpoint(src)[1].dense)(ids))
+    )
 
 
 def test_sharded_tied_and_bf16_loading(hf_checkpoints, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests.hf.conftest import FAMILIES  # noqa: E402
+from tests.hf.conftest import FAMILIES, NUM_PAGES  # noqa: E402
 from tokenspeed_jax import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -27,10 +27,6 @@ TOL = 1e-3
 NEW_TOKENS = 16
 PREFIX = 24  # shared prefix: 6 full pages of 4 tokens (prefix-cacheable)
 SUFFIXES = (3, 6, 9, 13)
-# Pages shared by all cache groups: enough for any one request, too few for the whole batch of
-# ~50-token requests at once, so the scheduler must retract (checked below). Sliding-only Mistral
-# reclaims slid-out pages, hence needs a much smaller pool to run out.
-NUM_PAGES = {"llama": 22, "qwen3": 30, "mistral": 14, "lfm2": 24, "gpt_oss": 30, "gemma2": 30, "gemma3": 30}
 MAX_DELTA: dict[str, float] = {}  # family -> max |dlogprob| seen (printed by the last test)
 
 

@@ -12,6 +12,8 @@ transformers configuration classes (defaults included, since a config.json may o
   `block_ff_dim` / `intermediate_size` with the `block_auto_adjust_ff_dim` rule.
 * GPT-OSS: alternating sliding/full (`layer_types`), attention sinks, q/k/v/o biases, MoE with
   clamped SwiGLU, YaRN RoPE (its default when the config has none).
+* Qwen3.5 (text, and the text part of the multimodal checkpoints): see `hf/qwen3_5.py` (Gated
+  DeltaNet layers, gated attention, partial RoPE).
 * Gemma 2 / Gemma 3 (text): see `hf/gemma.py` (soft-caps, sandwich norms, GeGLU, local RoPE).
 Sliding windows: transformers masks key j for query i unless `i - W < j <= i` (the query sees W
 tokens including itself, and its sliding caches keep W - 1 past tokens); our kernels read
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tokenspeed_jax.hf.qwen3_5 import ROPE_EXTRA_KEYS, qwen3_5_kwargs, qwen3_5_layer_types, text_config_of
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.rope import SUPPORTED_ROPE_TYPES, rope_type_of
 
@@ -34,6 +37,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text_config (hf/qwen3_5.py)
 }
 DTYPES = ("float32", "bfloat16", "float16")
 # transformers' per-family default rope_theta (used when config.json has none).
@@ -45,6 +50,7 @@ _DEFAULT_THETA = {
     "gpt_oss": 150000.0,
     "gemma2": 10000.0,
     "gemma3": 1e6,
+    "qwen3_5": 10000.0,
 }
 _GPT_OSS_DEFAULT_ROPE = {
     "rope_type": "yarn",
@@ -85,6 +91,9 @@ def _rope(hf: Mapping[str, Any], family: str) -> tuple[float, dict | None]:
     if not merged and family == "gpt_oss":
         merged = dict(_GPT_OSS_DEFAULT_ROPE)
     theta = merged.pop("rope_theta", None) or hf.get("rope_theta") or _DEFAULT_THETA[family]
+    if family == "qwen3_5":  # partial rotary factor -> ModelConfig; multimodal sections unused for text
+        for key in ROPE_EXTRA_KEYS:
+            merged.pop(key, None)
     kind = rope_type_of(merged)
     if kind not in SUPPORTED_ROPE_TYPES:
         supported = ", ".join(SUPPORTED_ROPE_TYPES)
@@ -127,6 +136,8 @@ def _layer_types(hf: Mapping[str, Any], family: str, n: int) -> tuple[tuple[str,
             "sliding_attention" if window and i >= hf.get("max_window_layers", 28) else "full_attention"
             for i in range(n)
         ]
+    elif family == "qwen3_5":
+        types = qwen3_5_layer_types(hf, n)
     elif family == "lfm2":
         attn = hf.get("full_attn_idxs")
         attn = range(n) if attn is None else attn
@@ -151,6 +162,7 @@ def model_config_from_hf(
 ) -> ModelConfig:
     """Builds our `ModelConfig` from a parsed config.json (and generation_config.json, whose
     `eos_token_id` wins over config.json's). Raises ValueError for anything unsupported."""
+    hf = text_config_of(hf)
     family = family_of(hf)
     if family in ("gemma2", "gemma3"):
         from tokenspeed_jax.hf.gemma import gemma_defaults
@@ -189,7 +201,7 @@ def model_config_from_hf(
         rope_theta=theta,
         rope_scaling=rope_scaling,
         attention_bias=bias and family != "mistral",
-        o_proj_bias=bias and family in ("llama", "qwen3", "gpt_oss"),
+        o_proj_bias=bias and family in ("llama", "qwen3", "gpt_oss", "qwen3_5"),
         mlp_bias=bool(hf.get("mlp_bias", False)) and family == "llama",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=hf.get("max_position_embeddings"),
@@ -200,6 +212,8 @@ def model_config_from_hf(
     )
     if family == "qwen3":
         kw["qk_norm"] = True
+    elif family == "qwen3_5":
+        kw.update(qwen3_5_kwargs(hf))
     elif family == "lfm2":
         kw.update(
             qk_norm=True,

@@ -6,7 +6,8 @@ else every `*.safetensors` in the directory. Names are translated in two steps:
 2. a generic rule: `model.` prefix dropped, `layers.<i>` indexed, a projection's `weight [out, in]`
    becomes our `kernel [in, out]` (transposed), norms keep `weight`, `embed_tokens.weight` is
    the `embed_tokens` table.
-Special layouts: LFM2 `conv.conv.weight [H, 1, K]` -> `conv_weight [K, H]`; GPT-OSS experts
+Special layouts: LFM2 `conv.conv.weight [H, 1, K]` and Qwen3.5 `linear_attn.conv1d.weight [C, 1, K]`
+-> `conv_weight [K, C]`; GPT-OSS experts
 `gate_up_proj [E, H, 2I]` (gate/up interleaved on the last axis) -> `gate_proj`/`up_proj [E, H, I]`,
 and MXFP4-packed experts (`*_blocks` + `*_scales`, as published) are dequantized first.
 The model's own (abstract) parameter tree is the spec: every target must exist with the right
@@ -36,8 +37,10 @@ Path = PathParts  # an nnx state path: attribute names (str) and list indices (i
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.rotary_emb\..*)$")
 _LINEARS = {
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
-    "router", "in_proj", "out_proj",
+    "router", "in_proj", "out_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
 }  # fmt: skip
+# Per family: checkpoint entries of parts we do not serve (Qwen3.5: vision tower, MTP head).
+_FAMILY_IGNORED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)")}
 _RENAMES: dict[str, list[tuple[str, str]]] = {
     "lfm2": [
         (r"\.operator_norm\.", ".input_layernorm."),
@@ -51,7 +54,11 @@ _RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"^model\.embedding_norm\.", "model.norm."),
         (r"\.conv\.conv\.weight$", ".conv.conv_weight"),
         (r"\.conv\.conv\.bias$", ".conv.conv_bias"),
-    ]
+    ],
+    "qwen3_5": [
+        (r"^model\.language_model\.", "model."),  # the multimodal checkpoints' text part
+        (r"\.linear_attn\.conv1d\.weight$", ".linear_attn.conv_weight"),
+    ],
 }
 
 
@@ -185,6 +192,8 @@ def map_checkpoint(
     pending: dict[str, jax.Array] = {}
     for hf_name, arr in tensors:
         if _IGNORED.match(hf_name) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight"):
+            continue
+        if family in _FAMILY_IGNORED and _FAMILY_IGNORED[family].match(hf_name):
             continue
         name = hf_name
         for pat, rep in _RENAMES.get(family, []):
