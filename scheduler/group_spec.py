@@ -15,6 +15,7 @@ LAYER_TYPE_GROUPS = {
     "full_attention": "full",
     "sliding_attention": "sliding",
     "linear_attention": "state",
+    "mamba": "state",
     "conv": "conv",
 }
 
@@ -102,7 +103,7 @@ def group_specs_from_layer_types(
     """One group per kind of layer present, in order of first appearance.
 
     full_attention -> "full" (full history, `page_size` tokens per page); sliding_attention ->
-    "sliding" (window `sliding_window_tokens`); linear_attention -> "state" (W = 2 state group);
+    "sliding" (window `sliding_window_tokens`); linear_attention, mamba -> "state" (W = 2 state group);
     conv -> "conv": a live-tail sliding group with window = `conv_kernel_size` and
     `conv_page_size`-token pages (each token's conv input is stored position-addressed).
     """

@@ -1,4 +1,4 @@
-"""Random tiny Hugging Face checkpoints of the eight supported families, written by transformers.
+"""Random tiny Hugging Face checkpoints of the nine supported families, written by transformers.
 
 Every checkpoint: hidden 64, 2-6 layers, vocab 384, sliding windows of 10-12 tokens, weights
 drawn with a larger-than-default std so the logits are peaked, and every 1-D parameter (norm
@@ -73,6 +73,10 @@ def family_configs():
             linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
             linear_num_key_heads=2, linear_num_value_heads=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+        # Mamba2 hybrid: attention at layer 1 only; 8 SSM heads of 16 over 2 B/C groups, state 16.
+        "bamba": tr.BambaConfig(**{k: v for k, v in _common(
+            num_hidden_layers=4, attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+            mamba_d_conv=4, mamba_chunk_size=16).items() if k != "head_dim"}),
     }  # fmt: skip
 
 

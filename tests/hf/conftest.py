@@ -1,15 +1,15 @@
-"""Session fixture: the eight tiny checkpoints, built once into a temp dir (needs torch)."""
+"""Session fixture: the nine tiny checkpoints, built once into a temp dir (needs torch)."""
 
 from __future__ import annotations
 
 import pytest
 
-FAMILIES = ("llama", "qwen3", "mistral", "lfm2", "gpt_oss", "gemma2", "gemma3", "qwen3_5")
+FAMILIES = ("llama", "qwen3", "mistral", "lfm2", "gpt_oss", "gemma2", "gemma3", "qwen3_5", "bamba")
 # Page pools of the engine tests (page size 4, 4 requests of ~50 tokens at once): tight enough that
 # the scheduler must retract. Sliding-only Mistral reclaims slid-out pages, hence a smaller pool.
 NUM_PAGES = {
     "llama": 22, "qwen3": 30, "mistral": 14, "lfm2": 24, "gpt_oss": 30, "gemma2": 30, "gemma3": 30,
-    "qwen3_5": 30,
+    "qwen3_5": 30, "bamba": 30,
 }  # fmt: skip
 
 

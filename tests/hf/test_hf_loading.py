@@ -121,6 +121,24 @@ def test_qwen3_5_config_and_multimodal_checkpoint(hf_checkpoints, tmp_path):
     )
 
 
+def test_bamba_config_and_mamba_weights(hf_checkpoints):
+    path, ref = hf_checkpoints["bamba"]
+    cfg, model, _ = load_checkpoint(path)
+    assert cfg.layer_types == ("mamba", "full_attention", "mamba", "mamba")
+    assert (cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state) == (8, 16, 2, 16)
+    assert cfg.mamba_dt_limit == (0.0, float("inf"))  # config.json spells it {"__float__": "Infinity"}
+    assert (cfg.rotary_dim, cfg.mamba_conv_dim, cfg.rms_norm_eps) == (8, 192, 1e-5)
+    layout = cache_layout(SchedulerConfig(num_pages=64, page_size=4), cfg)
+    assert [layout.scheduler_config.groups[g].family for g in layout.layer_groups] == ["state", "history"] + [
+        "state"
+    ] * 2
+    mixer, want = model.layers[2].mamba, ref.model.layers[2].mamba
+    np.testing.assert_array_equal(np.asarray(mixer.conv_bias[...]), want.conv1d.bias.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(mixer.D[...]), want.D.detach().numpy())
+    norm = ref.model.layers[3].pre_ff_layernorm.weight.detach().numpy()
+    np.testing.assert_array_equal(np.asarray(model.layers[3].post_attention_layernorm.weight[...]), norm)
+
+
 def test_sharded_tied_and_bf16_loading(hf_checkpoints, tmp_path):
     qwen_dir = hf_checkpoints["qwen3"][0]
     assert os.path.isfile(os.path.join(qwen_dir, "model.safetensors.index.json"))

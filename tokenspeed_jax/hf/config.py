@@ -14,6 +14,7 @@ transformers configuration classes (defaults included, since a config.json may o
   clamped SwiGLU, YaRN RoPE (its default when the config has none).
 * Qwen3.5 (text, and the text part of the multimodal checkpoints): see `hf/qwen3_5.py` (Gated
   DeltaNet layers, gated attention, partial RoPE).
+* Bamba: see `hf/bamba.py` (Mamba2 layers, partial RoPE).
 * Gemma 2 / Gemma 3 (text): see `hf/gemma.py` (soft-caps, sandwich norms, GeGLU, local RoPE).
 Sliding windows: transformers masks key j for query i unless `i - W < j <= i` (the query sees W
 tokens including itself, and its sliding caches keep W - 1 past tokens); our kernels read
@@ -25,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tokenspeed_jax.hf.bamba import bamba_kwargs, bamba_layer_types
 from tokenspeed_jax.hf.qwen3_5 import ROPE_EXTRA_KEYS, qwen3_5_kwargs, qwen3_5_layer_types, text_config_of
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.rope import SUPPORTED_ROPE_TYPES, rope_type_of
@@ -39,6 +41,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text_config (hf/qwen3_5.py)
+    "BambaForCausalLM": "bamba",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 # transformers' per-family default rope_theta (used when config.json has none).
@@ -51,6 +54,7 @@ _DEFAULT_THETA = {
     "gemma2": 10000.0,
     "gemma3": 1e6,
     "qwen3_5": 10000.0,
+    "bamba": 10000.0,
 }
 _GPT_OSS_DEFAULT_ROPE = {
     "rope_type": "yarn",
@@ -91,7 +95,8 @@ def _rope(hf: Mapping[str, Any], family: str) -> tuple[float, dict | None]:
     if not merged and family == "gpt_oss":
         merged = dict(_GPT_OSS_DEFAULT_ROPE)
     theta = merged.pop("rope_theta", None) or hf.get("rope_theta") or _DEFAULT_THETA[family]
-    if family == "qwen3_5":  # partial rotary factor -> ModelConfig; multimodal sections unused for text
+    partial_ok = family in ("qwen3_5", "bamba")  # partial rotary -> ModelConfig (hf/qwen3_5.py, bamba.py)
+    if partial_ok:
         for key in ROPE_EXTRA_KEYS:
             merged.pop(key, None)
     kind = rope_type_of(merged)
@@ -101,7 +106,7 @@ def _rope(hf: Mapping[str, Any], family: str) -> tuple[float, dict | None]:
     if kind in ("llama3", "yarn") and merged.get("original_max_position_embeddings") is None:
         orig = hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
         merged["original_max_position_embeddings"] = orig
-    if merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    if not partial_ok and merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     merged["rope_type"] = kind
     return float(theta), (None if kind == "default" else merged)
@@ -138,6 +143,8 @@ def _layer_types(hf: Mapping[str, Any], family: str, n: int) -> tuple[tuple[str,
         ]
     elif family == "qwen3_5":
         types = qwen3_5_layer_types(hf, n)
+    elif family == "bamba":
+        types = bamba_layer_types(hf, n)
     elif family == "lfm2":
         attn = hf.get("full_attn_idxs")
         attn = range(n) if attn is None else attn
@@ -201,7 +208,7 @@ def model_config_from_hf(
         rope_theta=theta,
         rope_scaling=rope_scaling,
         attention_bias=bias and family != "mistral",
-        o_proj_bias=bias and family in ("llama", "qwen3", "gpt_oss", "qwen3_5"),
+        o_proj_bias=bias and family in ("llama", "qwen3", "gpt_oss", "qwen3_5", "bamba"),
         mlp_bias=bool(hf.get("mlp_bias", False)) and family == "llama",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=hf.get("max_position_embeddings"),
@@ -214,6 +221,8 @@ def model_config_from_hf(
         kw["qk_norm"] = True
     elif family == "qwen3_5":
         kw.update(qwen3_5_kwargs(hf))
+    elif family == "bamba":
+        kw.update(bamba_kwargs(hf))
     elif family == "lfm2":
         kw.update(
             qk_norm=True,

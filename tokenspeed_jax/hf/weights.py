@@ -6,8 +6,8 @@ else every `*.safetensors` in the directory. Names are translated in two steps:
 2. a generic rule: `model.` prefix dropped, `layers.<i>` indexed, a projection's `weight [out, in]`
    becomes our `kernel [in, out]` (transposed), norms keep `weight`, `embed_tokens.weight` is
    the `embed_tokens` table.
-Special layouts: LFM2 `conv.conv.weight [H, 1, K]` and Qwen3.5 `linear_attn.conv1d.weight [C, 1, K]`
--> `conv_weight [K, C]`; GPT-OSS experts
+Special layouts: LFM2 `conv.conv.weight [H, 1, K]`, Qwen3.5 `linear_attn.conv1d.weight [C, 1, K]`
+and Bamba `mamba.conv1d.weight` -> `conv_weight [K, C]`; GPT-OSS experts
 `gate_up_proj [E, H, 2I]` (gate/up interleaved on the last axis) -> `gate_proj`/`up_proj [E, H, I]`,
 and MXFP4-packed experts (`*_blocks` + `*_scales`, as published) are dequantized first.
 The model's own (abstract) parameter tree is the spec: every target must exist with the right
@@ -58,6 +58,13 @@ _RENAMES: dict[str, list[tuple[str, str]]] = {
     "qwen3_5": [
         (r"^model\.language_model\.", "model."),  # the multimodal checkpoints' text part
         (r"\.linear_attn\.conv1d\.weight$", ".linear_attn.conv_weight"),
+    ],
+    "bamba": [
+        (r"\.feed_forward\.", ".mlp."),
+        (r"\.pre_ff_layernorm\.", ".post_attention_layernorm."),
+        (r"^model\.final_layernorm\.", "model.norm."),
+        (r"\.mamba\.conv1d\.weight$", ".mamba.conv_weight"),
+        (r"\.mamba\.conv1d\.bias$", ".mamba.conv_bias"),
     ],
 }
 

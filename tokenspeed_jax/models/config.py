@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "conv", "linear_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "conv", "linear_attention", "mamba")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -21,8 +21,9 @@ class ModelConfig:
 
     layer_types[i] is "full_attention", "sliding_attention" (window `sliding_window` tokens:
     a query at position n reads [n - W + 1, n]) or "conv" (LFM2 short causal depthwise conv of
-    kernel `conv_L_cache`) or "linear_attention" (Gated DeltaNet, models/gated_delta.py: a
-    recurrent state per request, kept in the state cache group).
+    kernel `conv_L_cache`) or "linear_attention" (Gated DeltaNet, models/gated_delta.py) or
+    "mamba" (Mamba2, models/mamba2.py); the last two keep a recurrent state per request in the
+    state cache group.
     """
 
     vocab_size: int
@@ -60,6 +61,15 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # Mamba2 ("mamba" layers, HF Bamba / GraniteMoeHybrid names): H heads of head dim P, state N
+    mamba_n_heads: int = 0
+    mamba_d_head: int = 0
+    mamba_n_groups: int = 1  # B and C are shared by H / G consecutive heads
+    mamba_d_state: int = 0
+    mamba_d_conv: int = 4
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False  # in_proj / out_proj bias
+    mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))  # clamp of the softplus'ed time step
     num_local_experts: int = 0  # MoE (GPT-OSS, models/moe.py); 0 = dense SwiGLU MLP
     num_experts_per_tok: int = 0
     swiglu_alpha: float = 1.702  # MoE experts: gate * sigmoid(alpha * gate)
@@ -97,6 +107,22 @@ class ModelConfig:
                     f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
                     f"linear_num_key_heads {self.linear_num_key_heads}"
                 )
+        if "mamba" in self.layer_types:
+            dims = dict(
+                mamba_n_heads=self.mamba_n_heads,
+                mamba_d_head=self.mamba_d_head,
+                mamba_n_groups=self.mamba_n_groups,
+                mamba_d_state=self.mamba_d_state,
+                mamba_d_conv=self.mamba_d_conv,
+            )
+            bad = {k: v for k, v in dims.items() if not v > 0}
+            if bad:
+                raise ValueError(f"mamba layers need positive {bad}")
+            if self.mamba_n_heads % self.mamba_n_groups:
+                raise ValueError(
+                    f"mamba_n_heads {self.mamba_n_heads} is not a multiple of "
+                    f"mamba_n_groups {self.mamba_n_groups}"
+                )
         if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) % 2:
             raise ValueError(
                 f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and give an "
@@ -129,6 +155,11 @@ class ModelConfig:
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
             self.linear_num_value_heads * self.linear_value_head_dim
         )
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of a Mamba2 layer's short conv: x (H * P) then B and C (G * N each)."""
+        return self.mamba_n_heads * self.mamba_d_head + 2 * self.mamba_n_groups * self.mamba_d_state
 
     def rope_of(self, layer: int) -> tuple[float, Any]:
         """(theta, scaling) of layer `layer`'s RoPE: sliding layers use the local base if set."""

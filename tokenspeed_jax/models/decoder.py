@@ -37,11 +37,15 @@ from tokenspeed_jax.models.layers import (
     rope_inv_freq,
     split_fused,
 )
+from tokenspeed_jax.models.mamba2 import Mamba2Mixer
 from tokenspeed_jax.models.moe import MoE
 from tokenspeed_jax.models.quant import qmatmul
 
 AttnFn = Callable[..., jax.Array]  # SPEC.md paged_attention signature
 
+
+# the mixer attribute of each non-attention layer type (HF names: LFM2 conv, Qwen3.5, Bamba)
+_MIXERS = {"conv": "conv", "linear_attention": "linear_attn", "mamba": "mamba"}
 
 class Attention(nnx.Module):
     """GQA attention with optional qk-norm, qkv bias, sinks, soft-cap and sliding window."""
@@ -181,6 +185,8 @@ class DecoderLayer(nnx.Module):
             self.conv = ShortConv(cfg, rngs=rngs)
         elif self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, rngs=rngs)
+        elif self.layer_type == "mamba":
+            self.mamba = Mamba2Mixer(cfg, rngs=rngs)
         else:
             self.self_attn = Attention(cfg, layer, rngs=rngs)
         self.post_attention_layernorm = norm()
@@ -199,15 +205,15 @@ class DecoderLayer(nnx.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
     def dense(self, x: jax.Array) -> jax.Array:
-        mixer = {"conv": "conv", "linear_attention": "linear_attn"}.get(self.layer_type, "self_attn")
+        mixer = _MIXERS.get(self.layer_type, "self_attn")
         return self._residuals(x, getattr(self, mixer).dense(self.input_layernorm(x)))
 
     def paged(self, x, cache, batch: PagedBatch, group: int, attn_fn: AttnFn, conv_fn=None):
         y = self.input_layernorm(x)
         if self.layer_type == "conv":
             y, cache = self.conv.paged(y, cache, batch, group, conv_fn)
-        elif self.layer_type == "linear_attention":
-            y, cache = self.linear_attn.paged(y, cache, batch, group)
+        elif self.layer_type in ("linear_attention", "mamba"):
+            y, cache = getattr(self, _MIXERS[self.layer_type]).paged(y, cache, batch, group)
         else:
             y, cache = self.self_attn.paged(y, cache, batch, group, attn_fn)
         return self._residuals(x, y), cache

@@ -8,10 +8,9 @@ value head; o = RMSNorm(o) * silu(in_proj_z); out_proj.
 State in the page pool (paged form): a request's recurrent state is the delta-rule matrix
 f32[Hv, Dk, Dv] plus its conv tail (the K-1 last conv inputs, f32[K-1, C]), one snapshot per page
 of the state cache group: the page of slot s holds the state after the last token the request
-has cached in slot s. A step starts each row from `batch.state_read` (the page of its last
-cached token; zeros when nothing is cached) and writes its final state to `batch.state_write`
-(the page of its last token). A snapshot that ends exactly on a page boundary is what the
-scheduler publishes for the prefix cache, so a later request sharing the prefix starts from it.
+has cached in slot s (models/recurrent_state.py reads and writes them). A snapshot that ends
+exactly on a page boundary is what the scheduler publishes for the prefix cache, so a later
+request sharing the prefix starts from it.
 """
 
 from __future__ import annotations
@@ -24,6 +23,13 @@ from pallas_kernels.gated_delta import GatedDeltaConfig, gated_delta_chunked, ga
 from tokenspeed_jax.models.batch import PagedBatch
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.layers import Linear
+from tokenspeed_jax.models.recurrent_state import (
+    conv_windows,
+    dense_windows,
+    next_tails,
+    read_states,
+    write_states,
+)
 
 
 def state_pool_shapes(cfg: ModelConfig, num_pages: int) -> dict[str, tuple[int, ...]]:
@@ -115,52 +121,18 @@ class GatedDeltaNet(nnx.Module):
     def dense(self, x: jax.Array) -> jax.Array:
         """One whole sequence x f[S, H] -> f[S, H] from a zero state (test oracle)."""
         mixed, z, beta, g = self._project(x)
-        s, k = x.shape[0], self.kernel_size
-        padded = jnp.pad(mixed, ((k - 1, 0), (0, 0)))
-        windows = jnp.stack([padded[j : j + s] for j in range(k)], axis=1)  # [S, K, C]
-        q, kk, v = self._qkv(self._conv(windows), x.dtype)
+        q, kk, v = self._qkv(self._conv(dense_windows(mixed, self.kernel_size)), x.dtype)
         core, _ = gated_delta_chunked(q, kk, v, g, beta, None, self.config)
         return self._finish(core, z, x.dtype)
 
     def paged(self, x: jax.Array, cache: dict, batch: PagedBatch, group: int) -> tuple[jax.Array, dict]:
         """Packed tokens x f[T, H]; cache {"ssm": f32[P, Hv, Dk, Dv], "conv_state":
         f32[P, K-1, C]} -> (f[T, H], new cache). Rows start from their `state_read` snapshot and
-        leave their final one at `state_write` (module docstring)."""
+        leave their final one at `state_write` (models/recurrent_state.py)."""
         mixed, z, beta, g = self._project(x)
-        t, k = x.shape[0], self.kernel_size
-        cu, kv_lens = batch.cu_q_lens, batch.kv_lens
-        r = kv_lens.shape[0]
-        q_lens = cu[1:] - cu[:-1]
-        has_init = (jnp.arange(r) < batch.num_seqs[0]) & (q_lens > 0) & (kv_lens - q_lens > 0)
-        read = batch.state_read[group]
-        ssm_pool, tail_pool = cache["ssm"], cache["conv_state"]
-        # where(), not a product: an unused or null page may hold anything, NaN included
-        ssm0 = jnp.where(has_init[:, None, None, None], ssm_pool[read], 0.0)
-        tail0 = jnp.where(has_init[:, None, None], tail_pool[read], 0.0)  # [R, K-1, C]
-
-        # conv taps: inside this step's chunk from `mixed`, before it from the row's tail
-        rows = jnp.clip(jnp.searchsorted(cu[1:], jnp.arange(t), side="right"), 0, r - 1)
-        j = jnp.arange(t) - cu[rows]  # index of the token in its row's chunk
-        taps = []
-        for d in range(k - 1, -1, -1):  # tap of the input d tokens back, oldest first
-            inside = j >= d
-            from_tail = tail0[rows, jnp.clip(k - 1 + j - d, 0, k - 2)] if k > 1 else mixed
-            taps.append(jnp.where(inside[:, None], mixed[jnp.clip(jnp.arange(t) - d, 0, t - 1)], from_tail))
-        q, kk, v = self._qkv(self._conv(jnp.stack(taps, axis=1)), x.dtype)
-        core, ssm1 = gated_delta_packed(q, kk, v, g, beta, ssm0, cu, batch.num_seqs, self.config)
-
-        # the new tail: the row's last K-1 conv inputs, from this chunk or its old tail
-        entries = []
-        for m in range(k - 1):
-            jj = q_lens - (k - 1) + m  # index in the chunk of tail entry m
-            from_chunk = mixed[jnp.clip(cu[:-1] + jj, 0, t - 1)]
-            from_old = tail0[jnp.arange(r), jnp.clip(q_lens + m, 0, k - 2)]
-            entries.append(jnp.where((jj >= 0)[:, None], from_chunk, from_old))
-        tail1 = jnp.stack(entries, axis=1) if k > 1 else tail0
-
-        write = batch.state_write[group]
-        new = {
-            "ssm": ssm_pool.at[write].set(ssm1, mode="drop"),
-            "conv_state": tail_pool.at[write].set(tail1, mode="drop"),
-        }
-        return self._finish(core, z, x.dtype), new
+        ssm0, tail0 = read_states(cache, batch, group)
+        windows = conv_windows(mixed, tail0, batch.cu_q_lens, self.kernel_size)
+        q, kk, v = self._qkv(self._conv(windows), x.dtype)
+        core, ssm1 = gated_delta_packed(q, kk, v, g, beta, ssm0, batch.cu_q_lens, batch.num_seqs, self.config)
+        tail1 = next_tails(mixed, tail0, batch.cu_q_lens, self.kernel_size)
+        return self._finish(core, z, x.dtype), write_states(cache, batch, group, ssm1, tail1)

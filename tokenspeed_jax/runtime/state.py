@@ -8,6 +8,7 @@
               conv layer:      {"conv": f[num_pages, B_g, hidden]} (per-token conv input)
               linear_attention layer: {"ssm": f32[num_pages, Hv, Dk, Dv], "conv_state":
                                f32[num_pages, K-1, C]} (one state snapshot per page)
+              mamba layer:     {"ssm": f32[num_pages, H, Dh, N], "conv_state": f32[num_pages, K-1, C]}
               (scan_layers: caches[r] per run r of n layers, each pool f[n, num_pages, ...])
   last_tokens i32[max_live_requests]                the last token sampled for each slot: a
               step reads it for input tokens flagged `token_from_prev` (overlapped scheduling)
@@ -25,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import kv_quant, pool_bits
+from tokenspeed_jax.models import gated_delta, mamba2
 from tokenspeed_jax.models.config import ModelConfig
-from tokenspeed_jax.models.gated_delta import state_pool_shapes
 from tokenspeed_jax.models.layer_scan import LayerRun, run_cache_shapes
 from tokenspeed_jax.runtime.device_memory import device_memory
 
@@ -59,7 +60,9 @@ def layer_cache_shapes(
         if layer_type == "conv":
             out.append({"conv": (num_pages, b, config.hidden_size)})
         elif layer_type == "linear_attention":  # one snapshot per page, whatever its tokens
-            out.append(state_pool_shapes(config, num_pages))
+            out.append(gated_delta.state_pool_shapes(config, num_pages))
+        elif layer_type == "mamba":
+            out.append(mamba2.state_pool_shapes(config, num_pages))
         else:
             shape = (num_pages, b, config.num_key_value_heads, config.head_dim)
             out.append({"k": shape, "v": shape})
@@ -76,7 +79,7 @@ def pool_dtypes(
     8-bit floats stored as their unsigned bits (`pallas_kernels.pool_bits`)."""
     store = pool_bits.storage_dtype if bits_pools else jnp.dtype
     base = store(config.dtype)
-    # recurrent state (models/gated_delta.py) stays float32: it accumulates over the whole context
+    # recurrent state (models/gated_delta.py, mamba2.py) stays float32: it accumulates over the whole context
     f32 = jnp.dtype(jnp.float32)
     out = {"conv": base, "k": base, "v": base, "ssm": f32, "conv_state": f32}
     q = kv_quant.quantized_dtype(kv_cache_dtype)

@@ -1,0 +1,234 @@
+"""The Mamba2 selective state-space recurrence ("SSD": Bamba / GraniteMoeHybrid mixers), in jnp.
+
+Per head h (group g = h // (H // G)), with state s f32[P, N], input x f32[P], step dt > 0
+(softplus'ed, biased and clamped by the caller), decay rate A[h] < 0 and B, C f[N] of group g,
+one token does
+
+    s <- exp(dt * A) * s + dt * x B^T;   y = s C      (the D skip is the caller's).
+
+Three forms over the same math:
+* `ssd_step`: one token for a batch of states (decode);
+* `ssd_chunked`: one sequence in chunks of `chunk_size` tokens (the state-space-duality form: per
+  chunk a masked, decayed C B^T "attention" over the chunk's tokens plus the carried state read
+  through C, then one state carry per chunk);
+* `ssd_packed`: the ragged step layout (many requests' tokens packed, `cu_q_lens`): rows with one
+  token take the batched step, longer rows run the chunked form over their own tokens (a loop over
+  rows and chunks whose trip counts are the real ones). Each row starts from its own initial state
+  and hands back its final state; the caller reads / writes those from / to the state pages.
+`ssd_reference` is the sequential token-by-token form (the oracle of the tests, beside a float64
+numpy twin in the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["Mamba2Config", "ssd_chunked", "ssd_packed", "ssd_reference", "ssd_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Config:
+    """Tuning: tokens per chunk of the chunked form."""
+
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+
+
+def _check(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, lead: int) -> None:
+    """x f[*L, H, P]; dt f[*L, H]; A f[H]; B, C f[*L, G, N] with `lead` leading axes L, G | H."""
+    if x.ndim != lead + 2:
+        raise ValueError(f"{x.shape=} must be [{lead} lead axes, H, P]")
+    if dt.shape != x.shape[:-1]:
+        raise ValueError(f"{dt.shape=} must be {x.shape[:-1]}")
+    if A.shape != x.shape[-2:-1]:
+        raise ValueError(f"{A.shape=} must be ({x.shape[-2]},)")
+    if B.ndim != lead + 2 or B.shape != C.shape or B.shape[:-2] != x.shape[:-2]:
+        raise ValueError(f"{B.shape=} {C.shape=} must both be {x.shape[:-2]} + (G, N)")
+    if B.shape[-2] < 1 or x.shape[-2] % B.shape[-2]:
+        raise ValueError(f"{B.shape=}: the group count must divide the {x.shape[-2]} heads")
+
+
+def _initial_state(state: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
+    """The float32 starting state of one sequence: `state`, or zeros of `shape` when None."""
+    return jnp.zeros(shape, jnp.float32) if state is None else state.astype(jnp.float32)
+
+
+def _heads(b: jax.Array, h: int) -> jax.Array:
+    """B or C f[..., G, N] -> f32[..., H, N]: each group repeated onto its H // G heads."""
+    return jnp.repeat(b.astype(jnp.float32), h // b.shape[-2], axis=-2)
+
+
+def ssd_step(
+    state: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One token per state: state f32[..., H, P, N], x f[..., H, P], dt f[..., H], A f[H],
+    B C f[..., G, N] -> (new state, y f32[..., H, P])."""
+    _check(x, dt, A, B, C, x.ndim - 2)
+    if state.shape != x.shape + B.shape[-1:]:
+        raise ValueError(f"{state.shape=} must be {x.shape + B.shape[-1:]}")
+    h = x.shape[-2]
+    x, dt, A = (v.astype(jnp.float32) for v in (x, dt, A))
+    bh, ch = _heads(B, h), _heads(C, h)
+    state = state.astype(jnp.float32) * jnp.exp(dt * A)[..., None, None]
+    state = state + (dt[..., None] * x)[..., :, None] * bh[..., None, :]
+    return state, jnp.einsum("...pn,...n->...p", state, ch)
+
+
+def _chunk(
+    state: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One chunk of c tokens from `state` f32[H, P, N]: x f32[c, H, P], dt f32[c, H], A f32[H],
+    B C f32[c, G, N] -> (y f32[c, H, P], state after the chunk). Tokens with dt = 0, x = 0
+    (padding) change nothing."""
+    c, h = dt.shape
+    bh, ch = _heads(B, h), _heads(C, h)  # [c, H, N]
+    a = (dt * A).T  # [H, c]: log of each token's decay
+    cum = jnp.cumsum(a, axis=-1)  # log of the decay from the chunk start through token i
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    # seg[i, j] = a_{j+1} + ... + a_i, summed directly: cum_i - cum_j cancels catastrophically once
+    # the chunk's decays add up to hundreds (dt * A reaches -100 and below per token).
+    seg = jnp.cumsum(jnp.where(strict, a[:, :, None], 0.0), axis=1)  # [H, c(i), c(j)]
+    decay = jnp.where(lower, jnp.exp(seg), 0.0)
+    xdt = x * dt[..., None]  # [c, H, P]
+    scores = jnp.einsum("ihn,jhn->hij", ch, bh) * decay
+    intra = jnp.einsum("hij,jhp->ihp", scores, xdt)
+    inter = jnp.einsum("hpn,ihn->ihp", state, ch) * jnp.exp(cum).T[..., None]
+    tail = jnp.exp(seg[:, -1, :]).T  # [c, H]: decay from token j to the chunk end
+    state = state * jnp.exp(cum[:, -1])[:, None, None]
+    state = state + jnp.einsum("jhp,jhn->hpn", xdt * tail[..., None], bh)
+    return intra + inter, state
+
+
+def ssd_chunked(
+    x: jax.Array,
+    dt: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    initial_state: jax.Array | None = None,
+    config: Mamba2Config = Mamba2Config(),
+) -> tuple[jax.Array, jax.Array]:
+    """One sequence: x f[S, H, P], dt f[S, H], A f[H], B C f[S, G, N], initial_state f32[H, P, N]
+    (None = zeros) -> (y f32[S, H, P], final state f32[H, P, N])."""
+    _check(x, dt, A, B, C, 1)
+    s, h, p = x.shape
+    n = B.shape[-1]
+    c = config.chunk_size
+    pad = -s % c
+
+    def f32(v: jax.Array) -> jax.Array:
+        return jnp.pad(v.astype(jnp.float32), [(0, pad)] + [(0, 0)] * (v.ndim - 1))
+
+    x, dt, B, C = (f32(v) for v in (x, dt, B, C))
+    A = A.astype(jnp.float32)
+    m = (s + pad) // c
+    chunks = tuple(v.reshape(m, c, *v.shape[1:]) for v in (x, dt, B, C))
+    state = _initial_state(initial_state, (h, p, n))
+
+    def body(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        xc, dtc, bc, cc = xs
+        y, state = _chunk(state, xc, dtc, A, bc, cc)
+        return state, y
+
+    state, y = lax.scan(body, state, chunks)
+    return y.reshape(m * c, h, p)[:s], state
+
+
+def ssd_reference(
+    x: jax.Array,
+    dt: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`ssd_chunked`'s contract, computed token by token (`ssd_step`)."""
+    _check(x, dt, A, B, C, 1)
+    h, p, n = x.shape[1], x.shape[2], B.shape[-1]
+    state = _initial_state(initial_state, (h, p, n))
+    xs = tuple(v.astype(jnp.float32) for v in (x, dt, B, C))
+    A = A.astype(jnp.float32)
+
+    def body(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        xt, dtt, bt, ct = xs
+        return ssd_step(state, xt, dtt, A, bt, ct)
+
+    state, y = lax.scan(body, state, xs)
+    return y, state
+
+
+def ssd_packed(
+    x: jax.Array,
+    dt: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    initial_states: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    config: Mamba2Config = Mamba2Config(),
+) -> tuple[jax.Array, jax.Array]:
+    """Ragged step: x f[T, H, P], dt f[T, H], A f[H], B C f[T, G, N] (row r's tokens are
+    [cu_q_lens[r], cu_q_lens[r+1])), initial_states f32[R, H, P, N], cu_q_lens i32[R+1],
+    num_seqs i32[1] -> (y f32[T, H, P] (0 on padding), final states f32[R, H, P, N]: a row
+    without tokens keeps its initial state)."""
+    _check(x, dt, A, B, C, 1)
+    t, h, p = x.shape
+    n = B.shape[-1]
+    r = initial_states.shape[0]
+    if initial_states.shape != (r, h, p, n):
+        raise ValueError(f"{initial_states.shape=} must be [R, {h}, {p}, {n}]")
+    if cu_q_lens.shape != (r + 1,) or num_seqs.shape != (1,):
+        raise ValueError(f"{cu_q_lens.shape=} must be ({r + 1},), {num_seqs.shape=} must be (1,)")
+    c = config.chunk_size
+    xs = [v.astype(jnp.float32) for v in (x, dt, B, C)]
+    A = A.astype(jnp.float32)
+    starts = cu_q_lens[:-1]
+    lens = jnp.where(jnp.arange(r) < num_seqs[0], cu_q_lens[1:] - starts, 0)
+    states = initial_states.astype(jnp.float32)
+
+    # Rows of one token: one batched step (a decode step is only this).
+    one = lens == 1
+    at = jnp.clip(starts, 0, t - 1)
+    x1, dt1, b1, c1 = (v[at] for v in xs)
+    stepped, y1 = ssd_step(states, x1, dt1, A, b1, c1)
+    states = jnp.where(one[:, None, None, None], stepped, states)
+    out = jnp.zeros((t, h, p), jnp.float32).at[jnp.where(one, starts, t)].set(y1, mode="drop")
+
+    # Longer rows: the chunked form over each row's own tokens. The packed inputs get a chunk of
+    # zero padding so a chunk's fixed-size slice never runs off the end (dynamic_slice would
+    # clamp, i.e. shift, it).
+    padded = [jnp.pad(v, [(0, c)] + [(0, 0)] * (v.ndim - 1)) for v in xs]
+    out = jnp.pad(out, ((0, c), (0, 0), (0, 0)))
+
+    Carry = tuple[jax.Array, jax.Array, jax.Array]
+
+    def chunk_body(row: jax.Array, carry: Carry) -> Carry:
+        j, state, out = carry
+        begin = starts[row] + j * c
+        live = jnp.arange(c) < lens[row] - j * c  # tokens of this row in this chunk
+        pieces = [lax.dynamic_slice_in_dim(v, begin, c) for v in padded]
+        xc, dtc, bc, cc = (jnp.where(live.reshape((c,) + (1,) * (v.ndim - 1)), v, 0.0) for v in pieces)
+        y, state = _chunk(state, xc, dtc, A, bc, cc)
+        old = lax.dynamic_slice_in_dim(out, begin, c)
+        out = lax.dynamic_update_slice_in_dim(out, jnp.where(live[:, None, None], y, old), begin, 0)
+        return j + 1, state, out
+
+    def row_body(row: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        states, out = carry
+        n_chunks = jnp.where(lens[row] > 1, -(-lens[row] // c), 0)
+        _, state, out = lax.while_loop(
+            lambda cy: cy[0] < n_chunks, lambda cy: chunk_body(row, cy), (jnp.int32(0), states[row], out)
+        )
+        return states.at[row].set(state), out
+
+    states, out = lax.fori_loop(0, num_seqs[0], row_body, (states, out))
+    return out[:t], states

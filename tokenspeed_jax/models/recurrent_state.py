@@ -1,0 +1,78 @@
+"""The paged plumbing every recurrent token mixer shares (Gated DeltaNet, Mamba2): where a row's
+state comes from, its short causal conv over a packed step, and where its new state goes.
+
+A state-group layer keeps two pools, one snapshot per page id: the recurrence's state
+(`"ssm"`, f32[P, ...]) and the conv tail (`"conv_state"`, f32[P, K-1, C]: the row's last K-1 conv
+inputs, oldest first). A row starts from `batch.state_read[g]` (the page of its last cached token)
+when it has cached tokens, else from zeros, and leaves its final state at `batch.state_write[g]`
+(the page of its last token this step; num_pages = dropped).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tokenspeed_jax.models.batch import PagedBatch
+
+
+def read_states(cache: dict, batch: PagedBatch, group: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's starting (state f32[R, ...], conv tail f32[R, K-1, C]); zeros for rows with
+    nothing cached (fresh prompts, padding rows)."""
+    cu, kv_lens = batch.cu_q_lens, batch.kv_lens
+    r = kv_lens.shape[0]
+    q_lens = cu[1:] - cu[:-1]
+    has_init = (jnp.arange(r) < batch.num_seqs[0]) & (q_lens > 0) & (kv_lens - q_lens > 0)
+    read = batch.state_read[group]
+    ssm, tail = cache["ssm"][read], cache["conv_state"][read]
+    # where(), not a product: an unused or null page may hold anything, NaN included
+    ssm = jnp.where(has_init.reshape((r,) + (1,) * (ssm.ndim - 1)), ssm, 0.0)
+    return ssm, jnp.where(has_init[:, None, None], tail, 0.0)
+
+
+def conv_windows(mixed: jax.Array, tail0: jax.Array, cu_q_lens: jax.Array, kernel: int) -> jax.Array:
+    """Conv inputs mixed f32[T, C] of a packed step + each row's old tail f32[R, K-1, C] ->
+    every token's window f32[T, K, C] (oldest first): taps inside the row's chunk come from
+    `mixed`, earlier ones from the row's tail."""
+    t, r = mixed.shape[0], tail0.shape[0]
+    rows = jnp.clip(jnp.searchsorted(cu_q_lens[1:], jnp.arange(t), side="right"), 0, r - 1)
+    j = jnp.arange(t) - cu_q_lens[rows]  # index of the token in its row's chunk
+    taps = []
+    for d in range(kernel - 1, -1, -1):  # tap of the input d tokens back
+        inside = mixed[jnp.clip(jnp.arange(t) - d, 0, t - 1)]
+        from_tail = tail0[rows, jnp.clip(kernel - 1 + j - d, 0, kernel - 2)] if kernel > 1 else inside
+        taps.append(jnp.where((j >= d)[:, None], inside, from_tail))
+    return jnp.stack(taps, axis=1)
+
+
+def dense_windows(mixed: jax.Array, kernel: int) -> jax.Array:
+    """One whole sequence's conv windows f32[S, K, C] from zeros (the dense forward)."""
+    s = mixed.shape[0]
+    padded = jnp.pad(mixed, ((kernel - 1, 0), (0, 0)))
+    return jnp.stack([padded[j : j + s] for j in range(kernel)], axis=1)
+
+
+def next_tails(mixed: jax.Array, tail0: jax.Array, cu_q_lens: jax.Array, kernel: int) -> jax.Array:
+    """Each row's new tail f32[R, K-1, C]: its last K-1 conv inputs, from this step's chunk or,
+    for a chunk shorter than K-1, partly from its old tail."""
+    if kernel == 1:
+        return tail0
+    t, r = mixed.shape[0], tail0.shape[0]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    entries = []
+    for m in range(kernel - 1):
+        jj = q_lens - (kernel - 1) + m  # index in the chunk of tail entry m
+        from_chunk = mixed[jnp.clip(cu_q_lens[:-1] + jj, 0, t - 1)]
+        from_old = tail0[jnp.arange(r), jnp.clip(q_lens + m, 0, kernel - 2)]
+        entries.append(jnp.where((jj >= 0)[:, None], from_chunk, from_old))
+    return jnp.stack(entries, axis=1)
+
+
+def write_states(cache: dict, batch: PagedBatch, group: int, ssm: jax.Array, tail: jax.Array) -> dict:
+    """The pools with each row's final state and tail at its `state_write` page (dropped rows:
+    index num_pages, mode="drop")."""
+    write = batch.state_write[group]
+    return {
+        "ssm": cache["ssm"].at[write].set(ssm, mode="drop"),
+        "conv_state": cache["conv_state"].at[write].set(tail, mode="drop"),
+    }
