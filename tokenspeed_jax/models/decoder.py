@@ -47,6 +47,7 @@ AttnFn = Callable[..., jax.Array]  # SPEC.md paged_attention signature
 # the mixer attribute of each non-attention layer type (HF names: LFM2 conv, Qwen3.5, Bamba)
 _MIXERS = {"conv": "conv", "linear_attention": "linear_attn", "mamba": "mamba"}
 
+
 class Attention(nnx.Module):
     """GQA attention with optional qk-norm, qkv bias, sinks, soft-cap and sliding window."""
 
