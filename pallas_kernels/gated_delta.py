@@ -22,11 +22,14 @@ float64 numpy twin in the tests).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.scipy.linalg import solve_triangular
+
+from pallas_kernels.ragged_scan import ragged_scan
 
 __all__ = [
     "GatedDeltaConfig",
@@ -170,58 +173,29 @@ def gated_delta_packed(
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
     config: GatedDeltaConfig = GatedDeltaConfig(),
-) -> tuple[jax.Array, jax.Array]:
+    align: jax.Array | None = None,
+    snapshots: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Ragged step: q k f[T, H, Dk], v f[T, H, Dv], g beta f[T, H] (row r's tokens are
     [cu_q_lens[r], cu_q_lens[r+1])), initial_states f32[R, H, Dk, Dv], cu_q_lens i32[R+1],
     num_seqs i32[1] -> (o f32[T, H, Dv] (0 on padding), final states f32[R, H, Dk, Dv]: a row
-    without tokens keeps its initial state)."""
+    without tokens keeps its initial state, the snapshot pool f32[P, H, Dk, Dv] or None).
+    align i32[R] / snapshots (pool, pages i32[T]): state snapshots at page ends
+    (`ragged_scan`)."""
     _check(q, k, v, g, beta, 1)
     t, h, dk = q.shape
     dv = v.shape[-1]
     r = initial_states.shape[0]
     if initial_states.shape != (r, h, dk, dv):
         raise ValueError(f"{initial_states.shape=} must be [R, {h}, {dk}, {dv}]")
-    if cu_q_lens.shape != (r + 1,) or num_seqs.shape != (1,):
-        raise ValueError(f"{cu_q_lens.shape=} must be ({r + 1},), {num_seqs.shape=} must be (1,)")
-    c = config.chunk_size
-    xs = [x.astype(jnp.float32) for x in (q, k, v, g, beta)]
-    starts = cu_q_lens[:-1]
-    lens = jnp.where(jnp.arange(r) < num_seqs[0], cu_q_lens[1:] - starts, 0)
-    states = initial_states.astype(jnp.float32)
 
-    # Rows of one token: one batched step (a decode step is only this).
-    one = lens == 1
-    at = jnp.clip(starts, 0, t - 1)
-    stepped, o1 = gated_delta_step(states, *(x[at] for x in xs))
-    states = jnp.where(one[:, None, None, None], stepped, states)
-    out = jnp.zeros((t, h, dv), jnp.float32).at[jnp.where(one, starts, t)].set(o1, mode="drop")
+    def step(states: jax.Array, xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return gated_delta_step(states, *xs)
 
-    # Longer rows: the chunked form over each row's own tokens. The packed inputs get a chunk of
-    # zero padding so a chunk's fixed-size slice never runs off the end (dynamic_slice would
-    # clamp, i.e. shift, it).
-    padded = [jnp.pad(x, [(0, c)] + [(0, 0)] * (x.ndim - 1)) for x in xs]
-    out = jnp.pad(out, ((0, c), (0, 0), (0, 0)))
+    def chunk(state: jax.Array, xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return _chunk(state, *xs)
 
-    Carry = tuple[jax.Array, jax.Array, jax.Array]
-
-    def chunk_body(row: jax.Array, carry: Carry) -> Carry:
-        j, state, out = carry
-        begin = starts[row] + j * c
-        live = jnp.arange(c) < lens[row] - j * c  # tokens of this row in this chunk
-        pieces = [lax.dynamic_slice_in_dim(x, begin, c) for x in padded]
-        pieces = [jnp.where(live.reshape((c,) + (1,) * (x.ndim - 1)), x, 0.0) for x in pieces]
-        o, state = _chunk(state, *pieces)
-        old = lax.dynamic_slice_in_dim(out, begin, c)
-        out = lax.dynamic_update_slice_in_dim(out, jnp.where(live[:, None, None], o, old), begin, 0)
-        return j + 1, state, out
-
-    def row_body(row: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        states, out = carry
-        n_chunks = jnp.where(lens[row] > 1, -(-lens[row] // c), 0)
-        _, state, out = lax.while_loop(
-            lambda cy: cy[0] < n_chunks, lambda cy: chunk_body(row, cy), (jnp.int32(0), states[row], out)
-        )
-        return states.at[row].set(state), out
-
-    states, out = lax.fori_loop(0, num_seqs[0], row_body, (states, out))
-    return out[:t], states
+    return ragged_scan(
+        step, chunk, (q, k, v, g, beta), initial_states, cu_q_lens, num_seqs, (h, dv),
+        config.chunk_size, align, snapshots,
+    )  # fmt: skip

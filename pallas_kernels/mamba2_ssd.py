@@ -22,10 +22,13 @@ numpy twin in the tests).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels.ragged_scan import ragged_scan
 
 __all__ = ["Mamba2Config", "ssd_chunked", "ssd_packed", "ssd_reference", "ssd_step"]
 
@@ -175,60 +178,32 @@ def ssd_packed(
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
     config: Mamba2Config = Mamba2Config(),
-) -> tuple[jax.Array, jax.Array]:
+    align: jax.Array | None = None,
+    snapshots: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Ragged step: x f[T, H, P], dt f[T, H], A f[H], B C f[T, G, N] (row r's tokens are
     [cu_q_lens[r], cu_q_lens[r+1])), initial_states f32[R, H, P, N], cu_q_lens i32[R+1],
     num_seqs i32[1] -> (y f32[T, H, P] (0 on padding), final states f32[R, H, P, N]: a row
-    without tokens keeps its initial state)."""
+    without tokens keeps its initial state, the snapshot pool f32[P, H, P, N] or None).
+    align i32[R] / snapshots (pool, pages i32[T]): state snapshots at page ends
+    (`ragged_scan`)."""
     _check(x, dt, A, B, C, 1)
     t, h, p = x.shape
     n = B.shape[-1]
     r = initial_states.shape[0]
     if initial_states.shape != (r, h, p, n):
         raise ValueError(f"{initial_states.shape=} must be [R, {h}, {p}, {n}]")
-    if cu_q_lens.shape != (r + 1,) or num_seqs.shape != (1,):
-        raise ValueError(f"{cu_q_lens.shape=} must be ({r + 1},), {num_seqs.shape=} must be (1,)")
-    c = config.chunk_size
-    xs = [v.astype(jnp.float32) for v in (x, dt, B, C)]
-    A = A.astype(jnp.float32)
-    starts = cu_q_lens[:-1]
-    lens = jnp.where(jnp.arange(r) < num_seqs[0], cu_q_lens[1:] - starts, 0)
-    states = initial_states.astype(jnp.float32)
+    a = A.astype(jnp.float32)
 
-    # Rows of one token: one batched step (a decode step is only this).
-    one = lens == 1
-    at = jnp.clip(starts, 0, t - 1)
-    x1, dt1, b1, c1 = (v[at] for v in xs)
-    stepped, y1 = ssd_step(states, x1, dt1, A, b1, c1)
-    states = jnp.where(one[:, None, None, None], stepped, states)
-    out = jnp.zeros((t, h, p), jnp.float32).at[jnp.where(one, starts, t)].set(y1, mode="drop")
+    def step(states: jax.Array, xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        x1, dt1, b1, c1 = xs
+        return ssd_step(states, x1, dt1, a, b1, c1)
 
-    # Longer rows: the chunked form over each row's own tokens. The packed inputs get a chunk of
-    # zero padding so a chunk's fixed-size slice never runs off the end (dynamic_slice would
-    # clamp, i.e. shift, it).
-    padded = [jnp.pad(v, [(0, c)] + [(0, 0)] * (v.ndim - 1)) for v in xs]
-    out = jnp.pad(out, ((0, c), (0, 0), (0, 0)))
+    def chunk(state: jax.Array, xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        xc, dtc, bc, cc = xs
+        return _chunk(state, xc, dtc, a, bc, cc)
 
-    Carry = tuple[jax.Array, jax.Array, jax.Array]
-
-    def chunk_body(row: jax.Array, carry: Carry) -> Carry:
-        j, state, out = carry
-        begin = starts[row] + j * c
-        live = jnp.arange(c) < lens[row] - j * c  # tokens of this row in this chunk
-        pieces = [lax.dynamic_slice_in_dim(v, begin, c) for v in padded]
-        xc, dtc, bc, cc = (jnp.where(live.reshape((c,) + (1,) * (v.ndim - 1)), v, 0.0) for v in pieces)
-        y, state = _chunk(state, xc, dtc, A, bc, cc)
-        old = lax.dynamic_slice_in_dim(out, begin, c)
-        out = lax.dynamic_update_slice_in_dim(out, jnp.where(live[:, None, None], y, old), begin, 0)
-        return j + 1, state, out
-
-    def row_body(row: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        states, out = carry
-        n_chunks = jnp.where(lens[row] > 1, -(-lens[row] // c), 0)
-        _, state, out = lax.while_loop(
-            lambda cy: cy[0] < n_chunks, lambda cy: chunk_body(row, cy), (jnp.int32(0), states[row], out)
-        )
-        return states.at[row].set(state), out
-
-    states, out = lax.fori_loop(0, num_seqs[0], row_body, (states, out))
-    return out[:t], states
+    return ragged_scan(
+        step, chunk, (x, dt, B, C), initial_states, cu_q_lens, num_seqs, (h, p), config.chunk_size,
+        align, snapshots,
+    )  # fmt: skip

@@ -27,6 +27,10 @@ class SchedulerConfig:
         comparison (slow; for tests and debugging).
     speculative: n-gram speculative decoding (`scheduler.speculative`; None = off; a dict in
         vLLM's `speculative_config` spelling is accepted).
+    state_snapshots: when a state group's page is registered for the prefix cache: "chunk_end"
+        (DESIGN.md: only the page ending exactly at a chunk end, the one snapshot a device that
+        writes final states holds) or "every_page" (every completed page: for a device that
+        writes the state at every page end, as tokenspeed_jax's recurrent layers do).
     """
 
     num_pages: int
@@ -42,6 +46,7 @@ class SchedulerConfig:
     max_prefill_chunk_tokens: int | None = None
     debug_checks: bool = False
     speculative: SpeculativeConfig | None = None
+    state_snapshots: str = "chunk_end"
 
     def __post_init__(self) -> None:
         for name in (
@@ -70,6 +75,11 @@ class SchedulerConfig:
         if self.decode_reserve_tokens < 0:
             raise ValueError(
                 f"SchedulerConfig.decode_reserve_tokens must be >= 0, got {self.decode_reserve_tokens}"
+            )
+        if self.state_snapshots not in ("chunk_end", "every_page"):
+            raise ValueError(
+                "SchedulerConfig.state_snapshots must be 'chunk_end' or 'every_page', "
+                f"got {self.state_snapshots!r}"
             )
         if self.groups is None:
             self.groups = [PagedCacheGroupSpec.make("full", "full_history", page_size=self.page_size)]

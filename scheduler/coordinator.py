@@ -16,7 +16,9 @@ from scheduler.sliding_window import SlidingWindowManager, StateManager, window_
 class CacheCoordinator:
     """Check-then-act growth, prefix match, publish/adopt and reclaim across groups."""
 
-    def __init__(self, specs: list[PagedCacheGroupSpec], pool: BlockPool) -> None:
+    def __init__(
+        self, specs: list[PagedCacheGroupSpec], pool: BlockPool, state_every_page: bool = False
+    ) -> None:
         if not specs:
             raise ValueError("CacheCoordinator needs at least one group spec")
         ids = [s.group_id for s in specs]
@@ -24,6 +26,7 @@ class CacheCoordinator:
             raise ValueError(f"duplicate group ids in {ids}")
         self.specs = list(specs)
         self.pool = pool
+        self.state_every_page = state_every_page  # SchedulerConfig.state_snapshots == "every_page"
         sizes = [s.page_size for s in specs]
         self.base = reduce(math.gcd, sizes)
         self.lcm = reduce(math.lcm, sizes)
@@ -190,7 +193,8 @@ class CacheCoordinator:
 
         Holes and already-hashed pages are skipped. With `adopt`, a page whose hash already has a
         canonical page is repointed to it and the private duplicate freed. State groups register
-        only the page ending exactly at a chunk end (`chunk_end` and page-aligned).
+        only the page ending exactly at a chunk end (`chunk_end` and page-aligned), or every
+        completed page with `state_every_page` (the device snapshots every page end).
         Returns, per group, the slots whose page id changed (adoption), for the mirror."""
         pool = self.pool
         changed: list[list[int]] = []
@@ -200,7 +204,7 @@ class CacheCoordinator:
             complete = min(num_tokens // b, len(base_hashes) // k, len(t.pages))
             moved: list[int] = []
             start = t.num_published
-            if spec.family == "state":
+            if spec.family == "state" and not self.state_every_page:
                 start = complete - 1 if chunk_end and num_tokens % b == 0 else complete
                 start = max(start, t.num_published)
             for slot in range(start, complete):

@@ -30,7 +30,9 @@ class RequestLifecycle:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.pool = BlockPool(config.num_pages)
-        self.coord = CacheCoordinator(config.group_specs, self.pool)
+        self.coord = CacheCoordinator(
+            config.group_specs, self.pool, state_every_page=config.state_snapshots == "every_page"
+        )
         self._builder = OpsBuilder(config)
         self.layouts = self._builder.layouts
         self._requests: dict[str, Request] = {}

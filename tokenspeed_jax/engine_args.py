@@ -318,6 +318,8 @@ class EngineArgs:
             max_prefill_chunk_tokens=self.max_prefill_chunk_tokens,
             debug_checks=self.debug_checks,
             speculative=self.speculative_config,
+            # our recurrent layers snapshot their state at every page end (models/recurrent_state.py)
+            state_snapshots="every_page",
         )
 
 

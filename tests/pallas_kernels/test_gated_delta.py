@@ -87,7 +87,7 @@ def test_packed_rows_match_each_alone(chunk):
     init = jnp.asarray(rng.normal(size=(r, H, DK, DV)), jnp.float32)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     jitted = jax.jit(gated_delta_packed, static_argnames="config")
-    o, s = jitted(*xs, init, jnp.asarray(cu), jnp.asarray([4], jnp.int32), config=GatedDeltaConfig(chunk))
+    o, s, _ = jitted(*xs, init, jnp.asarray(cu), jnp.asarray([4], jnp.int32), config=GatedDeltaConfig(chunk))
     for row in range(len(lens)):
         a, b = cu[row], cu[row + 1]
         want_o, want_s = oracle(*(x[a:b] for x in xs), init[row])
@@ -103,7 +103,7 @@ def test_packed_nan_inputs_of_padding_do_not_leak():
     xs = [x.at[9:].set(jnp.nan) for x in xs]
     init = jnp.zeros((3, H, DK, DV), jnp.float32)
     cu = jnp.asarray([0, 1, 9, 9], jnp.int32)
-    o, s = gated_delta_packed(*xs, init, cu, jnp.asarray([2], jnp.int32), GatedDeltaConfig(4))
+    o, s, _ = gated_delta_packed(*xs, init, cu, jnp.asarray([2], jnp.int32), GatedDeltaConfig(4))
     assert np.isfinite(np.asarray(o[:9])).all() and np.isfinite(np.asarray(s)).all()
     want_o, want_s = oracle(*(x[1:9] for x in xs), init[1])
     np.testing.assert_allclose(s[1], want_s, atol=TOL, rtol=TOL)

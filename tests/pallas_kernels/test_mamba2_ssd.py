@@ -99,7 +99,7 @@ def test_packed_rows_match_each_alone(chunk):
     xs = inputs(rng, t)
     init = jnp.asarray(rng.normal(size=(r, H, P, N)), jnp.float32)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    y, s = packed(*xs, init, jnp.asarray(cu), jnp.asarray([4], jnp.int32), config=Mamba2Config(chunk))
+    y, s, _ = packed(*xs, init, jnp.asarray(cu), jnp.asarray([4], jnp.int32), config=Mamba2Config(chunk))
     x, dt, A, B, C = xs
     for row in range(len(lens)):
         a, b = cu[row], cu[row + 1]
@@ -115,7 +115,7 @@ def test_packed_nan_inputs_of_padding_do_not_leak():
     x, dt, A, B, C = (v.at[9:].set(jnp.nan) if v.ndim > 1 else v for v in inputs(rng, 16))
     init = jnp.zeros((3, H, P, N), jnp.float32)
     cu = jnp.asarray([0, 1, 9, 9], jnp.int32)
-    y, s = packed(x, dt, A, B, C, init, cu, jnp.asarray([2], jnp.int32), config=Mamba2Config(4))
+    y, s, _ = packed(x, dt, A, B, C, init, cu, jnp.asarray([2], jnp.int32), config=Mamba2Config(4))
     assert np.isfinite(np.asarray(y)).all() and np.isfinite(np.asarray(s)).all()
     want_y, want_s = oracle(x[1:9], dt[1:9], A, B[1:9], C[1:9], init[1])
     np.testing.assert_allclose(s[1], want_s, atol=TOL, rtol=TOL)

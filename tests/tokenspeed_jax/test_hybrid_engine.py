@@ -66,3 +66,23 @@ def test_prefix_hits_and_retraction_keep_greedy_tokens(dense, num_pages):
     if num_pages == 24:
         assert stats["num_retractions"] > 0
     assert stats["free_pages"] == stats["total_pages"]
+
+
+def test_state_resumes_at_any_page_boundary(dense):
+    """The recurrent layers snapshot their state at every page end, not only at chunk ends: B
+    shares A's first 30 tokens, which no chunk of A ended at (A ran 40 tokens in chunks of 16),
+    yet B resumes at 28, the last page boundary inside the shared part, and continues exactly as
+    the dense model does and as a run without the prefix cache does."""
+    rng = np.random.default_rng(2)
+    shared = rng.integers(3, 250, 30).tolist()
+    a, b = shared + rng.integers(3, 250, 10).tolist(), shared + rng.integers(3, 250, 7).tolist()
+    sp = SamplingParams(max_tokens=NEW, logprobs=True, ignore_eos=True)
+    llm = _llm(200)
+    llm.generate([a], sp)
+    before = llm.stats()["prefix_hit_tokens"]
+    out = llm.generate([b], sp)[0]
+    assert llm.stats()["prefix_hit_tokens"] - before == 28
+    assert out.token_ids == _greedy(dense, b, NEW)
+    cold = LLM("tiny-hybrid", page_size=4, num_pages=200, max_batch_requests=4, max_scheduled_tokens=16,
+               max_context_len=96, attention_backend="reference", enable_prefix_cache=False)  # fmt: skip
+    np.testing.assert_allclose(out.logprobs, cold.generate([b], sp)[0].logprobs, atol=1e-4)

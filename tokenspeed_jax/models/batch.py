@@ -25,6 +25,7 @@ class PagedBatch:
     state_write[g] i32[R]: the page taking the row's state after this step (the page of its
       last token), or `num_pages` (dropped) for padding / a row without tokens / a hole.
     layer_groups (static): cache-group index of each layer.
+    page_sizes (static): tokens per page of each group.
     """
 
     positions: jax.Array
@@ -36,6 +37,7 @@ class PagedBatch:
     state_read: tuple[jax.Array, ...]
     state_write: tuple[jax.Array, ...]
     layer_groups: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    page_sizes: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
 
 def make_paged_batch(
@@ -95,4 +97,5 @@ def make_paged_batch(
         state_read=tuple(state_read),
         state_write=tuple(state_write),
         layer_groups=layer_groups,
+        page_sizes=tuple(page_sizes),
     )

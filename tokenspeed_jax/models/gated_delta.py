@@ -28,6 +28,8 @@ from tokenspeed_jax.models.recurrent_state import (
     dense_windows,
     next_tails,
     read_states,
+    snapshot_plan,
+    snapshot_tails,
     write_states,
 )
 
@@ -133,6 +135,11 @@ class GatedDeltaNet(nnx.Module):
         ssm0, tail0 = read_states(cache, batch, group)
         windows = conv_windows(mixed, tail0, batch.cu_q_lens, self.kernel_size)
         q, kk, v = self._qkv(self._conv(windows), x.dtype)
-        core, ssm1 = gated_delta_packed(q, kk, v, g, beta, ssm0, batch.cu_q_lens, batch.num_seqs, self.config)
+        c, align, pages = snapshot_plan(batch, group, cache["ssm"].shape[0], self.config.chunk_size)
+        core, ssm1, pool = gated_delta_packed(
+            q, kk, v, g, beta, ssm0, batch.cu_q_lens, batch.num_seqs, GatedDeltaConfig(c), align,
+            (cache["ssm"], pages),
+        )  # fmt: skip
+        cache = snapshot_tails({**cache, "ssm": pool}, windows, pages)
         tail1 = next_tails(mixed, tail0, batch.cu_q_lens, self.kernel_size)
         return self._finish(core, z, x.dtype), write_states(cache, batch, group, ssm1, tail1)

@@ -25,6 +25,8 @@ from tokenspeed_jax.models.recurrent_state import (
     dense_windows,
     next_tails,
     read_states,
+    snapshot_plan,
+    snapshot_tails,
     write_states,
 )
 
@@ -128,6 +130,11 @@ class Mamba2Mixer(nnx.Module):
         ssm0, tail0 = read_states(cache, batch, group)
         windows = conv_windows(mixed, tail0, batch.cu_q_lens, self.kernel_size)
         xs, b, c = self._conv(windows, x.dtype)
-        y, ssm1 = ssd_packed(xs, dt, self._a(), b, c, ssm0, batch.cu_q_lens, batch.num_seqs, self.config)
+        chunk, align, pages = snapshot_plan(batch, group, cache["ssm"].shape[0], self.config.chunk_size)
+        y, ssm1, pool = ssd_packed(
+            xs, dt, self._a(), b, c, ssm0, batch.cu_q_lens, batch.num_seqs, Mamba2Config(chunk), align,
+            (cache["ssm"], pages),
+        )  # fmt: skip
+        cache = snapshot_tails({**cache, "ssm": pool}, windows, pages)
         tail1 = next_tails(mixed, tail0, batch.cu_q_lens, self.kernel_size)
         return self._finish(y, xs, gate, x.dtype), write_states(cache, batch, group, ssm1, tail1)

@@ -5,7 +5,10 @@ A state-group layer keeps two pools, one snapshot per page id: the recurrence's 
 (`"ssm"`, f32[P, ...]) and the conv tail (`"conv_state"`, f32[P, K-1, C]: the row's last K-1 conv
 inputs, oldest first). A row starts from `batch.state_read[g]` (the page of its last cached token)
 when it has cached tokens, else from zeros, and leaves its final state at `batch.state_write[g]`
-(the page of its last token this step; num_pages = dropped).
+(the page of its last token this step; num_pages = dropped). Every page a step completes also
+gets the state after its last token (`snapshot_plan`: the recurrence runs in chunks aligned to
+page boundaries and writes each page-end state), so the prefix cache can resume a later request
+at any page boundary, as it does for attention pages.
 """
 
 from __future__ import annotations
@@ -66,6 +69,29 @@ def next_tails(mixed: jax.Array, tail0: jax.Array, cu_q_lens: jax.Array, kernel:
         from_old = tail0[jnp.arange(r), jnp.clip(q_lens + m, 0, kernel - 2)]
         entries.append(jnp.where((jj >= 0)[:, None], from_chunk, from_old))
     return jnp.stack(entries, axis=1)
+
+
+def snapshot_plan(
+    batch: PagedBatch, group: int, pool_pages: int, max_chunk: int
+) -> tuple[int, jax.Array, jax.Array]:
+    """(chunk size c, align i32[R], page-end pages i32[T]) for `ragged_scan`'s page snapshots:
+    c = the largest divisor of the page size <= max_chunk, so chunk ends aligned to positions
+    `k * c` meet every page end; align = each row's first position mod c; pages[t] = the page
+    of token t when t is the last token of its page, else `pool_pages` (none). `pool_pages` is
+    the pool's length (n * num_pages under the layer scan, whose shifted write_idx it matches)."""
+    b = batch.page_sizes[group]
+    c = max(d for d in range(1, min(b, max_chunk) + 1) if b % d == 0)
+    q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
+    align = (batch.kv_lens - q_lens) % c
+    w = batch.write_idx[group]
+    pages = jnp.where((w < pool_pages * b) & (w % b == b - 1), w // b, pool_pages)
+    return c, align, pages
+
+
+def snapshot_tails(cache: dict, windows: jax.Array, pages: jax.Array) -> dict:
+    """Conv tails at page ends: the tail after token t is its window's newest K-1 inputs."""
+    tails = windows[:, 1:].astype(cache["conv_state"].dtype)
+    return {**cache, "conv_state": cache["conv_state"].at[pages].set(tails, mode="drop")}
 
 
 def write_states(cache: dict, batch: PagedBatch, group: int, ssm: jax.Array, tail: jax.Array) -> dict:
