@@ -35,6 +35,12 @@ HYBRID = group_specs_from_layer_types(
     conv_page_size=2,
 )
 
+# Recurrent hybrid (Qwen3.5 / Bamba style): a W = 2 state group beside full attention, with the
+# state snapshotted at every page end (tokenspeed_jax's device does that).
+STATE_HYBRID = group_specs_from_layer_types(
+    layer_types=["linear_attention", "full_attention"], sliding_window_tokens=None, page_size=4
+)
+
 
 class FakeDevice:
     """Numpy stand-in for the jitted step (see module docstring)."""
@@ -110,6 +116,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Random workloads on one scheduler: on top of the debug checks, StepOps shapes never change,
     each request finishes with its exact token count, and all pages come back at the end."""
 
+    GROUPS = HYBRID
+    STATE_SNAPSHOTS = "chunk_end"
+
     def __init__(self) -> None:
         super().__init__()
         self.cfg = SchedulerConfig(
@@ -118,8 +127,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_batch_requests=4,
             max_scheduled_tokens=12,
             max_context_len=48,
-            groups=HYBRID,
+            groups=self.GROUPS,
             debug_checks=True,
+            state_snapshots=self.STATE_SNAPSHOTS,
         )
         self.sched = Scheduler(self.cfg)
         self.rng = np.random.default_rng(0)

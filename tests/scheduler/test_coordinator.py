@@ -102,6 +102,24 @@ def test_publish_adopts_canonical_and_frees_duplicate():
     assert pool.key_of(c_tables[0].pages[0]) == pool.key_of(1)
 
 
+def test_state_every_page_publishes_every_completed_state_page():
+    """state_snapshots="every_page" (a device that snapshots every page end): a state page is
+    registered as soon as it is complete, like a history page, chunk end or not."""
+    full = PagedCacheGroupSpec("full", "full_history", 8, 1, None)
+    state = PagedCacheGroupSpec("state", "sliding_window", 8, 1, 2, family="state")
+    pool = BlockPool(64)
+    coord = CacheCoordinator([full, state], pool, state_every_page=True)
+    h = PrefixHasher(coord.base)
+    h.extend(list(range(40)))
+    tables = coord.new_tables()
+    coord.acquire(tables, 36)
+    assert tables[1].page_ids() == [6, 7, 8, 9, 10]
+    coord.publish(tables, h.hashes, 36)  # 36 is no page boundary: pages of slots 0-3 are complete
+    assert [pool.key_of(p) is not None for p in tables[1].page_ids()] == [True] * 4 + [False]
+    # a request sharing 35 tokens resumes at 32: the state group needs only slot 3's snapshot
+    assert coord.match_prefix(h.hashes, 35) == (32, [[1, 2, 3, 4], [0, 0, 0, 9]])
+
+
 def test_publish_skips_holes_and_hashed_pages_state_only_at_aligned_chunk_end():
     conv = PagedCacheGroupSpec("conv", "sliding_window", 4, 1, 3, live_tail_alloc=True)
     full = PagedCacheGroupSpec("full", "full_history", 8, 1, None)

@@ -1,7 +1,8 @@
 """Hypothesis stateful test of the Scheduler over random workloads.
 
 Arrivals with shared prefixes, aborts, a tiny pool that forces retraction, hybrid full + sliding +
-live-tail conv groups. `debug_checks=True` makes every schedule() apply the StepOps to a numpy
+live-tail conv groups, and a recurrent-state group beside full attention (every-page snapshots).
+`debug_checks=True` makes every schedule() apply the StepOps to a numpy
 mirror (DESIGN §6 rules) and assert it equals the authoritative rows, and run check_invariants()
 after every schedule and update. On top: StepOps shapes never change, each request finishes with
 its exact token count, and all pages come back at the end (the machine: tests/scheduler/helpers.py).
@@ -14,24 +15,38 @@ import pytest
 from hypothesis import settings
 
 from scheduler import Scheduler, SchedulerConfig
-from tests.scheduler.helpers import HYBRID, SchedulerMachine
+from tests.scheduler.helpers import HYBRID, STATE_HYBRID, SchedulerMachine
 
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 
 
+class StateSchedulerMachine(SchedulerMachine):
+    """The same workloads over a recurrent-state group publishing every page."""
+
+    GROUPS = STATE_HYBRID
+    STATE_SNAPSHOTS = "every_page"
+
+
+TestStateScheduler = StateSchedulerMachine.TestCase
+TestStateScheduler.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
+
+
 @pytest.mark.parametrize("chunk_cap", [None, 5])
-def test_pressure_workload_retracts_and_completes(chunk_cap):
+@pytest.mark.parametrize("groups", ["hybrid", "state"])
+def test_pressure_workload_retracts_and_completes(chunk_cap, groups):
     """A deterministic heavy run: the pool is far too small for everyone at once."""
+    state = groups == "state"
     cfg = SchedulerConfig(
         num_pages=30,
         page_size=4,
         max_batch_requests=8,
         max_scheduled_tokens=16,
         max_context_len=48,
-        groups=HYBRID,
+        groups=STATE_HYBRID if state else HYBRID,
         debug_checks=True,
         max_prefill_chunk_tokens=chunk_cap,
+        state_snapshots="every_page" if state else "chunk_end",
     )
     sched = Scheduler(cfg)
     rng = np.random.default_rng(1)
