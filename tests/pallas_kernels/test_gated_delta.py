@@ -118,3 +118,16 @@ def test_bad_shapes_are_value_errors():
                            jnp.ones(1, jnp.int32))  # fmt: skip
     with pytest.raises(ValueError, match="chunk_size"):
         GatedDeltaConfig(0)
+
+
+def test_lowers_without_lapack_calls():
+    """The chunk's triangular inverse is matmuls only: a LAPACK custom call's CPU kernel is bound
+    when JAX lowers it, so an executable read back from the executable cache in a fresh process
+    called through a null pointer (a segfault in serving, found by benchmarks/hybrid.py)."""
+    xs = inputs(np.random.default_rng(0), 8)
+    text = (
+        jax.jit(gated_delta_chunked, static_argnames="config")
+        .lower(*xs, None, config=GatedDeltaConfig(4))
+        .as_text()
+    )
+    assert "lapack" not in text.lower() and "trsm" not in text.lower()
