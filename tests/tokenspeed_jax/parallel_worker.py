@@ -51,10 +51,10 @@ def worker(group: str) -> dict:
     plp = SamplingParams(max_tokens=4, logprobs=True, prompt_logprobs=True, ignore_eos=True)
     out: dict = {"runs": {}}
 
-    def run(name, tp, dp, backend="reference", prompts=prompts, **kw):
+    def run(name, tp, dp, backend="reference", prompts=prompts, model="tiny-random", **kw):
         t0 = time.perf_counter()
         llm = LLM(
-            "tiny-random",
+            model,
             tensor_parallel_size=tp,
             data_parallel_size=dp,
             attention_backend=backend,
@@ -155,6 +155,10 @@ def worker(group: str) -> dict:
     }
     run("dp2", 1, 2)
     # scan_layers under tp: stacked params and pools keep their layer's spec behind the run axis
+    # a recurrent hybrid: attention heads sharded, the Gated DeltaNet layers and their state
+    # pools replicated (every device runs them whole)
+    run("hybrid_tp1", 1, 1, model="tiny-hybrid")
+    run("hybrid_tp2", 2, 1, model="tiny-hybrid")
     runner = run("tp2_scan", 2, 1, scan_layers=True).engine.runner
     leaves = jax.tree_util.tree_leaves_with_path((runner.params, runner.state.caches))
     out["scan_shards"] = {

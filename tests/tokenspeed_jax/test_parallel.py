@@ -4,7 +4,7 @@ The work runs in a 4-device subprocess (`parallel_worker.py`, group "core"); the
 here on its JSON record (quantized KV / weights and the Pallas kernels: test_parallel_quant.py):
 
 - greedy tokens, logprobs and prompt logprobs of tp=2, dp=2 and tp=2 x dp=2 == tp=1 (1e-4),
-  with the reference backend;
+  with the reference backend, and tp=2 == tp=1 on the Gated DeltaNet hybrid (tiny-hybrid);
 - params and pools really are sharded (specs and per-device shard shapes);
 - dp: both replicas served requests, `stats()` sums them, `engine` is `engines[0]`;
 - scan_layers under tp=2: same tokens, stacked params and pools sharded like their layer's;
@@ -29,8 +29,10 @@ def result() -> dict:
 
 
 @pytest.mark.parametrize(
-    "name,base", [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"), ("tp2_scan", "tp1"), ("tp1_warm", "tp1")]
-)
+    "name,base",
+    [("tp2", "tp1"), ("tp2dp2", "tp1"), ("dp2", "tp1"), ("tp2_scan", "tp1"), ("tp1_warm", "tp1"),
+     ("hybrid_tp2", "hybrid_tp1")],
+)  # fmt: skip
 def test_parallel_matches_single_device(result, name, base, max_logprob_diff):
     check_same_outputs(result, name, base, max_logprob_diff)
 
