@@ -85,3 +85,22 @@ def test_state_resumes_at_any_page_boundary(dense):
     cold = LLM("tiny-hybrid", page_size=4, num_pages=200, max_batch_requests=4, max_scheduled_tokens=16,
                max_context_len=96, attention_backend="reference", enable_prefix_cache=False)  # fmt: skip
     np.testing.assert_allclose(out.logprobs, cold.generate([b], sp)[0].logprobs, atol=1e-4)
+
+
+def test_scan_layers_equal_unrolled_with_prefix_hits():
+    """scan_layers stacks each run's pools and shifts page ids per layer by the group's page
+    size (8 here: neither a state pool's head count 4 nor its conv tail 3); the second batch
+    resumes from snapshots the scanned layers wrote."""
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, 250, 21).tolist()
+    prompts = [shared + rng.integers(3, 250, n).tolist() for n in (3, 9, 17)]
+    sp = SamplingParams(max_tokens=8, logprobs=True, ignore_eos=True)
+    runs = []
+    for scan in (False, True):
+        llm = LLM("tiny-hybrid", page_size=8, num_pages=60, max_batch_requests=4, max_scheduled_tokens=16,
+                  max_context_len=96, attention_backend="reference", scan_layers=scan)  # fmt: skip
+        outs = llm.generate(prompts, sp) + llm.generate(prompts, sp)
+        runs.append((outs, llm.stats()["prefix_hit_tokens"]))
+    (plain, hits), (scanned, scan_hits) = runs
+    assert [o.token_ids for o in scanned] == [o.token_ids for o in plain] and scan_hits == hits > 0
+    np.testing.assert_allclose([o.logprobs for o in scanned], [o.logprobs for o in plain], atol=1e-5)

@@ -149,7 +149,10 @@ class ScannedGraph:
         attn_fn: AttnFn,
         conv_fn: Callable | None,
     ) -> tuple[jax.Array, dict]:
-        n, num_pages, page_size = next(iter(cache.values())).shape[:3]
+        # the group's page size from the batch: a state pool's third axis is no page (and dict
+        # order is not the pools' order once they went through a pytree)
+        n, num_pages = next(iter(cache.values())).shape[:2]
+        page_size = batch.page_sizes[run.group]
         flat = {k: v.reshape(n * num_pages, *v.shape[2:]) for k, v in cache.items()}
 
         def body(carry, xs):
