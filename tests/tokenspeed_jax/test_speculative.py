@@ -222,6 +222,8 @@ def test_config_limits():
     )
     with pytest.raises(ValueError, match="recurrent-state"):
         SchedulerConfig(num_pages=8, groups=[state], speculative=SPEC)
+    with pytest.raises(ValueError, match="recurrent-state"):  # the same through the engine
+        LLM("tiny-hybrid", speculative_config=SPEC, num_pages=32, compile_cache_dir=False)
     conv = PagedCacheGroupSpec.make(
         "conv", "sliding_window", page_size=4, sliding_window_tokens=3, live_tail_alloc=True
     )
