@@ -50,6 +50,9 @@ ENGINE = (
         max_batch_requests=8,
         max_scheduled_tokens=128,
         max_context_len=256,
+        # a fixed pool: sized from free RAM (the CPU default), the cold and the warm process could
+        # get different pools, i.e. different step shapes, and the warm one nothing to load (CI)
+        kv_cache_memory_bytes=64 * 2**20,
     )  # fmt: skip
     if REHEARSE
     else dict(max_context_len=4096)  # the GPU defaults otherwise: dtype auto, 256 rows x 8192 tokens

@@ -71,9 +71,9 @@ def test_specs_from_layer_types():
     assert swa.sliding_window_tokens == 64
     assert state.family == "state" and state.sliding_window_tokens == 2
     assert layer_group_indices(["conv", "full_attention", "sliding_attention"], specs) == [0, 1, 2]
-    with pytest.raises(ValueError, match="layer 1.*'mamba'"):
+    with pytest.raises(ValueError, match="layer 1.*'rwkv'"):
         group_specs_from_layer_types(
-            layer_types=["full_attention", "mamba"], sliding_window_tokens=None, page_size=16
+            layer_types=["full_attention", "rwkv"], sliding_window_tokens=None, page_size=16
         )
     with pytest.raises(ValueError, match="layer 0.*sliding_window_tokens"):
         group_specs_from_layer_types(
