@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.ragged_scan import ragged_scan
+from pallas_kernels.ragged_scan import chunked_scan, ragged_scan
+from pallas_kernels.ragged_scan import initial_state as start_state
 
 __all__ = [
     "GatedDeltaConfig",
@@ -64,11 +65,6 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Arr
         raise ValueError(f"{v.shape=} must be {q.shape[:-1]} + (Dv,)")
     if g.shape != q.shape[:-1] or beta.shape != q.shape[:-1]:
         raise ValueError(f"{g.shape=} {beta.shape=} must both be {q.shape[:-1]}")
-
-
-def _initial_state(state: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
-    """The float32 starting state of one sequence: `state`, or zeros of `shape` when None."""
-    return jnp.zeros(shape, jnp.float32) if state is None else state.astype(jnp.float32)
 
 
 def gated_delta_step(
@@ -139,25 +135,9 @@ def gated_delta_chunked(
     """One sequence: q k f[S, H, Dk], v f[S, H, Dv], g beta f[S, H], initial_state
     f32[H, Dk, Dv] (None = zeros) -> (o f32[S, H, Dv], final state f32[H, Dk, Dv])."""
     _check(q, k, v, g, beta, 1)
-    s, h, dk = q.shape
-    dv = v.shape[-1]
-    c = config.chunk_size
-    pad = -s % c
-
-    def f32(x: jax.Array) -> jax.Array:
-        return jnp.pad(x.astype(jnp.float32), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-
-    q, k, v, g, beta = (f32(x) for x in (q, k, v, g, beta))
-    n = (s + pad) // c
-    chunks = tuple(x.reshape(n, c, *x.shape[1:]) for x in (q, k, v, g, beta))
-    state = _initial_state(initial_state, (h, dk, dv))
-
-    def body(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        out, state = _chunk(state, *xs)
-        return state, out
-
-    state, out = lax.scan(body, state, chunks)
-    return out.reshape(n * c, h, dv)[:s], state
+    h, dk, dv = q.shape[1], q.shape[2], v.shape[-1]
+    state = start_state(initial_state, (h, dk, dv))
+    return chunked_scan(lambda st, xs: _chunk(st, *xs), (q, k, v, g, beta), state, config.chunk_size)
 
 
 def gated_delta_reference(
@@ -171,7 +151,7 @@ def gated_delta_reference(
     """`gated_delta_chunked`'s contract, computed token by token (`gated_delta_step`)."""
     _check(q, k, v, g, beta, 1)
     h, dk, dv = q.shape[1], q.shape[2], v.shape[-1]
-    state = _initial_state(initial_state, (h, dk, dv))
+    state = start_state(initial_state, (h, dk, dv))
     xs = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
     state, out = lax.scan(lambda st, x: gated_delta_step(st, *x), state, xs)
     return out, state

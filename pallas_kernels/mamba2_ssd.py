@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.ragged_scan import ragged_scan
+from pallas_kernels.ragged_scan import chunked_scan, ragged_scan
+from pallas_kernels.ragged_scan import initial_state as start_state
 
 __all__ = ["Mamba2Config", "ssd_chunked", "ssd_packed", "ssd_reference", "ssd_step"]
 
@@ -56,11 +57,6 @@ def _check(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array
         raise ValueError(f"{B.shape=} {C.shape=} must both be {x.shape[:-2]} + (G, N)")
     if B.shape[-2] < 1 or x.shape[-2] % B.shape[-2]:
         raise ValueError(f"{B.shape=}: the group count must divide the {x.shape[-2]} heads")
-
-
-def _initial_state(state: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
-    """The float32 starting state of one sequence: `state`, or zeros of `shape` when None."""
-    return jnp.zeros(shape, jnp.float32) if state is None else state.astype(jnp.float32)
 
 
 def _heads(b: jax.Array, h: int) -> jax.Array:
@@ -122,27 +118,14 @@ def ssd_chunked(
     """One sequence: x f[S, H, P], dt f[S, H], A f[H], B C f[S, G, N], initial_state f32[H, P, N]
     (None = zeros) -> (y f32[S, H, P], final state f32[H, P, N])."""
     _check(x, dt, A, B, C, 1)
-    s, h, p = x.shape
-    n = B.shape[-1]
-    c = config.chunk_size
-    pad = -s % c
+    a = A.astype(jnp.float32)
+    state = start_state(initial_state, (x.shape[1], x.shape[2], B.shape[-1]))
 
-    def f32(v: jax.Array) -> jax.Array:
-        return jnp.pad(v.astype(jnp.float32), [(0, pad)] + [(0, 0)] * (v.ndim - 1))
-
-    x, dt, B, C = (f32(v) for v in (x, dt, B, C))
-    A = A.astype(jnp.float32)
-    m = (s + pad) // c
-    chunks = tuple(v.reshape(m, c, *v.shape[1:]) for v in (x, dt, B, C))
-    state = _initial_state(initial_state, (h, p, n))
-
-    def body(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+    def chunk(state: jax.Array, xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
         xc, dtc, bc, cc = xs
-        y, state = _chunk(state, xc, dtc, A, bc, cc)
-        return state, y
+        return _chunk(state, xc, dtc, a, bc, cc)
 
-    state, y = lax.scan(body, state, chunks)
-    return y.reshape(m * c, h, p)[:s], state
+    return chunked_scan(chunk, (x, dt, B, C), state, config.chunk_size)
 
 
 def ssd_reference(
@@ -156,7 +139,7 @@ def ssd_reference(
     """`ssd_chunked`'s contract, computed token by token (`ssd_step`)."""
     _check(x, dt, A, B, C, 1)
     h, p, n = x.shape[1], x.shape[2], B.shape[-1]
-    state = _initial_state(initial_state, (h, p, n))
+    state = start_state(initial_state, (h, p, n))
     xs = tuple(v.astype(jnp.float32) for v in (x, dt, B, C))
     A = A.astype(jnp.float32)
 

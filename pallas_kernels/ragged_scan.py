@@ -25,6 +25,33 @@ StepFn = Callable[[jax.Array, Sequence[jax.Array]], tuple[jax.Array, jax.Array]]
 ChunkFn = Callable[[jax.Array, Sequence[jax.Array]], tuple[jax.Array, jax.Array]]  # (out, state)
 
 
+def initial_state(state: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
+    """The float32 starting state of one sequence: `state`, or zeros of `shape` when None."""
+    return jnp.zeros(shape, jnp.float32) if state is None else state.astype(jnp.float32)
+
+
+def chunked_scan(
+    chunk: ChunkFn, xs: Sequence[jax.Array], state: jax.Array, chunk_size: int
+) -> tuple[jax.Array, jax.Array]:
+    """One sequence through `chunk` in chunks of `chunk_size`: xs per-token inputs f[S, ...]
+    (zero-padded to a whole number of chunks: the identity for both recurrences), state f32[...]
+    -> (out f32[S, ...], final state)."""
+    s, c = xs[0].shape[0], chunk_size
+    pad = -s % c
+    m = (s + pad) // c
+    chunks = [
+        jnp.pad(x.astype(jnp.float32), [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(m, c, *x.shape[1:])
+        for x in xs
+    ]
+
+    def body(state: jax.Array, pieces: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        out, state = chunk(state, pieces)
+        return state, out
+
+    state, out = lax.scan(body, state, chunks)
+    return out.reshape(m * c, *out.shape[2:])[:s], state
+
+
 def ragged_scan(
     step: StepFn,
     chunk: ChunkFn,

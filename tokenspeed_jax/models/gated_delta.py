@@ -26,11 +26,9 @@ from tokenspeed_jax.models.layers import Linear
 from tokenspeed_jax.models.recurrent_state import (
     conv_windows,
     dense_windows,
-    next_tails,
     read_states,
     snapshot_plan,
-    snapshot_tails,
-    write_states,
+    store_states,
 )
 
 
@@ -140,6 +138,6 @@ class GatedDeltaNet(nnx.Module):
             q, kk, v, g, beta, ssm0, batch.cu_q_lens, batch.num_seqs, GatedDeltaConfig(c), align,
             (cache["ssm"], pages),
         )  # fmt: skip
-        cache = snapshot_tails({**cache, "ssm": pool}, windows, pages)
-        tail1 = next_tails(mixed, tail0, batch.cu_q_lens, self.kernel_size)
-        return self._finish(core, z, x.dtype), write_states(cache, batch, group, ssm1, tail1)
+        return self._finish(core, z, x.dtype), store_states(
+            cache, batch, group, pool, ssm1, windows, tail0, pages
+        )

@@ -23,11 +23,9 @@ from tokenspeed_jax.models.layers import Linear
 from tokenspeed_jax.models.recurrent_state import (
     conv_windows,
     dense_windows,
-    next_tails,
     read_states,
     snapshot_plan,
-    snapshot_tails,
-    write_states,
+    store_states,
 )
 
 
@@ -135,6 +133,6 @@ class Mamba2Mixer(nnx.Module):
             xs, dt, self._a(), b, c, ssm0, batch.cu_q_lens, batch.num_seqs, Mamba2Config(chunk), align,
             (cache["ssm"], pages),
         )  # fmt: skip
-        cache = snapshot_tails({**cache, "ssm": pool}, windows, pages)
-        tail1 = next_tails(mixed, tail0, batch.cu_q_lens, self.kernel_size)
-        return self._finish(y, xs, gate, x.dtype), write_states(cache, batch, group, ssm1, tail1)
+        return self._finish(y, xs, gate, x.dtype), store_states(
+            cache, batch, group, pool, ssm1, windows, tail0, pages
+        )

@@ -55,22 +55,6 @@ def dense_windows(mixed: jax.Array, kernel: int) -> jax.Array:
     return jnp.stack([padded[j : j + s] for j in range(kernel)], axis=1)
 
 
-def next_tails(mixed: jax.Array, tail0: jax.Array, cu_q_lens: jax.Array, kernel: int) -> jax.Array:
-    """Each row's new tail f32[R, K-1, C]: its last K-1 conv inputs, from this step's chunk or,
-    for a chunk shorter than K-1, partly from its old tail."""
-    if kernel == 1:
-        return tail0
-    t, r = mixed.shape[0], tail0.shape[0]
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    entries = []
-    for m in range(kernel - 1):
-        jj = q_lens - (kernel - 1) + m  # index in the chunk of tail entry m
-        from_chunk = mixed[jnp.clip(cu_q_lens[:-1] + jj, 0, t - 1)]
-        from_old = tail0[jnp.arange(r), jnp.clip(q_lens + m, 0, kernel - 2)]
-        entries.append(jnp.where((jj >= 0)[:, None], from_chunk, from_old))
-    return jnp.stack(entries, axis=1)
-
-
 def snapshot_plan(
     batch: PagedBatch, group: int, pool_pages: int, max_chunk: int
 ) -> tuple[int, jax.Array, jax.Array]:
@@ -88,17 +72,28 @@ def snapshot_plan(
     return c, align, pages
 
 
-def snapshot_tails(cache: dict, windows: jax.Array, pages: jax.Array) -> dict:
-    """Conv tails at page ends: the tail after token t is its window's newest K-1 inputs."""
-    tails = windows[:, 1:].astype(cache["conv_state"].dtype)
-    return {**cache, "conv_state": cache["conv_state"].at[pages].set(tails, mode="drop")}
-
-
-def write_states(cache: dict, batch: PagedBatch, group: int, ssm: jax.Array, tail: jax.Array) -> dict:
-    """The pools with each row's final state and tail at its `state_write` page (dropped rows:
-    index num_pages, mode="drop")."""
+def store_states(
+    cache: dict,
+    batch: PagedBatch,
+    group: int,
+    ssm_pool: jax.Array | None,
+    ssm: jax.Array,
+    windows: jax.Array,
+    tail0: jax.Array,
+    pages: jax.Array,
+) -> dict:
+    """The pools after a step: ssm_pool (the state pool with the page-end snapshots the kernel
+    wrote; None: cache["ssm"]) plus each row's final state f32[R, ...] at its `state_write`
+    page. The conv tail after token t is its window's newest K-1 inputs (windows f32[T, K, C]),
+    stored at page ends (`pages`, from `snapshot_plan`) and, for each row, after its last token
+    (a row without tokens keeps tail0). Dropped rows / tokens index past the pool."""
+    tails = windows[:, 1:]
+    q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
+    last = jnp.clip(batch.cu_q_lens[1:] - 1, 0, windows.shape[0] - 1)
+    row_tails = jnp.where((q_lens > 0)[:, None, None], tails[last], tail0)
     write = batch.state_write[group]
+    conv = cache["conv_state"].at[pages].set(tails.astype(cache["conv_state"].dtype), mode="drop")
     return {
-        "ssm": cache["ssm"].at[write].set(ssm, mode="drop"),
-        "conv_state": cache["conv_state"].at[write].set(tail, mode="drop"),
+        "ssm": (cache["ssm"] if ssm_pool is None else ssm_pool).at[write].set(ssm, mode="drop"),
+        "conv_state": conv.at[write].set(row_tails, mode="drop"),
     }
