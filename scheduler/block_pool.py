@@ -139,6 +139,17 @@ class BlockPool:
             del self._key_pages[key]
         self.num_evictions += 1
 
+    def drop_cached(self) -> int:
+        """Forget every prefix hash (the pages' K/V are stale: new weights, or a freed pool);
+        pages stay where they are (free or held). Returns how many hashes were dropped."""
+        n = 0
+        for page in range(1, self.num_pages):
+            if self._page_key[page] is not None:
+                self._page_key[page] = None
+                n += 1
+        self._key_pages.clear()
+        return n
+
     # ------------------------------------------------------------------ invariants
     def check_invariants(self, expected_refcounts: dict[int, int] | None = None) -> None:
         """Raise AssertionError when the pool is inconsistent.

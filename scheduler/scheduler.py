@@ -75,6 +75,14 @@ class Scheduler(RequestLifecycle):
         """Steps scheduled whose `update` has not come yet (0 in the synchronous loop)."""
         return len(self._flights)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache (its K/V were computed with weights that changed, or live in
+        a pool that was freed). Only between requests: RuntimeError while any is unfinished or a
+        step is in flight. Returns how many page hashes were dropped."""
+        if self.has_unfinished() or self._flights:
+            raise RuntimeError("reset_prefix_cache needs an idle scheduler (requests or steps in flight)")
+        return self.pool.drop_cached()
+
     def prefix_match_tokens(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> int:
         """Prompt tokens a new request would take from the prefix cache right now (read-only;
         data-parallel routing sends a request to the replica with the longest match)."""

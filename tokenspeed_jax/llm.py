@@ -28,6 +28,7 @@ from tokenspeed_jax.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from tokenspeed_jax.distributed.runner import DistributedGroup, DistributedRunner
     from tokenspeed_jax.runtime.runner import ModelRunner
+    from tokenspeed_jax.runtime.weight_update import WeightLoader
 
 
 _D = EngineArgs()  # the defaults of LLM's keywords
@@ -167,16 +168,21 @@ class LLM:
             self.model_config, net, self.tokenizer = load_model(
                 args.model, args.dtype, args.seed, lazy=multi, gguf_blocks=args.quantization == "gguf"
             )
-        # every in-place transform once, before the replicas that share the model
-        prepared = prepare(
-            self.model_config,
-            net,
+        # every in-place transform once, before the replicas that share the model; kept for
+        # `update_weights` (research.py), which re-runs the same transforms by the same code
+        self.prepare_options: dict[str, Any] = dict(
             tensor_parallel_size=tp,
             quantization=args.quantization,
             host_staging=multi,
             one_device=meshes[0] is None,
             fuse=fuse_by_default(platform),
         )
+        prepared = prepare(self.model_config, net, **self.prepare_options)
+        # what `update_weights` re-runs (research.py): the same transforms, by the same code
+        self.family = _family_of(args.model)
+        self._weight_loader: WeightLoader | None = None
+        self.weights_source: str | None = args.model  # where level-2 sleep reloads from
+        self.sleep_level = 0
         self.dtype = self.model_config.dtype  # "auto" resolved: the checkpoint's
         eos = self.model_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -289,6 +295,8 @@ class LLM:
         spread over data-parallel replicas, "load" (fewest outstanding tokens, the default) or
         "prefix" (longest prefix-cache match first); see `tokenspeed_jax.engine.replicas`."""
         self._leader_only("generate")
+        if self.sleep_level:
+            raise RuntimeError("the LLM is asleep (sleep()): call wake_up() before generate")
         given: list[Sequence[int] | str] = [prompts] if isinstance(prompts, str) else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -389,6 +397,71 @@ class LLM:
             )
         return out
 
+    # ------------------------------------------------------------------ research hooks
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights serving now: 0 at load, +1 per `update_weights` unless it
+        was given one (or set here). Every `CompletionOutput.weight_version` reports it."""
+        return self.engine.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        from tokenspeed_jax import research
+
+        research._set_version(self, version)
+
+    def update_weights(
+        self,
+        weights: Any,
+        *,
+        in_flight: str = "finish",
+        weight_version: int | None = None,
+        copy: bool = False,
+    ) -> dict:
+        """Replace the weights in place, between steps, through the load path's transforms.
+
+        weights: a safetensors checkpoint directory (same family and shapes), a mapping or an
+        iterable of (name, array) pairs (numpy, jax or anything with `__array__`; Hugging Face
+        names, or our raw parameter paths such as "layers.0.mlp.up_proj.kernel" [in, out]), or a
+        JAX trainer's params: an nnx.Module / nnx.State / nested dict of a `CausalLM` built like
+        ours (`runtime.weight_inputs`). A subset of the tensors updates only those modules.
+        in_flight: requests in flight "finish" on the old weights or are "abort"ed. The prefix
+        cache is dropped. weight_version: the new version (default: current + 1). copy: copy
+        the arrays handed over (by default a jax array already in our dtype and layout is
+        shared, not copied: do not donate it afterwards).
+        ValueError naming the tensor (wrong name, shape or dtype) before anything changes.
+        Returns {"weight_version", "seconds", "tensors", "replaced", "bytes", "outputs"}
+        (`tokenspeed_jax.research.update_weights`)."""
+        from tokenspeed_jax import research
+
+        self._leader_only("update_weights")
+        return research.update_weights(
+            self, weights, in_flight=in_flight, weight_version=weight_version, copy=copy
+        )
+
+    def sleep(self, level: int = 1, *, in_flight: str = "finish") -> dict:
+        """Free device memory until `wake_up`: level 1 the KV pools (and page tables), level 2
+        the weights too. Requests in flight "finish" first or are "abort"ed; the prefix cache
+        is dropped. Returns {"level", "freed_bytes", "kv_bytes", "outputs"}."""
+        from tokenspeed_jax import research
+
+        self._leader_only("sleep")
+        return research.sleep(self, level, in_flight=in_flight)
+
+    def wake_up(self, weights: Any = None) -> dict:
+        """Restore what `sleep` freed, with no compile (same shapes, same executables). After
+        level 2 the weights come from `weights` (what `update_weights` takes) or are reloaded
+        from where they came from. Returns {"seconds", "restored_bytes"}."""
+        from tokenspeed_jax import research
+
+        self._leader_only("wake_up")
+        return research.wake_up(self, weights)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether `sleep` freed the KV pools (and `wake_up` has not run since)."""
+        return self.sleep_level > 0
+
     def stats(self) -> dict:
         """Scheduler + engine counters: free/total pages, prefix_hit_rate, retractions, ...
 
@@ -399,3 +472,21 @@ class LLM:
         if not math.isfinite(out.get("prefix_hit_rate", 0.0)):
             out["prefix_hit_rate"] = 0.0
         return out
+
+
+def _family_of(model: str) -> str:
+    """The Hugging Face family whose tensor names `update_weights` translates: a checkpoint
+    directory's `config.json`; "" (Llama-style names) for the built-in models and aliases'
+    own files alike when there is no config."""
+    import json
+
+    from tokenspeed_jax.models import registry
+
+    path = registry.resolve_alias(model) if model in registry.MODEL_ALIASES else model
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return ""
+    from tokenspeed_jax.hf.config import family_of
+
+    with open(config) as f:
+        return family_of(json.load(f))

@@ -32,6 +32,8 @@ class CompletionOutput:
     # per generated token: the k most likely (token id, logprob) pairs, when top_logprobs = k > 0
     top_logprobs: list[list[tuple[int, float]]] | None = None
     metrics: RequestMetrics | None = None
+    # `LLM.weight_version` of the weights that generated it (rollouts matched to their policy)
+    weight_version: int = 0
 
     @property
     def tpot(self) -> float | None:

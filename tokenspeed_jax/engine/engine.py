@@ -91,6 +91,10 @@ class Engine:
         # buffers, so it is refused loudly instead.
         self._stepping = threading.Lock()
         self._grammars: GrammarBook | None = None  # built with the first constrained request
+        # research hooks (`LLM.update_weights`, `LLM.sleep`): stamped on every output; a sleeping
+        # engine (no KV pool) takes no request
+        self.weight_version = 0
+        self.sleeping = False
 
     # ------------------------------------------------------------------ requests
     def _check_ids(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
@@ -135,7 +139,9 @@ class Engine:
 
         prompt: token ids (checked here: the engine's checks, then the scheduler's), or the
         `CheckedPrompt` that `validate(prompt, params)` returned (not checked again by the
-        engine). request_id: None = "req-N", N counting up."""
+        engine). request_id: None = "req-N", N counting up. RuntimeError while asleep."""
+        if self.sleeping:
+            raise RuntimeError("the engine is asleep (LLM.sleep): call wake_up() before adding requests")
         if isinstance(prompt, CheckedPrompt):
             if prompt.params is not params and prompt.params != params:
                 raise ValueError("a CheckedPrompt must be queued with the params it was validated with")
@@ -173,6 +179,11 @@ class Engine:
         self.scheduler.abort(request_id)
         track.metrics.finish_time = time.perf_counter()
         return self._output(request_id, track, track.token_ids, finish_reason)
+
+    def abort_all(self) -> list[CompletionOutput]:
+        """Abort every live request (`abort`); their outputs."""
+        outs = [self.abort(rid) for rid in list(self._tracks)]
+        return [o for o in outs if o is not None]
 
     def _book(self) -> GrammarBook:
         if self._grammars is None:
@@ -364,6 +375,7 @@ class Engine:
             prompt_logprobs=track.prompt_logprobs,
             metrics=track.metrics,
             top_logprobs=track.top[: len(token_ids)] if track.params.top_logprobs else None,
+            weight_version=self.weight_version,
         )
 
     def warmup(self, max_kv_len: int | None = None, *, progress: bool = False, workers: int = 2) -> int:

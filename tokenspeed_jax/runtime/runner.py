@@ -200,6 +200,7 @@ class ModelRunner:
                 out_shardings=(state_sh, rep, rep, rep, rep, rep, rep),
             )
         self.params = params
+        self._make_state, self._make_penalties = make_state, make_penalties
         # The jitted step takes the params as their flat list of arrays: flattening the nnx.State
         # (a Python callback per Variable) on every call cost ~0.1 ms of host time per step.
         self.param_leaves, self._param_def = jax.tree.flatten(self.params)
@@ -278,6 +279,69 @@ class ModelRunner:
             top,
             accepted,
         )
+
+    # ------------------------------------------------------------------ weights and memory
+    def params_of(self, model: CausalLM) -> Any:
+        """`model`'s parameters split as this runner holds them (`nnx.split`, or `scan_layers`'
+        stacking), not placed: `runtime.weight_update` puts each on its old leaf's sharding."""
+        if self._scan is not None:
+            return ScannedGraph.split(model, self.layout.layer_groups)[1]
+        return nnx.split(model)[1]
+
+    @property
+    def param_treedef(self) -> Any:
+        """The tree structure of `params` (what an update must reproduce)."""
+        return self._param_def
+
+    @property
+    def param_abstract(self) -> list[jax.ShapeDtypeStruct]:
+        """Shape, dtype and sharding of every parameter leaf: what the executables take."""
+        leaves: list[jax.ShapeDtypeStruct] = self._abstract[0]
+        return leaves
+
+    def set_param_leaves(self, leaves: list[jax.Array | None]) -> None:
+        """Swap in new parameter leaves (None: keep that one); shapes, dtypes and shardings as
+        `param_abstract` (checked by `runtime.weight_update`), so no step recompiles."""
+        old = self.param_leaves
+        self.param_leaves = [o if n is None else n for n, o in zip(leaves, old, strict=True)]
+        self.params = jax.tree.unflatten(self._param_def, self.param_leaves)
+
+    def release_params(self) -> None:
+        """Drop the references to the parameters (`LLM.sleep(level=2)`); arrays nobody else holds
+        (a trainer may share them) are freed. `set_param_leaves` with every leaf restores them."""
+        self.param_leaves = [None] * len(self._abstract[0])
+        self.params = None
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the KV pools (device state) exist (False after `release_state`)."""
+        return self.state is not None
+
+    def release_state(self) -> int:
+        """Free the device state: page pools, page-table mirrors, last tokens, penalty counts
+        (`LLM.sleep`). Returns the bytes freed. Pending steps are waited for first."""
+        if self.state is None:
+            return 0
+        arrays = [x for x in jax.tree.leaves((self.state, self.penalties)) if isinstance(x, jax.Array)]
+        jax.block_until_ready(arrays)
+        freed = sum(x.nbytes for x in arrays if not x.is_deleted())
+        for x in arrays:
+            if not x.is_deleted():
+                x.delete()
+        self.state = self.penalties = None  # type: ignore[assignment]
+        return freed
+
+    def restore_state(self) -> None:
+        """Build the device state again (zeroed pools, null-page mirrors), with the shapes and
+        shardings the executables were compiled for: waking needs no compile."""
+        if self.state is not None:
+            return
+        if self._tp is None:
+            self.state, self.penalties = self._make_state(), self._make_penalties()
+        else:
+            sh = self._abstract[1:]
+            self.state = jax.jit(self._make_state, out_shardings=jax.tree.map(lambda a: a.sharding, sh[0]))()
+            self.penalties = jax.jit(self._make_penalties, out_shardings=self._tp.replicated)()
 
     # ------------------------------------------------------------------ host side
     supports_token_mask = True  # `dispatch(ops, token_mask)` (structured outputs)
