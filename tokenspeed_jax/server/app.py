@@ -1,5 +1,6 @@
 """FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (streaming via SSE), /health,
-/stats, /metrics.
+/stats, /metrics; the research routes /sleep, /wake_up, /is_sleeping, /update_weights_from_disk
+(`server.research_routes`: completions get 503 while asleep).
 
 OpenAI conformance: n samples, stop strings, logprobs / top_logprobs, penalties, logit_bias,
 seed, stream_options.include_usage; structured outputs (response_format, vLLM's guided_* and
@@ -38,6 +39,7 @@ from tokenspeed_jax.server.errors import install_error_handlers
 from tokenspeed_jax.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from tokenspeed_jax.server.metrics import ServerMetrics
 from tokenspeed_jax.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenspeed_jax.server.research_routes import ResearchGate, add_research_routes
 from tokenspeed_jax.server.serving import CompletionService
 from tokenspeed_jax.server.tokenize_routes import add_tokenize_routes
 
@@ -139,6 +141,8 @@ def build_app(
     def engine() -> AsyncEngine:
         return holder["engine"]
 
+    gate = ResearchGate()  # /sleep, /wake_up, /update_weights_from_disk (server.research_routes)
+    add_research_routes(app, llm, engine, gate)
     service = CompletionService(
         engine,
         tokenizer,
@@ -148,6 +152,7 @@ def build_app(
         drain,
         max_queued_requests=max_queued_requests,
         request_timeout_s=request_timeout_s,
+        gate=gate,
     )
 
     @app.get("/health")

@@ -33,6 +33,7 @@ from tokenspeed_jax.server.errors import UnsupportedField, error_response, model
 from tokenspeed_jax.server.events import Deadline, choice_events
 from tokenspeed_jax.server.limits import queue_full
 from tokenspeed_jax.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenspeed_jax.server.research_routes import ResearchGate
 from tokenspeed_jax.server.respond import Completion, tokenizer_call, whole_response
 from tokenspeed_jax.server.streaming import sse
 from tokenspeed_jax.server.tool_parse import ToolOutput
@@ -67,8 +68,10 @@ class CompletionService:
         *,
         max_queued_requests: int | None = None,
         request_timeout_s: float | None = None,
+        gate: ResearchGate | None = None,
     ) -> None:
         self.engine = engine
+        self.gate = gate  # asleep / updating weights: 503 (server.research_routes)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = vocab_size
@@ -131,6 +134,9 @@ class CompletionService:
         deadline = Deadline(self.request_timeout_s)
         if self.drain.draining:
             return self.drain.refusal()
+        refusal = None if self.gate is None else self.gate.refusal()
+        if refusal is not None:
+            return refusal
         admitted = self._admit(body, prompt_ids, chat, plan)
         if isinstance(admitted, Response):
             return admitted
