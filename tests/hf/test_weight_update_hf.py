@@ -1,0 +1,84 @@
+"""LLM.update_weights on a tiny Hugging Face Llama checkpoint (biases, tied table), float and
+int8 weights, q/k/v and gate/up fused (on CPU by the native tiling, elsewhere by default): an
+update from a directory or from (HF name, array) pairs gives what a fresh LLM of the new
+checkpoint gives (issue 48)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from tests.tokenspeed_jax.conftest import _max_logprob_diff as max_diff
+from tokenspeed_jax import LLM, SamplingParams
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+OPTS = dict(
+    num_pages=48, page_size=8, max_batch_requests=4, max_scheduled_tokens=64, max_context_len=128,
+    compile_cache_dir=False,
+)  # fmt: skip
+SP = SamplingParams(max_tokens=8, logprobs=True)
+PROMPTS = [[5, 17, 99, 230, 7, 64, 12], [300, 2, 44, 81]]
+
+
+def _tensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(A, B): the tiny llama checkpoint and a copy with every tensor perturbed."""
+    from safetensors.numpy import save_file
+
+    from tests.hf.checkpoints import build_checkpoint, family_configs
+
+    root = tmp_path_factory.mktemp("wu")
+    a, b = str(root / "a"), str(root / "b")
+    build_checkpoint("llama", family_configs()["llama"], a)
+    shutil.copytree(a, b)
+    rng = np.random.default_rng(7)
+    for f in os.listdir(b):
+        if f.endswith(".safetensors"):
+            os.remove(os.path.join(b, f))
+    new = {k: (v + rng.normal(0, 0.2, v.shape)).astype(v.dtype) for k, v in _tensors(a).items()}
+    save_file(new, os.path.join(b, "model.safetensors"))
+    return a, b
+
+
+def _run(llm: LLM):
+    outs = llm.generate(PROMPTS, SP)
+    return [o.token_ids for o in outs], [o.logprobs for o in outs]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_update_from_dir_and_pairs_equals_fresh(checkpoints, quantization):
+    a, b = checkpoints
+    want = _run(LLM(b, quantization=quantization, **OPTS))
+    llm = LLM(a, quantization=quantization, **OPTS)
+    old = _run(llm)
+    assert old[0] != want[0]
+    compiles = llm.stats()["num_compiles"]
+    llm.update_weights(b)
+    got = _run(llm)
+    assert got[0] == want[0] and max_diff(got[1], want[1]) < 1e-4
+    llm.update_weights(list(_tensors(a).items()))  # (HF name, numpy) pairs: back to A
+    back = _run(llm)
+    assert back[0] == old[0] and max_diff(back[1], old[1]) < 1e-4
+    assert llm.stats()["num_compiles"] == compiles and llm.weight_version == 2
+    # a bad tensor in a checkpoint-shaped update: named, nothing changed
+    bad = _tensors(b)
+    bad["model.layers.1.self_attn.v_proj.bias"] = bad["model.layers.1.self_attn.v_proj.bias"][:-1]
+    with pytest.raises(ValueError, match="layers.1.self_attn.v_proj.bias"):
+        llm.update_weights(bad.items())
+    again = _run(llm)
+    assert again[0] == old[0] and llm.weight_version == 2
