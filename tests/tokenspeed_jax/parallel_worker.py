@@ -71,6 +71,8 @@ def worker(group: str) -> dict:
         }
         return llm
 
+    if group == "weights":
+        return _weights_group(run, prompts, gen, plp, out)
     if group == "quant":
         # the reference backend on the prompts the Pallas runs take
         run("tp1_ref3", 1, 1, prompts=prompts[:3])
@@ -208,6 +210,61 @@ def _moe_forward_diff() -> float:
     sh = plan.param_shardings(params)
     f = jax.jit(lambda p, t: nnx.merge(graph, p).dense(t), in_shardings=(sh, plan.replicated))
     return float(np.abs(np.asarray(f(jax.device_put(params, sh), x)) - ref).max())
+
+
+def _weights_group(run, prompts, gen, plp, out: dict) -> dict:
+    """update_weights / sleep / wake_up under tp=2 (issue 48): plain, and with int8 weights and
+    q/k/v + gate/up fused for the shards (the accelerator layout): the updated LLM == a fresh
+    LLM of the new weights; every leaf keeps its sharding; no step recompiles."""
+    import jax
+    from flax import nnx
+
+    from tokenspeed_jax.models import registry
+    from tokenspeed_jax.runtime import prepare as prep
+
+    new = nnx.state(registry.load_builtin("tiny-random", seed=1)[1], nnx.Param)
+
+    def record(name, llm):
+        outs = llm.generate(prompts, gen) + llm.generate(prompts[:2], plp)
+        out["runs"][name] = {
+            "tokens": [o.token_ids for o in outs],
+            "logprobs": [o.logprobs for o in outs],
+            "prompt_logprobs": [o.prompt_logprobs for o in outs],
+            "versions": sorted({o.weight_version for o in outs}),
+        }
+
+    default = prep.fuse_by_default
+    out["checks"] = {}
+    for tag, kw in {"tp2": {}, "tp2_int8_fused": {"quantization": "int8"}}.items():
+        prep.fuse_by_default = (lambda platform: True) if "fused" in tag else default
+        try:
+            run(f"{tag}_seed1", 2, 1, seed=1, **kw)
+            llm = run(tag, 2, 1, seed=0, **kw)
+        finally:
+            prep.fuse_by_default = default
+        runner = llm.engine.runner
+        before = [x.sharding for x in runner.param_leaves]
+        compiles = llm.stats()["num_compiles"]
+        info = llm.update_weights(new)
+        record(f"{tag}_updated", llm)
+        slept = llm.sleep()
+        llm.wake_up()
+        record(f"{tag}_woken", llm)
+        st = llm.stats()
+        out["checks"][tag] = {
+            "replaced": info["replaced"],
+            "leaves": len(runner.param_leaves),
+            "same_shardings": all(a == x.sharding for a, x in zip(before, runner.param_leaves)),
+            "sharded": sum(len(x.sharding.device_set) == 2 for x in runner.param_leaves),
+            "fused": any(
+                "qkv_proj" in jax.tree_util.keystr(p)
+                for p, _ in jax.tree_util.tree_leaves_with_path(runner.params)
+            ),
+            "compiles_same": st["num_compiles"] == compiles,
+            "pages_free": st["free_pages"] == st["total_pages"],
+            "kv_freed": slept["freed_bytes"] >= 0.9 * slept["kv_bytes"] > 0,
+        }
+    return out
 
 
 def check_same_outputs(result: dict, name: str, base: str, max_logprob_diff) -> None:

@@ -113,7 +113,7 @@ def test_partial_update(llm, max_logprob_diff):
     pick = {p: v for p, v in new.items() if p[:3] == ("layers", 2, "mlp") or p[0] == "norm"}
     assert pick
     base = _params(0)
-    mixed = [(dotted(p), pick[p] if p in pick else v) for p, v in nnx.to_flat_state(base)]
+    mixed = [(dotted(p), pick.get(p, v)) for p, v in nnx.to_flat_state(base)]
     ref = LLM("tiny-random", seed=0, **OPTS)
     ref.update_weights(mixed)
     info = llm.update_weights([(dotted(p), v) for p, v in pick.items()])
