@@ -11,7 +11,7 @@ from flax import nnx
 
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.models import registry
-from tokenspeed_jax.runtime.weight_inputs import dotted
+from tokenspeed_jax.runtime.weight_inputs import dotted, hf_tensors
 
 OPTS = dict(
     num_pages=48, page_size=8, max_batch_requests=4, max_scheduled_tokens=64, max_context_len=128,
@@ -28,22 +28,6 @@ def _run(llm: LLM, prompts=PROMPTS):
 
 def _params(seed: int):
     return nnx.state(registry.load_builtin("tiny-random", seed=seed)[1], nnx.Param)
-
-
-def _hf_pairs(state) -> list[tuple[str, np.ndarray]]:
-    """Our raw params under Hugging Face names (Linear kernels back to [out, in]), as numpy."""
-    out = []
-    for path, var in nnx.to_flat_state(state):
-        arr = np.asarray(var.get_value())
-        name = dotted(path)
-        if name == "embed_tokens":
-            name = "embed_tokens.weight"
-        elif path[-1] == "kernel":
-            name, arr = name.removesuffix(".kernel") + ".weight", arr.T
-        elif path[-1] == "conv_weight":
-            arr = arr.T[:, None, :]  # [K, H] -> HF's [H, 1, K]
-        out.append(("model." + name, arr))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +55,7 @@ def test_update_equals_fresh_llm(llm, fresh, form, max_logprob_diff):
     elif form == "module":
         weights = registry.load_builtin("tiny-random", seed=1)[1]
     else:
-        weights = _hf_pairs(_params(1))
+        weights = list(hf_tensors(_params(1)).items())
     compiles = llm.stats()["num_compiles"]
     info = llm.update_weights(weights)
     assert info["weight_version"] == before + 1 == llm.weight_version

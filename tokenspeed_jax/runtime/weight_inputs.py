@@ -40,6 +40,26 @@ def dotted(path: Path) -> str:
     return ".".join(str(p) for p in path)
 
 
+def hf_tensors(params: Any) -> dict[str, np.ndarray]:
+    """Raw params (an nnx.Module, nnx.State or params pytree of a `CausalLM`) as Llama-style
+    Hugging Face tensors, host numpy: the inverse of `hf.weights.generic_path` (Linear kernels
+    back to `weight [out, in]`, conv weights to `[H, 1, K]`, `model.` prefixed). With
+    `safetensors.numpy.save_file` this writes a checkpoint directory `update_weights` (and
+    `/update_weights_from_disk`) reads, e.g. of the built-in model."""
+    out: dict[str, np.ndarray] = {}
+    for name, leaf in _pairs(params):
+        arr = np.asarray(leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf)
+        last = name.rsplit(".", 1)[-1]
+        if name == "embed_tokens":
+            name = "embed_tokens.weight"
+        elif last == "kernel":
+            name, arr = name.removesuffix(".kernel") + ".weight", arr.T
+        elif last == "conv_weight":
+            arr = arr.T[:, None, :]  # [K, H] -> [H, 1, K]
+        out["model." + name] = np.ascontiguousarray(arr)
+    return out
+
+
 def _as_array(name: str, x: Any) -> jax.Array | np.ndarray:
     """x as a jax or numpy array whose dtype is floating; ValueError naming `name` otherwise."""
     if isinstance(x, nnx.Variable):
