@@ -21,6 +21,7 @@ for XLA's bf16 dot; float32 at 1 / 16 / 512 rows 3.2 / 9.2 / 176 ms against XLA'
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -191,13 +192,20 @@ def _native_call(
     block: int,
     target: str = TARGET,
     x_q8: bool = False,
+    out_dtype: Any = jnp.float32,
 ) -> jax.Array:
-    """The custom call on x's rows flattened to [M, K]; f32[..., N]. A bfloat16 x with bfloat16
-    weights tells the kernel its values are bf16 (`x_bf16`: the AVX512-BF16 dot product may take
-    them, exactly)."""
+    """The custom call on x's rows flattened to [M, K]; `out_dtype` (f32 or bf16) [..., N]. A
+    bfloat16 x goes in as it is (the kernel converts it where a path wants float32: one pass
+    of XLA's over the activations saved), and with bfloat16 weights tells the kernel its values
+    are bf16 (`x_bf16`: the AVX512-BF16 dot product and the AMX tiles take them, exactly); a bf16
+    y is rounded from the float32 accumulators by the kernel."""
     k, n = weight_shape(codes)
-    rows = x.reshape(-1, k).astype(jnp.float32)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
+    rows = x.reshape(-1, k)
+    if rows.dtype != jnp.bfloat16:
+        rows = rows.astype(jnp.float32)
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{out_dtype=}: the native matmul writes float32 or bfloat16")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), out_dtype))
     y: jax.Array = call(
         rows,
         codes,
@@ -221,22 +229,24 @@ def _check_dense(x: jax.Array, w: jax.Array) -> None:
     _check_x(x, w)
 
 
-def dense_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x f[..., K] @ w f32 / bf16[K, N] -> f32[..., N] (float32, HIGHEST precision)."""
+def dense_matmul_reference(x: jax.Array, w: jax.Array, out_dtype: Any = jnp.float32) -> jax.Array:
+    """x f[..., K] @ w f32 / bf16[K, N] -> out_dtype[..., N] (float32, HIGHEST precision, then
+    rounded to out_dtype)."""
     _check_dense(x, w)
-    return jnp.matmul(
+    y = jnp.matmul(
         x.astype(jnp.float32), unpack_tiles(w).astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
+    return y.astype(out_dtype)
 
 
-def dense_matmul_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x f[..., K] @ w f32 / bf16[K, N] -> f32[..., N] as one native call (the reference when
-    it cannot be built); x is computed in float32."""
+def dense_matmul_cpu(x: jax.Array, w: jax.Array, out_dtype: Any = jnp.float32) -> jax.Array:
+    """x f[..., K] @ w f32 / bf16[K, N] -> out_dtype (f32 or bf16) [..., N] as one native call
+    (the reference when it cannot be built); accumulated in float32."""
     _check_dense(x, w)
     if not available():
-        return dense_matmul_reference(x, w)
+        return dense_matmul_reference(x, w, out_dtype)
     k, n = weight_shape(w)
-    return _native_call(x, w, jnp.ones((1, n), jnp.float32), None, k)
+    return _native_call(x, w, jnp.ones((1, n), jnp.float32), None, k, out_dtype=out_dtype)
 
 
 def amx_calls(model: bool = False) -> int:
@@ -250,7 +260,7 @@ def amx_calls(model: bool = False) -> int:
     return int(calls())
 
 
-def dense_matmul_amx_model(x: jax.Array, w: jax.Array) -> jax.Array:
+def dense_matmul_amx_model(x: jax.Array, w: jax.Array, out_dtype: Any = jnp.float32) -> jax.Array:
     """`dense_matmul_cpu` on the software model of the AMX tiles: bf16 x with bf16 weights take
     the tile product (amx_matmul.h) at every row count, on any CPU, so tests check its packing,
     pairs, padding and edges against an oracle where no AMX exists. RuntimeError when the
@@ -259,4 +269,6 @@ def dense_matmul_amx_model(x: jax.Array, w: jax.Array) -> jax.Array:
     if native.load("block_matmul_amx_model") is None:
         raise RuntimeError(f"AMX model kernel: {native.unavailable('block_matmul_amx_model')}")
     k, n = weight_shape(w)
-    return _native_call(x, w, jnp.ones((1, n), jnp.float32), None, k, target=AMX_MODEL_TARGET)
+    return _native_call(
+        x, w, jnp.ones((1, n), jnp.float32), None, k, target=AMX_MODEL_TARGET, out_dtype=out_dtype
+    )

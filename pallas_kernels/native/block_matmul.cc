@@ -25,11 +25,12 @@
 // AVX512-VNNI), amx_matmul.h / amx_tiles.h (AMX-BF16, or its software model); here the work
 // split over threads and the FFI handler.
 //
-// Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32[M, K], codes s8 / f32 /
+// Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32 / bf16 [M, K], codes s8 / f32 /
 // bf16 [K, N] or [N / 16, K, 16] (tiled, N a multiple of 16), scales f32[G, N], mins f32[G, N]
 // (has_mins) or any f32 array. Attributes: block = K / G, has_mins, tiled, x_bf16 (x's values
 // are bfloat16: with AVX512-BF16, tile-major bf16 weights take the bf16 dot product,
-// Tile2<bf16>). Output f32[M, N].
+// Tile2<bf16>). Output f32 or bf16 [M, N] (bf16: the float32 sums rounded here, so a bf16
+// model's product needs no convert of XLA's on either side).
 // With AMX (or built with TOKENSPEED_AMX_MODEL: the software model of the tiles, for tests),
 // bf16 weights on bf16 x with one block of all K (dense_matmul_cpu) take the tile product of
 // amx_matmul.h from amx_min_rows() rows of x on.
@@ -217,10 +218,10 @@ void run_amx(ffi::ThreadPool& pool, const Problem& p) {
 }
 #endif
 
-ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer codes,
                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
                            int32_t block, bool has_mins, bool tiled, bool x_bf16, bool x_q8,
-                           ffi::ResultBuffer<ffi::F32> y) {
+                           ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions();
   auto cd = codes.dimensions();
   auto sd = scales.dimensions();
@@ -240,10 +241,42 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (dtype != ffi::DataType::S8 && dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument("block_matmul: codes must be int8, float32 or bfloat16");
   }
-  Problem p{x.typed_data(), codes.untyped_data(), scales.typed_data(),
-            has_mins ? mins.typed_data() : nullptr, nullptr, nullptr, y->typed_data(),
-            xd[0], ck, cn, block, tiled};
+  const bool x16 = x.element_type() == ffi::DataType::BF16;
+  const bool y16 = y->element_type() == ffi::DataType::BF16;
+  if ((!x16 && x.element_type() != ffi::DataType::F32) ||
+      (!y16 && y->element_type() != ffi::DataType::F32)) {
+    return ffi::Error::InvalidArgument("block_matmul: x and y must be float32 or bfloat16");
+  }
+  // A bf16 x / y is converted here (vectorized, no pass of XLA's over the activations): the
+  // kernel's paths read float32 x (or bf16 rows, x16_rows) and write float32 y.
+  std::vector<float> xf, yf;
+  const uint16_t* x16_rows = x16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+  if (y16) yf.resize(xd[0] * cn);
+  Problem p{x16 ? nullptr : static_cast<const float*>(x.untyped_data()), codes.untyped_data(),
+            scales.typed_data(), has_mins ? mins.typed_data() : nullptr, nullptr, nullptr,
+            y16 ? yf.data() : static_cast<float*>(y->untyped_data()), xd[0], ck, cn, block, tiled};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.x16 = x16_rows;
+  const auto finish = [&] {
+    if (y16) to_bf16(pool, yf.data(), static_cast<uint16_t*>(y->untyped_data()), p.m * p.n);
+    return ffi::Error::Success();
+  };
+  bool amx = false;
+#ifdef TOKENSPEED_AMX_ISA
+  amx = amx_eligible(p, dtype, x_bf16 || x16, has_mins) && TOKENSPEED_AMX_ISA::usable();
+#endif
+  if (x16 && (!amx || p.n % kCols != 0)) {  // every other path (and edge_tile) reads float32 x
+    xf.resize(p.m * p.k);
+    from_bf16(x16_rows, xf.data(), p.m * p.k);
+    p.x = xf.data();
+    x_bf16 = dtype == ffi::DataType::BF16;
+  }
+#ifdef TOKENSPEED_AMX_ISA
+  if (amx) {
+    run_amx<TOKENSPEED_AMX_ISA>(pool, p);  // the tiles read x16 rows directly
+    return finish();
+  }
+#endif
   std::vector<float> xsum;  // outlives every claimed chunk: parallel_chunks returns when all are done
   if (has_mins) {
     const int64_t groups = p.k / p.block;
@@ -253,12 +286,6 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     }
     p.xsum = xsum.data();
   }
-#ifdef TOKENSPEED_AMX_ISA
-  if (amx_eligible(p, dtype, x_bf16, has_mins) && TOKENSPEED_AMX_ISA::usable()) {
-    run_amx<TOKENSPEED_AMX_ISA>(pool, p);
-    return ffi::Error::Success();
-  }
-#endif
   std::vector<int8_t> xq;  // x_q8: x as Q8 blocks (tile_q8)
   std::vector<float> dx;
   std::vector<int32_t> qsum;
@@ -271,8 +298,8 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   std::vector<uint16_t> xb;  // x as bf16 pairs' halves (x_bf16: its values are bf16 already)
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x_bf16 && tiled && dtype == ffi::DataType::BF16 && !has_mins && p.n >= 2 * kCols) {
-    xb = bf16_rows(p, p.m, p.k);
-    p.xb = xb.data();
+    if (p.x16 == nullptr) xb = bf16_rows(p, p.m, p.k);
+    p.xb = p.x16 != nullptr ? p.x16 : xb.data();
   }
 #endif
   (void)x_bf16;
@@ -283,7 +310,7 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   } else {
     run<bf16>(pool, p);
   }
-  return ffi::Error::Success();
+  return finish();
 }
 
 }  // namespace tokenspeed::blockmm
@@ -291,7 +318,7 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TOKENSPEED_BLOCK_MATMUL_SYMBOL, tokenspeed::blockmm::BlockMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::AnyBuffer>()         // x: f32 or bf16
                                   .Arg<ffi::AnyBuffer>()         // codes: s8, f32 or bf16
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mins
@@ -300,4 +327,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TOKENSPEED_BLOCK_MATMUL_SYMBOL, tokenspeed::blockm
                                   .Attr<bool>("tiled")
                                   .Attr<bool>("x_bf16")
                                   .Attr<bool>("x_q8")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>());  // y: f32 or bf16

@@ -208,6 +208,28 @@ def test_dense_bf16_activations_match_float64_oracle(dense_impl, lead, k, n):
     assert (np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound).all()
 
 
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dense_impl,lead,k,n",
+    _with_impls([((1,), 64, 512), ((25,), 600, 512), ((7,), 96, 37)], lambda c: c[2]),
+    indirect=["dense_impl"],
+)
+def test_dense_bf16_output_is_the_float32_output_rounded(dense_impl, wdtype, lead, k, n):
+    """out_dtype=bf16 (what a bf16 model asks: no convert of XLA's after the product) is the
+    float32 product rounded to nearest even, bit for bit, NaN rows included."""
+    rng = np.random.default_rng(k + n)
+    w = jnp.asarray(rng.standard_normal((k, n)), getattr(jnp, wdtype))
+    x = np.asarray(rng.standard_normal((*lead, k)), np.float32)
+    x[..., 0, 3] = np.nan  # a garbage row stays NaN, not inf
+    x = jnp.asarray(x, jnp.bfloat16)
+    want = dense_impl(x, w)
+    got = dense_impl(x, w, jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+    np.testing.assert_array_equal(
+        np.asarray(got).view(np.uint16), np.asarray(want.astype(jnp.bfloat16)).view(np.uint16)
+    )
+
+
 # N = 16 (one tile): the tile-major layout takes every case too
 @pytest.mark.parametrize("dense_impl", IMPL_IDS, indirect=True)
 @pytest.mark.parametrize(

@@ -68,6 +68,23 @@ def test_tile_product_matches_float64_oracle(amx, case):
     assert (err <= bound).all(), err.max()
 
 
+def test_bf16_output_is_the_float32_output_rounded(amx):
+    """The tile product writing bf16 y (a bf16 model's Linear) rounds its float32 sums to
+    nearest even, bit for bit; x goes in as bf16 rows (no float32 copy)."""
+    fn, model = amx
+    rng = np.random.default_rng(5)
+    w = block_matmul_cpu.pack_tiles(jnp.asarray(rng.standard_normal((96, 80)), jnp.bfloat16))
+    x = jnp.asarray(rng.standard_normal((33, 96)), jnp.bfloat16)
+    before = block_matmul_cpu.amx_calls(model=model)
+    got = fn(x, w, jnp.bfloat16)
+    want = fn(x, w)
+    assert block_matmul_cpu.amx_calls(model=model) == before + 2
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(got).view(np.uint16), np.asarray(want.astype(jnp.bfloat16)).view(np.uint16)
+    )
+
+
 def test_model_takes_only_what_the_tiles_compute():
     """float32 x, float32 weights: not the tile product (the other paths of the same kernel),
     and still correct."""
