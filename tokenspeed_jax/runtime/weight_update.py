@@ -25,6 +25,7 @@ array per run) an update must name every tensor.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -37,6 +38,7 @@ from tokenspeed_jax.models.decoder import CausalLM
 from tokenspeed_jax.runtime.prepare import prepare
 from tokenspeed_jax.runtime.weight_inputs import _keypath_parts, dotted, raw_update
 
+log = logging.getLogger("tokenspeed_jax.weights")
 # a fused prepared Linear -> the raw Linear whose place it took (`fuse_projections`)
 _FUSED = {"qkv_proj": "q_proj", "gate_up_proj": "gate_proj"}
 _ABSORBED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
@@ -80,9 +82,12 @@ class WeightLoader:
     family: the Hugging Face family whose names `hf.weights.map_checkpoint` translates ("" for
         the built-in model: Llama-style names).
     prepare_options: the keyword arguments `runtime.prepare.prepare` got at load.
+    jit: prepare in one jitted program (`prepared_model`), else eagerly (op by op, as at load).
     """
 
-    def __init__(self, model_config: ModelConfig, family: str, prepare_options: dict[str, Any]) -> None:
+    def __init__(
+        self, model_config: ModelConfig, family: str, prepare_options: dict[str, Any], *, jit: bool = True
+    ) -> None:
         self.model_config = model_config
         self.family = family
         self.prepare_options = dict(prepare_options)
@@ -96,6 +101,8 @@ class WeightLoader:
         self.targets: dict[Path, tuple[int, ...]] = {p: tuple(v.get_value().shape) for p, v in self._flat}
         self._buffers: Any = None
         self._zeros: dict[tuple, jax.Array] = {}
+        self._prepared_info: tuple[Any, bool, Any, dict[int, int]] = (None, False, None, {})
+        self._program: Any = jax.jit(self._prepare) if jit else None
 
     def _buffers_state(self) -> Any:
         """The non-parameter variables (RoPE tables), computed once."""
@@ -115,15 +122,47 @@ class WeightLoader:
             self._zeros[key] = jnp.zeros(shape, self.model_config.dtype)
         return self._zeros[key]
 
-    def raw_model(self, values: dict[Path, jax.Array]) -> CausalLM:
-        """A raw `CausalLM` holding `values` (unnamed parameters: stand-in zeros)."""
-        params = nnx.from_flat_state(
-            [
-                (p, var.replace(values[p] if p in values else self._zero(self.targets[p])))
-                for p, var in self._flat
-            ]
-        )
-        return nnx.merge(self._graphdef, params, self._buffers_state())
+    def _values(self, values: dict[Path, jax.Array]) -> list[jax.Array]:
+        """Every raw parameter in `_flat` order (unnamed ones: stand-in zeros)."""
+        return [values[p] if p in values else self._zero(self.targets[p]) for p, _ in self._flat]
+
+    def _raw_model(self, leaves: list[jax.Array], buffers: Any) -> CausalLM:
+        params = nnx.from_flat_state([(p, var.replace(v)) for (p, var), v in zip(self._flat, leaves)])
+        return nnx.merge(self._graphdef, params, buffers)
+
+    def _prepare(self, leaves: list[jax.Array], buffers: Any) -> list[jax.Array]:
+        """`prepare` on the raw model of `leaves`: the leaves of its state that a transform made
+        (the state's structure, its graphdef, the `fused` flag and which leaves are raw ones
+        passed through untouched go to `_prepared_info`). Traceable: `_program` runs it as one
+        jitted program, whose outputs are only the transformed leaves, so a raw array passed
+        through (a norm weight; every weight where no transform applies) is not copied."""
+        prepared = prepare(self.model_config, self._raw_model(leaves, buffers), **self.prepare_options)
+        graphdef, state = nnx.split(prepared.net)
+        flat, treedef = jax.tree.flatten(state)
+        inputs = {id(x): i for i, x in enumerate([*leaves, *jax.tree.leaves(buffers)])}
+        passed = {j: inputs[id(x)] for j, x in enumerate(flat) if id(x) in inputs}
+        self._prepared_info = (graphdef, prepared.fused, treedef, passed)
+        return [x for j, x in enumerate(flat) if j not in passed]
+
+    def prepared_model(self, values: dict[Path, jax.Array]) -> tuple[CausalLM, bool]:
+        """(prepared model, whether q/k/v and gate/up are fused) of raw `values`. One jitted
+        program (compiled on the first update): XLA runs each transform (transpose + tiling,
+        fusion concatenate, quantization) as one pass over the weights, where the eager ops
+        took several; a model the trace cannot take is prepared eagerly."""
+        leaves, buffers = self._values(values), self._buffers_state()
+        if self._program is not None:
+            try:
+                made = self._program(leaves, buffers)
+            except (jax.errors.JAXTypeError, jax.errors.JAXIndexError, TypeError) as e:
+                log.warning("weight updates: the jitted prepare failed (%s); preparing eagerly", e)
+                self._program = None
+                made = self._prepare(leaves, buffers)
+        else:
+            made = self._prepare(leaves, buffers)
+        graphdef, fused, treedef, passed = self._prepared_info
+        inputs, it = [*leaves, *jax.tree.leaves(buffers)], iter(made)
+        flat = [inputs[passed[j]] if j in passed else next(it) for j in range(treedef.num_leaves)]
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, flat)), fused
 
     def _touched(self, named: set[Path], fused: bool) -> set[Path]:
         """The raw module keys the update replaces; ValueError when one is named only in part."""
@@ -143,12 +182,13 @@ class WeightLoader:
         if copy:
             values = {p: jnp.array(v, copy=True) for p, v in values.items()}
         full = len(values) == len(self.targets)
-        net = self.raw_model(values)
-        prepared = prepare(self.model_config, net, **self.prepare_options)
-        owners = None if full else self._touched(set(values), prepared.fused)
+        if not full and self._prepared_info[0] is None:
+            jax.eval_shape(self._prepare, self._values(values), self._buffers_state())  # `fused`
+        owners = None if full else self._touched(set(values), self._prepared_info[1])
+        net, _ = self.prepared_model(values)
         out, replaced, nbytes = [], 0, 0
         for runner in runners:
-            new = runner.params_of(prepared.net)
+            new = runner.params_of(net)
             new_leaves, treedef = jax.tree_util.tree_flatten_with_path(new)
             if jax.tree.structure(new) != runner.param_treedef:
                 raise ValueError("the updated model's parameter tree differs from the running one's")
