@@ -130,10 +130,17 @@ def block_matmul_reference(
 
 
 def block_matmul_cpu(
-    x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None = None, *, x_q8: bool = False
+    x: jax.Array,
+    codes: jax.Array,
+    scales: jax.Array,
+    mins: jax.Array | None = None,
+    *,
+    x_q8: bool = False,
+    out_dtype: Any = jnp.float32,
 ) -> jax.Array:
-    """x f[..., K] @ W -> f32[..., N] as one native call (the reference when it cannot be
-    built). x is computed in float32; codes int8[K, N]; scales / mins f32[K / B, N].
+    """x f[..., K] @ W -> out_dtype (f32 or bf16) [..., N] as one native call (the reference
+    when it cannot be built). x is computed in float32; codes int8[K, N]; scales / mins
+    f32[K / B, N].
 
     `x_q8`: x quantized per 32 values to int8, as llama.cpp's quantized products do
     (`quantize_q8_reference`), for integer dot products (AVX512-VNNI) on tile-major codes with
@@ -141,8 +148,8 @@ def block_matmul_cpu(
     result up to float32 summation order. Elsewhere the float product, as without it."""
     block = _check(x, codes, scales, mins)
     if not available():
-        return block_matmul_reference(x, codes, scales, mins)
-    return _native_call(x, codes, scales, mins, block, x_q8=x_q8)
+        return block_matmul_reference(x, codes, scales, mins).astype(out_dtype)
+    return _native_call(x, codes, scales, mins, block, x_q8=x_q8, out_dtype=out_dtype)
 
 
 def q8_available() -> bool:
