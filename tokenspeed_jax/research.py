@@ -116,6 +116,8 @@ def update_weights(
     outs = settle(llm, in_flight)
     for runner, leaves in zip(runners, plan.leaves):
         runner.set_param_leaves(leaves)
+    if llm.sleep_level == 2:
+        llm.sleep_level = 1  # the weights are back: wake_up restores the pools only
     for e in llm.engines:
         e.scheduler.reset_prefix_cache()
     llm.weights_source = os.fspath(weights) if isinstance(weights, (str, os.PathLike)) else None
@@ -175,7 +177,7 @@ def wake_up(llm: LLM, weights: Any = None) -> dict[str, Any]:
         version, source = llm.weight_version, llm.weights_source
         given = weights if weights is not None else _reload_source(llm)
         plan = loader(llm).plan(given, runners)
-        if any(x is None for leaves in plan.leaves for x in leaves):
+        if llm.sleep_level == 2 and any(x is None for leaves in plan.leaves for x in leaves):
             raise ValueError("wake_up after sleep(level=2) needs every tensor of the model")
         for runner, leaves in zip(runners, plan.leaves):
             runner.set_param_leaves(leaves)

@@ -165,6 +165,12 @@ def test_sleep_and_wake(max_logprob_diff):
     llm.wake_up(weights=_params(1))
     _close(_run(llm), new, max_logprob_diff)
     assert llm.weight_version == 1
+    # or updated while asleep: wake_up then only restores the pools (no reload from the seed)
+    llm.sleep(level=2)
+    llm.update_weights(_params(1), weight_version=5)
+    llm.wake_up()
+    _close(_run(llm), new, max_logprob_diff)
+    assert llm.weight_version == 5
 
 
 def test_no_host_round_trip_for_jax_arrays(llm):
