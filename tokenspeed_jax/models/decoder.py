@@ -70,6 +70,9 @@ class Attention(nnx.Module):
             else None
         )
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        # K/V pages and the attention kernels' q in the model dtype even when activations are
+        # wider (`CausalLM.activation_dtype`): what a model of that dtype stores and reads
+        self.kv_dtype = cfg.dtype
         self.sliding_window = cfg.window_of(layer)
         self.soft_cap = cfg.attn_logit_softcapping
         # YaRN scales cos/sin, i.e. both q and k, by f: the same as scaling the logits by f^2.
@@ -133,6 +136,7 @@ class Attention(nnx.Module):
         """x f[T, H]; cache {"k", "v": f[P, B_g, Hkv, D]} (a quantized cache adds "k_scale",
         "v_scale": f16[P, B_g, Hkv], `kv_quant`) -> (f[T, H], new cache)."""
         q, k, v, gate = self._qkv(x, batch.positions)
+        q, k, v = (a.astype(self.kv_dtype) for a in (q, k, v))
         idx = batch.write_idx[group]
         quantized = "k_scale" in cache
         new = {}
@@ -159,7 +163,7 @@ class Attention(nnx.Module):
             **self._kwargs(),
             **scales,
         )
-        return self._out(out, gate), new
+        return self._out(out.astype(x.dtype), gate), new
 
 
 def make_mlp(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -236,6 +240,10 @@ class CausalLM(nnx.Module):
         self.embed_scale = cfg.embed_scale
         self.final_softcap = cfg.final_logit_softcapping
         self.dtype = cfg.dtype
+        # the residual stream's dtype (embed's output): the model dtype, or float32 for bf16
+        # weights on the native CPU matmul (`runtime.prepare`: XLA:CPU runs bf16 elementwise ops
+        # through converts; products still round their inputs to bf16)
+        self.activation_dtype = cfg.dtype
         # quantized weights (`models.quant`): a tied table as int8 rows with a scale per row
         # (quant_mode "int8": f32[V]), or a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks (quant_mode
         # "gguf", `set_table_blocks`: scales f32[H / 32, V], Q4_1 mins in embed_min_q)
@@ -293,7 +301,8 @@ class CausalLM(nnx.Module):
             x = w.reshape(t, h).astype(self.dtype)
         elif self.embed_scale_q is not None:  # int8 rows: dequantize only the gathered ones
             x = (x.astype(jnp.float32) * self.embed_scale_q[...][token_ids][:, None]).astype(self.dtype)
-        return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
+        x = x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, x.dtype)
+        return x.astype(self.activation_dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden f[..., H] -> float32 logits f32[..., V] (soft-capped for Gemma 2)."""

@@ -137,12 +137,19 @@ def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Arr
     bf16 dot natively (a bf16 result makes it upcast both operands first, i.e. convert every
     weight matrix on every step); a lone row goes as two on XLA:CPU (`cpu_dot`).
     """
+    out_dtype = x.dtype
+    if w.dtype == jnp.bfloat16 and x.dtype == jnp.float32:
+        # float32 activations on bf16 weights (`CausalLM.activation_dtype`): the product's input
+        # rounded as a bf16 model's (in the producer's fusion), its float32 sums kept
+        x = x.astype(jnp.bfloat16)
     if w.ndim == 3 or (w.dtype == jnp.bfloat16 and not w_transposed and use_native()):
-        # tile-major w: only this kernel takes it; a bf16 x goes in and comes out as bf16 (the
-        # kernel converts: XLA:CPU's converts around each product were ~30% of a bf16 prefill)
-        out_dtype = x.dtype if x.dtype == jnp.bfloat16 else jnp.float32
-        return dense_matmul_cpu(x, w, out_dtype).astype(x.dtype)
-    return cpu_dot.dot(x, w, 1 if w_transposed else 0, jnp.float32).astype(x.dtype)
+        # tile-major w: only this kernel takes it; a bf16 x goes in and y comes out in the
+        # wanted dtype (the kernel converts: XLA:CPU's converts around each product were ~30%
+        # of a bf16 512-token step)
+        return dense_matmul_cpu(x, w, out_dtype if out_dtype == jnp.bfloat16 else jnp.float32).astype(
+            out_dtype
+        )
+    return cpu_dot.dot(x, w, 1 if w_transposed else 0, jnp.float32).astype(out_dtype)
 
 
 def split_fused(y: jax.Array, widths: tuple[int, ...], shards: int = 1) -> list[jax.Array]:

@@ -36,6 +36,7 @@ class PreparedModel:
     quantization: str | None = None
     tiled: bool = False
     fused: bool = False
+    activation_dtype: str = "float32"
 
     def check_mesh(self, shards: int | None) -> None:
         """ValueError unless a runner over `shards` devices (None: no mesh) can run this model."""
@@ -60,6 +61,7 @@ def prepare(
     host_staging: bool = False,
     one_device: bool = True,
     fuse: bool = False,
+    activation_dtype: str | None = None,
 ) -> PreparedModel:
     """Check `tensor_parallel_size` against the model (ValueError naming the size it does not
     divide), then transform `net` in place: KV heads replicated up to the shard count (under
@@ -70,7 +72,8 @@ def prepare(
     kernels built, tiled for them (the sharding rules place [in, out] kernels). `fuse` (the
     default on accelerators, `fuse_by_default`): q/k/v and gate/up fused into one product each,
     laid out for the tensor-parallel shards (not for lazy multi-process parameters, which are
-    placed shard by shard as the checkpoint names them)."""
+    placed shard by shard as the checkpoint names them). `activation_dtype`: the residual
+    stream's dtype; None: float32 where `wide_activations` says so, else the model dtype."""
     tp = tensor_parallel_size
     check_quantization(quantization)
     with sharding.host_staging() if host_staging else contextlib.nullcontext():
@@ -86,8 +89,34 @@ def prepare(
     if tiled:
         tile_linears(net)
     fused = tiled or (fuse and not host_staging and fuse_linears(net, tp) > 0)
+    if activation_dtype is None:
+        wide = tiled and wide_activations(config, quantization)
+        activation_dtype = "float32" if wide else config.dtype
+    net.activation_dtype = activation_dtype
     return PreparedModel(
-        config=config, net=net, tensor_parallel_size=tp, quantization=quantization, tiled=tiled, fused=fused
+        config=config,
+        net=net,
+        tensor_parallel_size=tp,
+        quantization=quantization,
+        tiled=tiled,
+        fused=fused,
+        activation_dtype=str(net.activation_dtype),
+    )
+
+
+def wide_activations(config: ModelConfig, quantization: str | None) -> bool:
+    """Whether a model tiled for the native CPU matmul keeps float32 activations over its bf16
+    weights: XLA:CPU runs bf16 elementwise ops (norms, residual adds, SwiGLU) through converts,
+    which cost SmolLM2 bf16 ~1.2x per step; the products still round their inputs to bf16 (the
+    kernel's AMX / AVX512-BF16 path) and K/V pages stay bf16, so only the elementwise ops and
+    the residual stream gain precision. Attention-only dense models, unquantized weights (the
+    layer kinds whose state pools, experts and quantized paths were checked with it)."""
+    attention_only = all(t in ("full_attention", "sliding_attention") for t in config.layer_types)
+    return (
+        config.dtype == "bfloat16"
+        and attention_only
+        and config.num_local_experts == 0
+        and quantization is None
     )
 
 
