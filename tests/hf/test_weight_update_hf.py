@@ -1,5 +1,5 @@
 """LLM.update_weights on a tiny Hugging Face Llama checkpoint (biases, tied table), float and
-int8 weights, q/k/v and gate/up fused (on CPU by the native tiling, elsewhere by default): an
+int8 weights, q/k/v and gate/up fused (the accelerator default, forced here on CPU too): an
 update from a directory or from (HF name, array) pairs gives what a fresh LLM of the new
 checkpoint gives (issue 48)."""
 
@@ -61,10 +61,15 @@ def _run(llm: LLM):
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_update_from_dir_and_pairs_equals_fresh(checkpoints, quantization):
+def test_update_from_dir_and_pairs_equals_fresh(checkpoints, quantization, monkeypatch):
+    from tokenspeed_jax.runtime import prepare
+
+    monkeypatch.setattr(prepare, "fuse_by_default", lambda platform: True)  # as on accelerators
     a, b = checkpoints
     want = _run(LLM(b, quantization=quantization, **OPTS))
     llm = LLM(a, quantization=quantization, **OPTS)
+    attn = llm.engine.runner.params["layers"][0]["self_attn"]
+    assert "qkv_proj" in attn and "q_proj" not in attn  # q/k/v fused into one prepared tensor
     old = _run(llm)
     assert old[0] != want[0]
     compiles = llm.stats()["num_compiles"]
