@@ -200,6 +200,9 @@ class CompletionService:
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
             "created": int(time.time()),
             "model": self.model_name,
+            # the weights that answer it (`LLM.update_weights`; updates wait for no request
+            # to be live, so the version at admission is the version that generates)
+            "weight_version": self.engine().engine.weight_version,
         }
         return Completion(
             body,

@@ -103,6 +103,7 @@ def test_update_weights_from_disk(srv):
     r = _post(srv, "/update_weights_from_disk", {"model_path": srv.seed1, "weight_version": 7})
     assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == 7, r.text
     assert srv.llm.weight_version == 7
+    assert _complete(srv).json()["weight_version"] == 7  # on every response
     second = _text(srv)
     assert second != first
     # a bad one: 400, nothing changed
