@@ -3,7 +3,8 @@
 The device count is fixed when jax initializes, and pytest's process already has jax up with one
 device, so the work runs in a subprocess (this file with `--worker GROUP`, under
 `XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu`) that prints one JSON
-record; the test files assert on it. Two groups, two subprocesses: each test file's fixture runs
+record; the test files assert on it. Groups "core", "quant" and "weights" (test_parallel_weights.py:
+update_weights / sleep under tp and dp), one subprocess each: each test file's fixture runs
 one, so the test workers take them in parallel (one subprocess did both in ~530 s of a CI run,
 its 600 s timeout near).
 """
@@ -264,6 +265,14 @@ def _weights_group(run, prompts, gen, plp, out: dict) -> dict:
             "pages_free": st["free_pages"] == st["total_pages"],
             "kv_freed": slept["freed_bytes"] >= 0.9 * slept["kv_bytes"] > 0,
         }
+    # data parallel: each replica's leaves go to its own devices
+    run("tp1_seed1", 1, 1, seed=1)
+    llm = run("dp2", 1, 2, seed=0)
+    llm.update_weights(new)
+    record("dp2_updated", llm)
+    out["dp2_devices"] = [
+        sorted({d.id for x in e.runner.param_leaves for d in x.sharding.device_set}) for e in llm.engines
+    ]
     return out
 
 
