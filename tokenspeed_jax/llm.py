@@ -124,6 +124,7 @@ class LLM:
         return cls(args.model, **args.llm_options())
 
     def _build(self, args: EngineArgs) -> None:
+        from tokenspeed_jax import research
         from tokenspeed_jax.runtime import compile_cache, sharding
         from tokenspeed_jax.runtime.prepare import fuse_by_default, prepare
         from tokenspeed_jax.runtime.runner import ModelRunner
@@ -179,7 +180,7 @@ class LLM:
         )
         prepared = prepare(self.model_config, net, **self.prepare_options)
         # what `update_weights` re-runs (research.py): the same transforms, by the same code
-        self.family = _family_of(args.model)
+        self.family = research.family_of_model(args.model)
         self._weight_loader: WeightLoader | None = None
         self.weights_source: str | None = args.model  # where level-2 sleep reloads from
         self.sleep_level = 0
@@ -472,21 +473,3 @@ class LLM:
         if not math.isfinite(out.get("prefix_hit_rate", 0.0)):
             out["prefix_hit_rate"] = 0.0
         return out
-
-
-def _family_of(model: str) -> str:
-    """The Hugging Face family whose tensor names `update_weights` translates: a checkpoint
-    directory's `config.json`; "" (Llama-style names) for the built-in models and aliases'
-    own files alike when there is no config."""
-    import json
-
-    from tokenspeed_jax.models import registry
-
-    path = registry.resolve_alias(model) if model in registry.MODEL_ALIASES else model
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        return ""
-    from tokenspeed_jax.hf.config import family_of
-
-    with open(config) as f:
-        return family_of(json.load(f))

@@ -24,6 +24,7 @@ file's own encoding).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -194,3 +195,19 @@ def wake_up(llm: LLM, weights: Any = None) -> dict[str, Any]:
     jax.block_until_ready([r.state for r in runners])
     llm.sleep_level = 0
     return {"seconds": time.perf_counter() - t0, "restored_bytes": live_bytes() - before}
+
+
+def family_of_model(model: str) -> str:
+    """The Hugging Face family whose tensor names `update_weights` translates: a checkpoint
+    directory's `config.json`; "" (Llama-style names) for the built-in models and aliases'
+    own files alike when there is no config."""
+    from tokenspeed_jax.models import registry
+
+    path = registry.resolve_alias(model) if model in registry.MODEL_ALIASES else model
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return ""
+    from tokenspeed_jax.hf.config import family_of
+
+    with open(config) as f:
+        return family_of(json.load(f))
