@@ -82,9 +82,13 @@ def add_research_routes(
         if level not in (1, 2):
             return error_response(400, f"level must be 1 or 2, got {level}", param="level")
         async with lock:
-            gate.asleep = True
+            was_asleep, gate.asleep = gate.asleep, True
             await _settle(engine(), abort=False)
-            out = await asyncio.to_thread(_locked, engine(), lambda: llm.sleep(level))
+            try:
+                out = await asyncio.to_thread(_locked, engine(), lambda: llm.sleep(level))
+            except ValueError as e:  # e.g. the multi-process runtime: keep serving
+                gate.asleep = was_asleep
+                return error_response(400, str(e))
         return {"level": level, "freed_bytes": out["freed_bytes"]}
 
     @app.post("/wake_up")
