@@ -138,7 +138,7 @@ def block_matmul_cpu(
     x_q8: bool = False,
     out_dtype: Any = jnp.float32,
 ) -> jax.Array:
-    """x f[..., K] @ W -> out_dtype (f32 or bf16) [..., N] as one native call (the reference
+    """x f[..., K] @ W -> out_dtype[..., N] as one native call (the reference
     when it cannot be built). x is computed in float32; codes int8[K, N]; scales / mins
     f32[K / B, N].
 
@@ -201,18 +201,18 @@ def _native_call(
     x_q8: bool = False,
     out_dtype: Any = jnp.float32,
 ) -> jax.Array:
-    """The custom call on x's rows flattened to [M, K]; `out_dtype` (f32 or bf16) [..., N]. A
-    bfloat16 x goes in as it is (the kernel converts it where a path wants float32: one pass
-    of XLA's over the activations saved), and with bfloat16 weights tells the kernel its values
-    are bf16 (`x_bf16`: the AVX512-BF16 dot product and the AMX tiles take them, exactly); a bf16
-    y is rounded from the float32 accumulators by the kernel."""
+    """The custom call on x's rows flattened to [M, K]; out_dtype[..., N]. A bfloat16 x goes in
+    as it is (the kernel converts it where a path wants float32: one pass of XLA's over the
+    activations saved), and with bfloat16 weights tells the kernel its values are bf16
+    (`x_bf16`: the AVX512-BF16 dot product and the AMX tiles take them, exactly). A bf16 y is
+    rounded from the float32 accumulators by the kernel; other dtypes are converted from its
+    float32 y."""
     k, n = weight_shape(codes)
     rows = x.reshape(-1, k)
     if rows.dtype != jnp.bfloat16:
         rows = rows.astype(jnp.float32)
-    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"{out_dtype=}: the native matmul writes float32 or bfloat16")
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), out_dtype))
+    written = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), written))
     y: jax.Array = call(
         rows,
         codes,
@@ -224,7 +224,7 @@ def _native_call(
         x_bf16=bool(x.dtype == jnp.bfloat16 and codes.dtype == jnp.bfloat16),
         x_q8=bool(x_q8),
     )
-    return y.reshape(*x.shape[:-1], n)
+    return y.reshape(*x.shape[:-1], n).astype(out_dtype)
 
 
 def _check_dense(x: jax.Array, w: jax.Array) -> None:
@@ -247,7 +247,7 @@ def dense_matmul_reference(x: jax.Array, w: jax.Array, out_dtype: Any = jnp.floa
 
 
 def dense_matmul_cpu(x: jax.Array, w: jax.Array, out_dtype: Any = jnp.float32) -> jax.Array:
-    """x f[..., K] @ w f32 / bf16[K, N] -> out_dtype (f32 or bf16) [..., N] as one native call
+    """x f[..., K] @ w f32 / bf16[K, N] -> out_dtype[..., N] as one native call
     (the reference when it cannot be built); accumulated in float32."""
     _check_dense(x, w)
     if not available():

@@ -86,10 +86,7 @@ inline std::vector<uint16_t> bf16_rows(const Problem& p, int64_t mp, int64_t kp)
 
 // bf16 -> float32 (exact).
 inline void from_bf16(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(dst + i, &u, sizeof(u));
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 // float32 -> bf16, rounded to nearest even as XLA's convert does (NaN stays a quiet NaN).

@@ -82,8 +82,7 @@ def block_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Ar
     int8[K, N] or tile-major [N / 16, K, 16]."""
     rows = x.size // x.shape[-1]
     if use_native(rows):
-        out = x.dtype if x.dtype == jnp.bfloat16 else jnp.float32  # no convert of XLA's after
-        return block_matmul_cpu.block_matmul_cpu(x, codes, scales, mins, out_dtype=out).astype(x.dtype)
+        return block_matmul_cpu.block_matmul_cpu(x, codes, scales, mins, out_dtype=x.dtype)
     # tile-major codes (`Linear.tile`) past NATIVE_MAX_ROWS: the float lowering, re-laid in the
     # same fusion as the dequantization
     codes = block_matmul_cpu.unpack_tiles(codes)

@@ -146,9 +146,7 @@ def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Arr
         # tile-major w: only this kernel takes it; a bf16 x goes in and y comes out in the
         # wanted dtype (the kernel converts: XLA:CPU's converts around each product were ~30%
         # of a bf16 512-token step)
-        return dense_matmul_cpu(x, w, out_dtype if out_dtype == jnp.bfloat16 else jnp.float32).astype(
-            out_dtype
-        )
+        return dense_matmul_cpu(x, w, out_dtype)
     return cpu_dot.dot(x, w, 1 if w_transposed else 0, jnp.float32).astype(out_dtype)
 
 

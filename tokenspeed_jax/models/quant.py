@@ -92,8 +92,7 @@ def qmatmul(
         # tile-major q (`Linear.tile`): the native kernel at every size (30 chained 576 x 1536
         # layers: 1 row 3.5 ms, 1,024 rows 384 against the float lowering's 421)
         # one block of all K inputs: the per-channel scale is the block scale
-        out = x.dtype if x.dtype == jnp.bfloat16 else jnp.float32  # no convert of XLA's after
-        y = block_matmul_cpu.block_matmul_cpu(x, q, scale[None, :], out_dtype=out)
+        y = block_matmul_cpu.block_matmul_cpu(x, q, scale[None, :], out_dtype=x.dtype)
     elif x.size // x.shape[-1] <= SPLIT_MAX_ROWS and jax.default_backend() == "cpu":
         y = _split_int8_dot(x, q, dims) * scale
     else:

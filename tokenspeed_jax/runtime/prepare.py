@@ -100,7 +100,7 @@ def prepare(
         quantization=quantization,
         tiled=tiled,
         fused=fused,
-        activation_dtype=str(net.activation_dtype),
+        activation_dtype=activation_dtype,
     )
 
 
