@@ -33,6 +33,7 @@ class Admitted:
     hit: int  # prompt tokens served by the prefix cache
     num_tokens: int  # its first chunk
     reserve: int  # pages reserved for its decodes after the chunk
+    host_hit: int = 0  # of `hit`, tokens the host tier served (loaded, not recomputed)
 
 
 def check_prompt(prompt_token_ids: list[int], max_new_tokens: int, max_context_len: int) -> list[int]:
@@ -120,11 +121,15 @@ class Admission:
         pulled = coord.prefix_pages_in_free_list(cast("list[list[int]]", hit_rows)) if hit else 0
         if chunk_need + reserve + pulled + headroom > self.pool.num_free - self.reserved_total:
             return None
+        host_hit = 0
         if hit:
+            rows = cast("list[list[int]]", hit_rows)
+            if any(p < 0 for row in rows for p in row):  # host hits: the device alone gives less
+                host_hit = hit - coord.match_prefix(req.hasher.hashes, len(req.tokens) - 1, use_host=False)[0]
             for t in tables:
                 t.pages = []
-            coord.claim_prefix(tables, hit, cast("list[list[int]]", hit_rows))
-        return Admitted(tables, hit, n, reserve)
+            coord.claim_prefix(tables, hit, rows)
+        return Admitted(tables, hit, n, reserve, host_hit)
 
     def admit(self, req: Request, fit: Admitted) -> ScheduledRow:
         """Give `req` (bound to its slot) the tables `fit` claimed; acquire its first chunk and

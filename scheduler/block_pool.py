@@ -10,7 +10,7 @@ front, so pops get O(num_pages) until the dict is rebuilt.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 NULL_PAGE = 0
 
@@ -33,6 +33,8 @@ class BlockPool:
         # key -> pages carrying it, oldest registration first (duplicates allowed).
         self._key_pages: dict[CacheKey, dict[int, None]] = {}
         self.num_evictions = 0
+        # called with (page, key) when reallocating a page evicts its key (the host tier saves it)
+        self.on_evict: Callable[[int, CacheKey], None] | None = None
         self.peak_used = 0  # high-water mark of `num_used` (since creation or `reset_peak`)
 
     # ------------------------------------------------------------------ queries
@@ -57,6 +59,9 @@ class BlockPool:
 
     def key_of(self, page_id: int) -> CacheKey | None:
         return self._page_key[page_id]
+
+    def has_key(self, key: CacheKey) -> bool:
+        return key in self._key_pages
 
     def lookup(self, key: CacheKey) -> int | None:
         """The canonical (oldest registered) page carrying `key`, or None."""
@@ -138,6 +143,8 @@ class BlockPool:
         if not pages:
             del self._key_pages[key]
         self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(page, key)
 
     def drop_cached(self) -> int:
         """Forget every prefix hash (the pages' K/V are stale: new weights, or a freed pool);

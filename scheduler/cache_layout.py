@@ -49,6 +49,11 @@ class CacheLayout:
         config = dataclasses.replace(self.scheduler_config, num_pages=num_pages)
         return dataclasses.replace(self, scheduler_config=config)
 
+    def with_host_pages(self, host_pages: int) -> CacheLayout:
+        """The same layout with a host KV tier of `host_pages` pages (`scheduler.host_tier`)."""
+        config = dataclasses.replace(self.scheduler_config, host_pages=host_pages)
+        return dataclasses.replace(self, scheduler_config=config)
+
 
 def cache_layout(
     config: SchedulerConfig, model: Any, *, conv_page_size: int = 8, honor_full_refresh: bool = True

@@ -31,6 +31,8 @@ class SchedulerConfig:
         (DESIGN.md: only the page ending exactly at a chunk end, the one snapshot a device that
         writes final states holds) or "every_page" (every completed page: for a device that
         writes the state at every page end, as tokenspeed_jax's recurrent layers do).
+    host_pages: pages of the host KV tier below the device pool (`scheduler.host_tier`;
+        0 = no tier): evicted prefix pages are kept there and loaded back on a hit.
     """
 
     num_pages: int
@@ -47,6 +49,7 @@ class SchedulerConfig:
     debug_checks: bool = False
     speculative: SpeculativeConfig | None = None
     state_snapshots: str = "chunk_end"
+    host_pages: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -76,6 +79,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"SchedulerConfig.decode_reserve_tokens must be >= 0, got {self.decode_reserve_tokens}"
             )
+        if not isinstance(self.host_pages, int) or self.host_pages < 0:
+            raise ValueError(f"SchedulerConfig.host_pages must be an int >= 0, got {self.host_pages!r}")
         if self.state_snapshots not in ("chunk_end", "every_page"):
             raise ValueError(
                 "SchedulerConfig.state_snapshots must be 'chunk_end' or 'every_page', "

@@ -10,6 +10,7 @@ from scheduler.block_pool import NULL_PAGE, BlockPool
 from scheduler.block_table import BlockTable, ceil_div
 from scheduler.full_history import CacheGroupManager, FullHistoryManager
 from scheduler.group_spec import PagedCacheGroupSpec
+from scheduler.host_tier import HostTier
 from scheduler.sliding_window import SlidingWindowManager, StateManager, window_tokens
 
 
@@ -31,6 +32,7 @@ class CacheCoordinator:
         self.base = reduce(math.gcd, sizes)
         self.lcm = reduce(math.lcm, sizes)
         self.managers: list[CacheGroupManager] = [self._make_manager(s) for s in specs]
+        self.host: HostTier | None = None  # the host KV tier (`attach_host_tier`), if any
         # base pages per group page: group page i is keyed by base hash (i+1)*k - 1
         self._base_per_page = [b // self.base for b in sizes]
         # (group, W - 1, B) of every sliding group: the reclaim-due test of `grow_in_tail`
@@ -39,6 +41,12 @@ class CacheCoordinator:
             for g, m in enumerate(self.managers)
             if isinstance(m, SlidingWindowManager)
         ]
+
+    def attach_host_tier(self, host: HostTier) -> None:
+        """Below the device pool: evicted hashed pages are saved there, and prefix matches
+        continue into it (`scheduler.host_tier`)."""
+        self.host = host
+        self.pool.on_evict = host.evicted
 
     def _make_manager(self, spec: PagedCacheGroupSpec) -> CacheGroupManager:
         b = spec.page_size
@@ -135,21 +143,30 @@ class CacheCoordinator:
         )
 
     # ------------------------------------------------------------------ prefix cache
-    def _lookup(self, g: int, base_hashes: list[bytes]) -> Callable[[int], int | None]:
+    def _lookup(self, g: int, base_hashes: list[bytes], use_host: bool) -> Callable[[int], int | None]:
         k = self._base_per_page[g]
         pool = self.pool
+        host = self.host if use_host else None
 
         def lookup(slot: int) -> int | None:
-            return pool.lookup((g, base_hashes[(slot + 1) * k - 1]))
+            key = (g, base_hashes[(slot + 1) * k - 1])
+            page = pool.lookup(key)
+            if page is None and host is not None:
+                return host.lookup_marker(key)
+            return page
 
         return lookup
 
-    def match_prefix(self, base_hashes: list[bytes], limit_tokens: int) -> tuple[int, list[list[int]]]:
+    def match_prefix(
+        self, base_hashes: list[bytes], limit_tokens: int, use_host: bool = True
+    ) -> tuple[int, list[list[int]]]:
         """Longest lcm-aligned boundary <= limit_tokens at which every group can resume, and the
-        per-group rows (holes = 0) to resume with. Nothing is claimed."""
+        per-group rows (holes = 0) to resume with. Nothing is claimed. With a host tier
+        (`use_host`), a slot the device pool misses may hit there: its row entry is a host
+        marker (< 0, `HostTier.lookup_marker`) that `claim_prefix` loads into a device page."""
         limit = min(limit_tokens, len(base_hashes) * self.base)
         limit -= limit % self.lcm
-        lookups = [self._lookup(g, base_hashes) for g in range(len(self.specs))]
+        lookups = [self._lookup(g, base_hashes, use_host) for g in range(len(self.specs))]
         max_slots = [len(base_hashes) // k for k in self._base_per_page]
         while limit > 0:
             rows = []
@@ -164,11 +181,24 @@ class CacheCoordinator:
         return 0, [[] for _ in self.specs]
 
     def claim_prefix(self, tables: list[BlockTable], num_tokens: int, rows: list[list[int]]) -> None:
-        """Point fresh tables at matched rows and take a reference on every hit page."""
+        """Point fresh tables at matched rows and take a reference on every hit page. Host hits
+        (markers < 0) get a fresh device page each, loaded from the host tier this step."""
+        for row in rows:  # device hits first: allocating for the host hits must not evict them
+            self.pool.touch(p for p in row if p > 0)
+        host = self.host
+        for g, row in enumerate(rows):
+            marked = [i for i, p in enumerate(row) if p < 0]
+            if not marked:
+                continue
+            assert host is not None, "a host marker without a host tier"
+            row = rows[g] = list(row)
+            for i, page in zip(marked, self.pool.allocate(len(marked))):
+                key = host.claim(row[i], page)
+                self.pool.register(page, key)
+                row[i] = page
         for m, t, row in zip(self.managers, tables, rows):
             assert not t.pages, "claim_prefix needs fresh tables"
             assert len(row) * m.page_size == num_tokens
-            self.pool.touch(row)
             t.pages = list(row)
             t.tail_avail = 0
             t.num_published = len(row)
@@ -178,8 +208,10 @@ class CacheCoordinator:
             t.reclaim_floor = floor
 
     def prefix_pages_in_free_list(self, rows: list[list[int]]) -> int:
-        """Hit pages that claiming would pull out of the free list (they cost free pages)."""
-        return sum(1 for row in rows for p in set(row) if p != NULL_PAGE and self.pool.is_free(p))
+        """Hit pages that claiming would pull out of the free list (they cost free pages); a host
+        hit costs the free page it is loaded into."""
+        pulled = sum(1 for row in rows for p in set(row) if p > 0 and self.pool.is_free(p))
+        return pulled + sum(1 for row in rows for p in row if p < 0)
 
     def publish(
         self,
@@ -215,6 +247,8 @@ class CacheCoordinator:
                 canonical = pool.lookup(key)
                 if canonical is None or not adopt:
                     pool.register(page, key)
+                    if self.host is not None:
+                        self.host.forget(key)  # recomputed: a key lives in one tier only
                 elif canonical != page:
                     pool.touch([canonical])
                     t.pages[slot] = canonical

@@ -19,6 +19,7 @@ from scheduler.admission import Admission, Admitted, check_prompt, requeue
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.coordinator import CacheCoordinator
+from scheduler.host_tier import HostTier
 from scheduler.ops_builder import OpsBuilder, ScheduledRow
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.sampling_options import SamplingOptions
@@ -33,6 +34,10 @@ class RequestLifecycle:
         self.coord = CacheCoordinator(
             config.group_specs, self.pool, state_every_page=config.state_snapshots == "every_page"
         )
+        # the host KV tier below the pool (None: off); its copies ride on each step's StepOps
+        self.host_tier = HostTier(config.host_pages, config.num_pages) if config.host_pages else None
+        if self.host_tier is not None:
+            self.coord.attach_host_tier(self.host_tier)
         self._builder = OpsBuilder(config)
         self.layouts = self._builder.layouts
         self._requests: dict[str, Request] = {}
@@ -46,6 +51,8 @@ class RequestLifecycle:
             "num_retractions": 0,
             "prefix_hit_tokens": 0,
             "prefix_query_tokens": 0,
+            "host_hit_tokens": 0,  # the host tier's share of prefix_hit_tokens
+            "resume_hit_tokens": 0,  # tokens retracted requests took back from either tier
             "adopted_pages": 0,
             "num_steps": 0,
             "num_aborted": 0,
@@ -165,6 +172,9 @@ class RequestLifecycle:
         if not req.admitted_once:
             self._stats["prefix_hit_tokens"] += fit.hit
             self._stats["prefix_query_tokens"] += req.prompt_len
+            self._stats["host_hit_tokens"] += fit.host_hit
+        else:  # a retracted request resuming: what it did not recompute
+            self._stats["resume_hit_tokens"] += fit.hit
         req.slot = self._free_slots.pop()
         self._builder.bind(req)
         req.status = Status.RUNNING
@@ -259,3 +269,9 @@ class RequestLifecycle:
         assert not slots & set(self._free_slots), "a live slot is also free"
         assert len(slots) + len(self._free_slots) == self.config.num_live_slots
         self._admission.check_invariants(self._running)
+        if self.host_tier is not None:
+            host = self.host_tier.pool
+            host.check_invariants()
+            for page in host.lru_pages():  # tiers are exclusive
+                key = host.key_of(page)
+                assert not self.pool.has_key(key), f"key {key!r} in both tiers"

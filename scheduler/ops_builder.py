@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -106,7 +106,7 @@ class OpsBuilder:
         prompt_targets = self._minus1_T.copy()
         cu_q_lens = np.zeros(R + 1, i32)
         groups = [self._empty_group(g, lay) for g, lay in enumerate(self.layouts)]
-        cols = {k: v.copy() for k, v in self._sampling_pad.items()}
+        cols: dict[str, Any] = {k: v.copy() for k, v in self._sampling_pad.items()}
         q = sum(lens)
         if n:
             req_slots[:n] = [r.slot for r in reqs]
@@ -205,7 +205,7 @@ class OpsBuilder:
         kv_lens[:n] = start_a + 1
         sample_mask = np.zeros(R, bool)
         sample_mask[:n] = True
-        cols = {k: v.copy() for k, v in self._sampling_pad.items()}
+        cols: dict[str, Any] = {k: v.copy() for k, v in self._sampling_pad.items()}
         self._gather_sampling(cols, slot_a, extras)
         prompt_lens = cols["prompt_lens"]
         # tokens generated before the sampled one: kv_len - 1 - prompt_len + 1

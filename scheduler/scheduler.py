@@ -16,6 +16,7 @@ rule), `admission` (who fits the pool).
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -81,7 +82,8 @@ class Scheduler(RequestLifecycle):
         step is in flight. Returns how many page hashes were dropped."""
         if self.has_unfinished() or self._flights:
             raise RuntimeError("reset_prefix_cache needs an idle scheduler (requests or steps in flight)")
-        return self.pool.drop_cached()
+        host = 0 if self.host_tier is None else self.host_tier.drop_cached()
+        return self.pool.drop_cached() + host
 
     def prefix_match_tokens(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> int:
         """Prompt tokens a new request would take from the prefix cache right now (read-only;
@@ -226,6 +228,10 @@ class Scheduler(RequestLifecycle):
     def _emit(self, plan: StepPlan) -> StepOps:
         """The step's StepOps; a step with rows is in flight until its `update`."""
         ops, flight = plan.emit(self._builder)
+        if self.host_tier is not None:
+            copies = self.host_tier.emit(self.pool.has_key)
+            if copies is not None:
+                ops = dataclasses.replace(ops, copies=copies)
         if plan.rows:
             self._flights.append((ops, flight))
         self._stats["num_steps"] += 1
@@ -370,6 +376,10 @@ class Scheduler(RequestLifecycle):
             num_evictions=pool.num_evictions,
             group_pages={s.group_id: n for s, n in zip(self.config.group_specs, per_group)},
         )
+        if self.host_tier is not None:
+            host = self.host_tier
+            out.update(host.stats, host_pages=host.pool.num_pages, host_cached_pages=host.pool.num_cached)
+            out["host_evictions"] = host.pool.num_evictions
         q = out["prefix_query_tokens"]
         out["prefix_hit_rate"] = out["prefix_hit_tokens"] / q if q else 0.0
         if self._spec is not None:

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from scheduler.host_tier import PageCopies
+
 AXES = ("row", "row+1", "token", "row,delta", "row,width", "row,bias")
 LOGIT_BIAS_WIDTH = 64  # B: logit_bias entries per row (fixed, so it is no shape-key dimension)
 DTYPES = ("i32", "bool", "u32", "f32")
@@ -132,6 +134,9 @@ class StepOps:
     top_logprobs: np.ndarray = _dev("row", "i32", 0)
     # mypy takes the `_dev(...)` fields above for defaults; they have none (dataclasses.field)
     groups: tuple[GroupStepOps, ...]  # type: ignore[misc]  # one per cache group, in config.groups order
+    # host only: the host KV tier's page copies, applied before this step writes (None: none;
+    # `scheduler.host_tier.PageCopies`, fixed-shape columns padded with the drop sentinels)
+    copies: PageCopies | None = None
 
     @property
     def num_reqs(self) -> int:

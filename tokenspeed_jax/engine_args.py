@@ -133,6 +133,13 @@ class EngineArgs:
         kind="bytes",
         at_least=1,
     )
+    kv_offloading_size: float = _opt(
+        0.0,
+        "GiB of host memory for a second KV tier below the page pool (vLLM's name): "
+        "evicted prefix pages are kept there and loaded back on a hit instead of "
+        "recomputed (0: off)",
+        kind="gib",
+    )
     gpu_memory_utilization: float = _opt(
         DEFAULT_GPU_MEMORY_UTILIZATION,
         "fraction of an accelerator's memory this engine may use: weights, the largest "
@@ -333,6 +340,9 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             want = "a positive int" if lo == 1 else f"an int >= {lo}"
             raise ValueError(f"{name} must be {want}, got {value!r}")
+    elif kind == "gib":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 2**30:
+            raise ValueError(f"{name} must be a number of GiB >= 0, got {value!r}")
     elif kind == "fraction":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")
@@ -450,6 +460,8 @@ def add_cli_args(p: argparse.ArgumentParser, *, platform: str | None = None, **d
             kw["type"] = _speculative_json
         elif kind == "fraction":
             kw["type"] = fraction
+        elif kind == "gib":
+            kw["type"] = _at_least(float, 0.0, "a number of GiB like 4 or 0.5")
         if meta["choices"] is not None:
             kw["choices"] = meta["choices"]
         if f.name == "num_pages":  # the command's pool lives in `_engine_num_pages`

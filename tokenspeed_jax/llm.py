@@ -16,7 +16,7 @@ import jax
 
 from tokenspeed_jax.distributed import launch as dist
 from tokenspeed_jax.engine.engine import Engine
-from tokenspeed_jax.engine.pool_plan import cache_layout_of, plan_pool
+from tokenspeed_jax.engine.pool_plan import cache_layout_of, host_tier_pages, plan_pool
 from tokenspeed_jax.engine.replicas import Replicas
 from tokenspeed_jax.engine.runner_protocol import Runner
 from tokenspeed_jax.engine_args import EngineArgs
@@ -210,9 +210,13 @@ class LLM:
         base = cache_layout_of(args, self.model_config)
         plan = plan_pool(args, prepared.config, base, meshes[0], multi, make_runner)
         layout, self.step_temp_bytes = plan.layout, plan.step_temp_bytes
+        if args.kv_offloading_size:  # the host KV tier (issue 49): pages of the device's shape
+            layout = layout.with_host_pages(host_tier_pages(args, prepared.config, layout, multi))
         self.engines: list[Engine] = []
         for r, mesh in enumerate(meshes):
             runner = make_runner(layout, mesh=mesh)
+            if layout.scheduler_config.host_pages:
+                runner.attach_host_tier(layout.scheduler_config.host_pages)
             driven: Runner = self._distribute(runner, r) if multi else runner
             self.engines.append(
                 Engine(

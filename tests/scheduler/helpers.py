@@ -118,11 +118,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     GROUPS = HYBRID
     STATE_SNAPSHOTS = "chunk_end"
+    HOST_PAGES = 0  # a host KV tier below the pool (scheduler/host_tier.py)
+    NUM_PAGES = 40
 
     def __init__(self) -> None:
         super().__init__()
         self.cfg = SchedulerConfig(
-            num_pages=40,
+            num_pages=self.NUM_PAGES,
             page_size=4,
             max_batch_requests=4,
             max_scheduled_tokens=12,
@@ -130,6 +132,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             groups=self.GROUPS,
             debug_checks=True,
             state_snapshots=self.STATE_SNAPSHOTS,
+            host_pages=self.HOST_PAGES,
         )
         self.sched = Scheduler(self.cfg)
         self.rng = np.random.default_rng(0)
@@ -173,8 +176,27 @@ class SchedulerMachine(RuleBasedStateMachine):
             sampled = ((ops.kv_lens * 5 + 3) % 12).astype(np.int32)
         else:
             sampled = self.rng.integers(0, 12, size=self.cfg.max_batch_requests).astype(np.int32)
+        if ops.copies is not None:
+            self.check_copies(ops.copies)
         for out in self.sched.update(ops, sampled):
             self.check_finished(out)
+
+    def check_copies(self, c):
+        """Copy columns: valid entries in range and distinct, the rest the drop sentinels; a
+        loaded page now carries a key in the device index, owned by someone."""
+        host, dev = self.cfg.host_pages, self.cfg.num_pages
+        for cols, n, bound in (
+            ((c.save_pages, c.load_pages), (c.num_saves, c.num_loads), dev),
+            ((c.save_slots, c.load_slots), (c.num_saves, c.num_loads), host),
+        ):
+            for col, k in zip(cols, n):
+                valid = col[:k].tolist()
+                assert len(set(valid)) == k and all(0 <= p < bound for p in valid)
+                assert (col[k:] == bound).all()
+        assert 0 not in c.save_pages[: c.num_saves] and 0 not in c.load_pages[: c.num_loads]
+        pool = self.sched.pool
+        for p in c.load_pages[: c.num_loads].tolist():
+            assert pool.key_of(p) is not None and pool.refcount(p) >= 1
 
     @precondition(lambda self: self.expect)
     @rule(data=st.data())

@@ -32,9 +32,33 @@ TestStateScheduler = StateSchedulerMachine.TestCase
 TestStateScheduler.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
 
 
+class HostTierSchedulerMachine(SchedulerMachine):
+    """The same workloads with a host KV tier (issue 49) under a smaller pool, so pages are
+    evicted, saved, hit on the host and loaded back; a 5-page host tier also evicts its own."""
+
+    NUM_PAGES = 30
+    HOST_PAGES = 5
+
+
+TestHostTierScheduler = HostTierSchedulerMachine.TestCase
+TestHostTierScheduler.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
+
+
+class HostTierStateMachine(StateSchedulerMachine):
+    """Recurrent-state snapshots go to the host tier and come back too."""
+
+    NUM_PAGES = 30
+    HOST_PAGES = 8
+
+
+TestHostTierState = HostTierStateMachine.TestCase
+TestHostTierState.settings = settings(max_examples=20, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("host_pages", [0, 6])
 @pytest.mark.parametrize("chunk_cap", [None, 5])
 @pytest.mark.parametrize("groups", ["hybrid", "state"])
-def test_pressure_workload_retracts_and_completes(chunk_cap, groups):
+def test_pressure_workload_retracts_and_completes(chunk_cap, groups, host_pages):
     """A deterministic heavy run: the pool is far too small for everyone at once."""
     state = groups == "state"
     cfg = SchedulerConfig(
@@ -47,6 +71,7 @@ def test_pressure_workload_retracts_and_completes(chunk_cap, groups):
         debug_checks=True,
         max_prefill_chunk_tokens=chunk_cap,
         state_snapshots="every_page" if state else "chunk_end",
+        host_pages=host_pages,
     )
     sched = Scheduler(cfg)
     rng = np.random.default_rng(1)
@@ -61,6 +86,8 @@ def test_pressure_workload_retracts_and_completes(chunk_cap, groups):
     stats = sched.stats()
     assert stats["num_retractions"] > 0 and stats["prefix_hit_tokens"] > 0
     assert stats["free_pages"] == stats["total_pages"]
+    if host_pages:  # retracted requests' pages went to the host tier and came back
+        assert stats["host_pages_saved"] > 0 and stats["host_pages_loaded"] > 0
 
 
 def test_adoption_during_decode_forces_full_refresh():

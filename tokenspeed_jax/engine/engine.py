@@ -407,6 +407,10 @@ class Engine:
         out["async_scheduling"] = self.async_scheduling
         out.update(self.clock.summary())
         out["num_compiles"] = self.runner.num_compiles
+        out["num_prefill_tokens"] = self.num_prefill_tokens
+        host_kv = getattr(self.runner, "host_kv", None)  # the host KV tier's copies (issue 49)
+        if host_kv is not None:
+            out.update(host_kv.stats, host_copy_compiles=host_kv.num_compiles)
         out["startup"] = self.startup_stats()
         if self._grammars is not None:
             out.update(self._grammars.stats())

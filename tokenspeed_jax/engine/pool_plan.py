@@ -96,3 +96,22 @@ def plan_pool(
 
         num_pages = int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
     return PoolPlan(layout.with_num_pages(num_pages), temp_bytes)
+
+
+def host_tier_pages(args: EngineArgs, runtime_config: Any, layout: CacheLayout, multi: bool) -> int:
+    """Pages of the host KV tier of `args.kv_offloading_size` GiB: one device page's bytes each
+    (every layer's pools at one page id, as on the device). ValueError where it cannot run."""
+    from tokenspeed_jax.runtime.host_tier import host_pages_for
+    from tokenspeed_jax.runtime.state import bytes_per_page
+
+    if multi:
+        raise ValueError("kv_offloading_size is not supported on the multi-process runtime yet")
+    if not args.enable_prefix_cache:
+        raise ValueError("kv_offloading_size needs the prefix cache (it keeps evicted prefix pages)")
+    per_page = bytes_per_page(runtime_config, layout.layer_groups, layout.page_sizes, args.kv_cache_dtype)
+    pages = host_pages_for(args.kv_offloading_size, per_page)
+    if pages < 1:
+        raise ValueError(
+            f"kv_offloading_size {args.kv_offloading_size} GiB holds no page of {per_page} bytes"
+        )
+    return pages

@@ -56,6 +56,7 @@ from tokenspeed_jax.runtime.backends import (
 from tokenspeed_jax.runtime.device_ops import input_tokens, update_mirrors
 from tokenspeed_jax.runtime.executables import ExecutableStore
 from tokenspeed_jax.runtime.prepare import PreparedModel
+from tokenspeed_jax.runtime.host_tier import HostKVPool
 from tokenspeed_jax.runtime.sampling import PenaltyState, init_penalty_state, sample_rows
 from tokenspeed_jax.runtime.shapes import (
     DEFAULT_MIN_KV_BUCKET,
@@ -128,6 +129,7 @@ class ModelRunner:
         self._init_shapes(backend, mesh, min_token_bucket, min_kv_bucket)
         self._init_state(prepared.net, scan_layers)
         self._init_programs(executable_store, devices_of(mesh))
+        self.host_kv: HostKVPool | None = None  # the host KV tier (`attach_host_tier`)
 
     def _init_shapes(
         self, backend: str, mesh: Mesh | None, min_token_bucket: int | None, min_kv_bucket: int
@@ -329,6 +331,8 @@ class ModelRunner:
             if not x.is_deleted():
                 x.delete()
         self.state = self.penalties = None  # type: ignore[assignment]
+        if self.host_kv is not None:  # the host tier is KV too (the scheduler forgets its keys)
+            freed += self.host_kv.release()
         return freed
 
     def restore_state(self) -> None:
@@ -336,6 +340,8 @@ class ModelRunner:
         shardings the executables were compiled for: waking needs no compile."""
         if self.state is not None:
             return
+        if self.host_kv is not None:
+            self.host_kv.allocate()
         if self._tp is None:
             self.state, self.penalties = self._make_state(), self._make_penalties()
         else:
@@ -470,6 +476,11 @@ class ModelRunner:
         shapes = self.shapes.warmup_shapes(padding_ops, max_kv_len)
         return self.programs.prepare_many(shapes, workers=workers, progress=progress)
 
+    def attach_host_tier(self, host_pages: int) -> None:
+        """Keep a host KV tier of `host_pages` pages (`runtime.host_tier.HostKVPool`): each step's
+        `StepOps.copies` run on the device caches before the step."""
+        self.host_kv = HostKVPool(self.state.caches, self.layout.num_pages, host_pages, int(self._scan is not None))
+
     def step(self, ops: StepOps) -> StepResult:
         """Applies one `StepOps`; returns the sampled tokens (numpy). Empty steps skip the device."""
         return self.collect(self.dispatch(ops))
@@ -478,6 +489,10 @@ class ModelRunner:
         """Enqueue one `StepOps` on the device and return at once (the state advances to the
         step's output futures, so the next dispatch queues behind this one). token_mask:
         i32[R, ceil(V / 32)] allowed tokens of each row (structured outputs; None = all)."""
+        if ops.copies is not None:  # host-tier copies first, on the same device queue
+            assert self.host_kv is not None, "StepOps with page copies but no host tier"
+            caches = self.host_kv.apply(self.state.caches, ops.copies)
+            self.state = DeviceState(self.state.mirrors, caches, self.state.last_tokens)
         if ops.num_seqs == 0:
             return StepHandle(None, None, None, 0)
         self.warn_clamped(ops)
@@ -515,8 +530,12 @@ class ModelRunner:
         return StepHandle(tokens, logprobs, plp, bucket, top, accepted)
 
     def collect(self, handle: StepHandle) -> StepResult:
-        """Block until a dispatched step is done; its host results."""
-        return host_results(handle, self.max_batch_requests, self.max_scheduled_tokens)
+        """Block until a dispatched step is done; its host results. Host-tier saves of the steps
+        dispatched so far land in the host pool (their copies ran before their steps)."""
+        out = host_results(handle, self.max_batch_requests, self.max_scheduled_tokens)
+        if self.host_kv is not None:
+            self.host_kv.flush()
+        return out
 
     def host_mirrors(self) -> list[np.ndarray]:
         """The device page-table mirrors after the last dispatched step (blocks; debug checks)."""
