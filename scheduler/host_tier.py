@@ -180,7 +180,11 @@ class HostTier:
     def emit(self, device_has_key: Callable[[CacheKey], bool]) -> PageCopies | None:
         """This step's copies (None when there are none), and the saves enter the host index.
         `device_has_key(key)`: a key the device still holds (a duplicate page) is not saved."""
-        keep = [(p, k) for p, k in self._saves if not device_has_key(k) and self.pool.lookup(k) is None]
+        keep, seen = [], set()
+        for page, key in self._saves:  # a key two device pages carried is saved once
+            if key not in seen and not device_has_key(key) and self.pool.lookup(key) is None:
+                keep.append((page, key))
+                seen.add(key)
         # more saves than host pages: the later ones would evict the earlier ones anyway (and
         # two saves of one step must not share a host page)
         keep = keep[-self.pool.num_pages :]

@@ -130,3 +130,18 @@ def test_reset_prefix_cache_drops_the_host_tier_too():
     assert sched.reset_prefix_cache() >= 2
     assert sched.host_tier.pool.num_cached == 0
     assert _run(sched, "c", A) == [] and sched.stats()["host_hit_tokens"] == 0
+
+
+def test_a_key_two_device_pages_carried_is_saved_once():
+    """Without adoption two requests computing the same prompt publish duplicate pages; one step
+    evicting all of them saves each key once."""
+    sched = Scheduler(_cfg(num_pages=9, max_context_len=32, host_pages=4, enable_adoption=False))
+    sched.add_request("x", A, max_new_tokens=1)
+    sched.add_request("y", A, max_new_tokens=1)
+    while sched.has_unfinished():
+        sched.update(sched.schedule(), np.full(2, 7, np.int32))
+    assert len([p for p in range(1, 9) if sched.pool.key_of(p) is not None]) == 4  # 2 keys x 2
+    seen = _run(sched, "b", list(range(300, 329)))  # 29 tokens: the whole 8-page pool
+    assert [len(s[0]) for s in seen if s[0]] == [2]
+    assert sched.host_tier.pool.num_cached == 2
+    sched.check_invariants()

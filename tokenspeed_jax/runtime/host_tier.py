@@ -33,6 +33,9 @@ import numpy as np
 
 from scheduler.host_tier import PageCopies
 
+# the copy programs' widths in pages (a step's copies are cut into programs of these)
+COPY_WIDTHS = (16, 128)
+
 
 def host_pages_for(size_gib: float, device_bytes_per_page: int) -> int:
     """Pages of a host tier of `size_gib` GiB (vLLM's `kv_offloading_size`), one device page each."""
@@ -53,7 +56,7 @@ class HostKVPool:
         self.page_bytes = sum(x.nbytes for x in leaves) // num_pages
         self._shardings = [x.sharding for x in leaves]
         self._pending: collections.deque[tuple[list[jax.Array], np.ndarray, int]] = collections.deque()
-        self._programs: dict[tuple[int, bool], Any] = {}
+        self._programs: dict[tuple[int, str], Any] = {}
         self.num_compiles = 0
         self.stats = {"host_bytes_saved": 0, "host_bytes_loaded": 0, "host_copy_s": 0.0}
 
@@ -76,49 +79,100 @@ class HostKVPool:
     def _index(self, ids: np.ndarray | jax.Array) -> tuple[Any, ...]:
         return (slice(None),) * self.axis + (ids,)
 
-    def _program(self, width: int, has_loads: bool) -> Any:
-        fn = self._programs.get((width, has_loads))
+    def _abstract(self, width: int, kind: str) -> tuple[Any, ...]:
+        """The copy program's arguments for `width` and `kind`, as shapes (AOT compile)."""
+        leaves = [
+            jax.ShapeDtypeStruct(s, d, sharding=sh) for (s, d), sh in zip(self._shapes, self._shardings)
+        ]
+        loads = None
+        if kind != "save":
+            loads = [jax.ShapeDtypeStruct(self._host_shape(s)[: self.axis] + (width,) + s[self.axis + 1 :], d)
+                     for s, d in self._shapes]  # fmt: skip
+        ids = jax.ShapeDtypeStruct((width,), jnp.int32)
+        return leaves, loads, ids, ids
+
+    def program(self, width: int, kind: str) -> Any:
+        """The compiled copy program of `width` pages: kind "save" (read pages out), "load"
+        (write pages in) or "both" (read first, then write). Compiled once (`warmup`)."""
+        fn = self._programs.get((width, kind))
         if fn is not None:
             return fn
         axis = self.axis
 
         def copy(leaves, loads, save_pages, load_pages):
-            self.num_compiles += 1  # runs once per trace
             idx = (slice(None),) * axis
-            saved = [jnp.take(x, save_pages, axis=axis, mode="clip") for x in leaves]
-            if has_loads:
+            saved = (
+                [] if kind == "load" else [jnp.take(x, save_pages, axis=axis, mode="clip") for x in leaves]
+            )
+            if kind != "save":
                 leaves = [
                     x.at[(*idx, load_pages)].set(y.astype(x.dtype), mode="drop")
                     for x, y in zip(leaves, loads, strict=True)
                 ]
             return leaves, saved
 
-        out = (self._shardings, None) if len(jax.devices()) > 1 else None
-        fn = jax.jit(copy, donate_argnums=(0,), out_shardings=out)
-        self._programs[(width, has_loads)] = fn
+        jitted = jax.jit(copy, donate_argnums=(0,), out_shardings=(self._shardings, None))
+        fn = self._programs[(width, kind)] = jitted.lower(*self._abstract(width, kind)).compile()
+        self.num_compiles += 1
         return fn
 
+    def warmup(self) -> int:
+        """Compile every copy program now (serving then never compiles one); returns how many
+        were compiled."""
+        before = self.num_compiles
+        for width in COPY_WIDTHS:
+            for kind in ("save", "load", "both"):
+                self.program(width, kind)
+        return self.num_compiles - before
+
     def apply(self, caches: Any, copies: PageCopies) -> Any:
-        """Enqueue `copies` on `caches` (donated); returns the caches the step must read."""
+        """Enqueue `copies` on `caches` (donated); returns the caches the step must read.
+        Up to the widest program in one call; more: every save chunk, then every load chunk
+        (a page saved in a step may be the one a load of that step fills)."""
         t0 = time.perf_counter()
-        pools = self.pools
-        assert pools is not None, "host tier used while released"
-        has_loads = copies.num_loads > 0
-        loads: list[np.ndarray] | None = None
-        if has_loads:
-            self.flush()  # a load may read a page an earlier step's save is still bringing
-            slots = np.minimum(copies.load_slots, self.host_pages - 1)  # padding: any page, dropped
-            loads = [p[self._index(slots)] for p in pools]
-            self.stats["host_bytes_loaded"] += copies.num_loads * self.page_bytes
-        fn = self._program(copies.width, has_loads)
-        leaves, saved = fn(jax.tree.leaves(caches), loads, copies.save_pages, copies.load_pages)
-        if copies.num_saves:
-            for x in saved:
-                x.copy_to_host_async()
-            self._pending.append((saved, copies.save_slots[: copies.num_saves].copy(), copies.num_saves))
-            self.stats["host_bytes_saved"] += copies.num_saves * self.page_bytes
+        assert self.pools is not None, "host tier used while released"
+        leaves = jax.tree.leaves(caches)
+        ns, nl = copies.num_saves, copies.num_loads
+        top = COPY_WIDTHS[-1]
+        if max(ns, nl) <= top:
+            leaves = self._run(leaves, copies.save_pages[:ns], copies.save_slots[:ns],
+                               copies.load_slots[:nl], copies.load_pages[:nl])  # fmt: skip
+        else:
+            for i in range(0, ns, top):
+                sl = slice(i, i + top)
+                leaves = self._run(leaves, copies.save_pages[sl], copies.save_slots[sl], None, None)
+            for i in range(0, nl, top):
+                sl = slice(i, i + top)
+                leaves = self._run(leaves, None, None, copies.load_slots[sl], copies.load_pages[sl])
         self.stats["host_copy_s"] += time.perf_counter() - t0
         return jax.tree.unflatten(self._treedef, leaves)
+
+    def _run(self, leaves: list, save_pages, save_slots, load_slots, load_pages) -> list:
+        """One copy program on at most the widest width of saves and loads (valid entries)."""
+        pools = self.pools
+        assert pools is not None
+        ns = 0 if save_pages is None else len(save_pages)
+        nl = 0 if load_slots is None else len(load_slots)
+        width = next(w for w in COPY_WIDTHS if w >= max(ns, nl))
+        kind = "both" if ns and nl else ("save" if ns else "load")
+        pages = np.full((2, width), self.num_pages, np.int32)
+        loads = None
+        if ns:
+            pages[0, :ns] = save_pages
+        if nl:
+            self.flush()  # a load may read a page an earlier step's save is still bringing
+            pages[1, :nl] = load_pages
+            slots = np.zeros(width, np.int64)  # padding reads host page 0: dropped on the device
+            slots[:nl] = load_slots
+            loads = [p[self._index(slots)] for p in pools]
+            self.stats["host_bytes_loaded"] += nl * self.page_bytes
+        leaves, saved = self.program(width, kind)(leaves, loads, pages[0], pages[1])
+        if ns:
+            for x in saved:
+                x.copy_to_host_async()
+            self._pending.append((saved, np.array(save_slots, np.int64), ns))
+            self.stats["host_bytes_saved"] += ns * self.page_bytes
+        return leaves
 
     def flush(self) -> None:
         """Write every dispatched save into the numpy pools (blocks on their copy programs,

@@ -55,8 +55,8 @@ from tokenspeed_jax.runtime.backends import (
 )
 from tokenspeed_jax.runtime.device_ops import input_tokens, update_mirrors
 from tokenspeed_jax.runtime.executables import ExecutableStore
-from tokenspeed_jax.runtime.prepare import PreparedModel
 from tokenspeed_jax.runtime.host_tier import HostKVPool
+from tokenspeed_jax.runtime.prepare import PreparedModel
 from tokenspeed_jax.runtime.sampling import PenaltyState, init_penalty_state, sample_rows
 from tokenspeed_jax.runtime.shapes import (
     DEFAULT_MIN_KV_BUCKET,
@@ -474,12 +474,15 @@ class ModelRunner:
         shapes it made ready (compiled or loaded); 0 when all were ready.
         """
         shapes = self.shapes.warmup_shapes(padding_ops, max_kv_len)
+        if self.host_kv is not None:  # the host tier's copy programs too (not counted)
+            self.host_kv.warmup()
         return self.programs.prepare_many(shapes, workers=workers, progress=progress)
 
     def attach_host_tier(self, host_pages: int) -> None:
         """Keep a host KV tier of `host_pages` pages (`runtime.host_tier.HostKVPool`): each step's
         `StepOps.copies` run on the device caches before the step."""
-        self.host_kv = HostKVPool(self.state.caches, self.layout.num_pages, host_pages, int(self._scan is not None))
+        axis = int(self._scan is not None)  # scan_layers' pools are f[n, P, ...]
+        self.host_kv = HostKVPool(self.state.caches, self.layout.num_pages, host_pages, axis)
 
     def step(self, ops: StepOps) -> StepResult:
         """Applies one `StepOps`; returns the sampled tokens (numpy). Empty steps skip the device."""
