@@ -4,8 +4,8 @@
     python benchmarks/kv_tier.py --quick    # the built-in tiny model, 1 rep (a smoke run)
 
 1. agentic: sessions sharing a system prompt, each turn resending its whole history
-   (`workloads.agentic`). A roomy run measures the working set (the pool's high-water mark with
-   nothing evicted); then the device pool is cut to `--agentic-pool` (25%) of it and the same
+   (`workloads.agentic`). A roomy run measures the working set (the pages the workload caches in a
+   pool that evicts nothing); then the device pool is cut to `--agentic-pool` (25%) of it and the same
    workload runs without and with the tier (`kv_offloading_size` big enough for the working
    set). Targets: computed prefill tokens <= 0.5x, output throughput >= 1.3x, same tokens.
 2. retraction: `--batch` requests of random prompts sent at once; the pool at `--retract-pool`
@@ -143,7 +143,10 @@ def main() -> None:
     # ---- 1. agentic
     roomy = _llm(args.model, 4096, 0.0, args)
     _, _, want = _agentic(roomy, cfg)
-    working = roomy.engine.scheduler.pool.peak_used
+    # the working set: every page the workload cached (nothing was evicted from the roomy pool)
+    pool = roomy.engine.scheduler.pool
+    working = sum(1 for p in range(1, pool.num_pages) if pool.key_of(p) is not None)
+    working = max(working, pool.peak_used)
     pb = _page_bytes(roomy)
     # at least what the longest request pins alone (else it could never run)
     need = roomy.engine.scheduler.coord.solo_peak_pages(cfg.longest_request, args.max_scheduled_tokens)
@@ -151,7 +154,7 @@ def main() -> None:
     pages = max(int(working * args.agentic_pool), need)
     tier_gib = 2 * working * pb / GiB
     print(
-        f"\n## agentic: {cfg}\nworking set {working} pages; device pool {pages} pages "
+        f"\n## agentic: {cfg}\nworking set {working} cached pages; device pool {pages} pages "
         f"({args.agentic_pool:.0%}), host tier {tier_gib:.3f} GiB"
     )
     engines = {

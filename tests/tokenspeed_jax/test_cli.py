@@ -31,6 +31,7 @@ def no_loading(monkeypatch):
         (["warmup", "--num-pages", "3"], "--num-pages 3"),
         (["serve", "--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
         (["serve", "--kv-cache-memory-bytes", "4X"], "--kv-cache-memory-bytes"),
+        (["run", "--kv-offloading-size", "-2"], "--kv-offloading-size"),
         (["run", "--num-pages", "64", "--kv-cache-memory-bytes", "1G"], "not both"),
     ],
 )

@@ -155,6 +155,9 @@ def test_no_compile_cache_is_false():
         (["--lazy-compile", "never"], "invalid choice"),
         (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
         (["--gpu-memory-utilization", "nan"], "must be in (0, 1]"),
+        (["--kv-offloading-size", "-1"], "must be >= 0.0"),
+        (["--kv-offloading-size", "nan"], "must be >= 0.0"),
+        (["--kv-offloading-size", "lots"], "expected a number of GiB"),
     ],
 )
 def test_bad_flags_are_argparse_errors(argv, needle, capsys):

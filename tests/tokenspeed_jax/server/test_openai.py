@@ -303,6 +303,8 @@ def test_metrics_parse_and_move(srv):
         "tokenspeed_prefix_hit_rate",
         "tokenspeed_retractions_total",
         "tokenspeed_evictions_total",
+        "tokenspeed_prefill_tokens_total",
+        "tokenspeed_host_hit_tokens_total",
         "tokenspeed_compiles_total",
         "tokenspeed_e2e_request_latency_seconds_bucket",
         "tokenspeed_time_per_output_token_seconds_count",
