@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--quick", action="store_true", help="tiny model, small workload, 1 rep")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--only", choices=("agentic", "retraction"), help="run one workload (default: both)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-batch-requests", type=int, default=8)
     p.add_argument("--max-scheduled-tokens", type=int, default=512)
@@ -140,7 +141,27 @@ def main() -> None:
         f"{args.max_batch_requests} rows x {args.max_scheduled_tokens} tokens a step"
     )
 
-    # ---- 1. agentic
+    copy_s, moved, recompute_page_s, pb = 0.0, 0, 0.0, 0
+    if args.only != "retraction":
+        copy_s, moved, recompute_page_s, pb = _agentic_section(args, cfg)
+    if args.only != "agentic":
+        pb = _retraction_section(args)
+    # ---- 3. transfer cost
+    print(
+        f"\n## transfer cost per page ({pb / 1024:.0f} KiB: every layer's K and V of {args.page_size} tokens)"
+    )
+    if moved:
+        rate = pb * moved / max(copy_s, 1e-9) / GiB
+        print(
+            f"host tier copies on this CPU: {copy_s / moved * 1e3:.3f} ms a page ({moved} pages moved, "
+            f"{rate:.2f} GiB/s); recompute: {recompute_page_s * 1e3:.2f} ms a page "
+            f"({args.page_size} tokens at the no-tier run's computed-token rate)"
+        )
+    _gpu_prediction(args, pb)
+
+
+def _agentic_section(args: argparse.Namespace, cfg) -> tuple[float, int, float, int]:
+    """Section 1; returns (copy seconds, pages moved, recompute seconds a page, page bytes)."""
     roomy = _llm(args.model, 4096, 0.0, args)
     _, _, want = _agentic(roomy, cfg)
     # the working set: every page the workload cached (nothing was evicted from the roomy pool)
@@ -171,9 +192,11 @@ def main() -> None:
     moved = host.get("host_pages_saved", 0) + host.get("host_pages_loaded", 0)
     base = runs["no tier"][-1][0]
     recompute_page_s = args.page_size / base["computed_tok_per_s"]
-    del engines, runs
+    return copy_s, moved, recompute_page_s, pb
 
-    # ---- 2. retraction
+
+def _retraction_section(args: argparse.Namespace) -> int:
+    """Section 2; returns the page bytes."""
     rng = np.random.default_rng(0)
     prompts = [
         rng.integers(3, 20000 if not args.quick else 250, args.prompt_len).tolist() for _ in range(args.batch)
@@ -185,6 +208,7 @@ def main() -> None:
     need = roomy.engine.scheduler.coord.solo_peak_pages(
         args.prompt_len + args.gen_len, args.max_scheduled_tokens
     )
+    pb = _page_bytes(roomy)
     del roomy
     pages = max(int(peak * args.retract_pool), need)
     print(
@@ -212,18 +236,7 @@ def main() -> None:
     )
     print(f"throughput with / without the tier: {ratio:.2f}x (target >= 1.2x)")
 
-    # ---- 3. transfer cost
-    print(
-        f"\n## transfer cost per page ({pb / 1024:.0f} KiB: every layer's K and V of {args.page_size} tokens)"
-    )
-    if moved:
-        rate = pb * moved / max(copy_s, 1e-9) / GiB
-        print(
-            f"host tier copies on this CPU: {copy_s / moved * 1e3:.3f} ms a page ({moved} pages moved, "
-            f"{rate:.2f} GiB/s); recompute: {recompute_page_s * 1e3:.2f} ms a page "
-            f"({args.page_size} tokens at the no-tier run's computed-token rate)"
-        )
-    _gpu_prediction(args, pb)
+    return pb
 
 
 def _page_bytes(llm) -> int:
