@@ -76,7 +76,7 @@ class HostKVPool:
     def _host_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (*shape[: self.axis], self.host_pages, *shape[self.axis + 1 :])
 
-    def _index(self, ids: np.ndarray | jax.Array) -> tuple[Any, ...]:
+    def _index(self, ids: np.ndarray | jax.Array | slice) -> tuple[Any, ...]:
         return (slice(None),) * self.axis + (ids,)
 
     def _abstract(self, width: int, kind: str) -> tuple[Any, ...]:

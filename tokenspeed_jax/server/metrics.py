@@ -30,7 +30,7 @@ _COUNTERS = {
     "num_prefill_tokens": ("tokenspeed_prefill_tokens", "prompt tokens computed (cache hits excluded)"),
     # the host KV tier (issue 49); 0 without one
     "host_hit_tokens": ("tokenspeed_host_hit_tokens", "prompt tokens served by the host KV tier"),
-    "resume_hit_tokens": ("tokenspeed_resume_hit_tokens", "tokens retracted requests took back from the cache"),
+    "resume_hit_tokens": ("tokenspeed_resume_hit_tokens", "tokens resumed requests took from the cache"),
     "host_pages_saved": ("tokenspeed_host_pages_saved", "pages copied to the host KV tier"),
     "host_pages_loaded": ("tokenspeed_host_pages_loaded", "pages loaded back from the host KV tier"),
     "host_bytes_saved": ("tokenspeed_host_bytes_saved", "bytes copied to the host KV tier"),
