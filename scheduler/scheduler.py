@@ -231,6 +231,9 @@ class Scheduler(RequestLifecycle):
         if self.host_tier is not None:
             copies = self.host_tier.emit(self.pool.has_key)
             if copies is not None:
+                # copies come from rows' allocations and admissions: the engine dispatches
+                # (and so applies) every step with rows
+                assert plan.rows, "host-tier copies in a step without rows"
                 ops = dataclasses.replace(ops, copies=copies)
         if plan.rows:
             self._flights.append((ops, flight))
