@@ -38,7 +38,7 @@ FAMILIES = ("llama", "lfm2", "gemma2", "gemma3")
 
 def _serve(path: str, dtype: str) -> LLM:
     return LLM(path, dtype=dtype, page_size=4, num_pages=64, max_batch_requests=4, max_scheduled_tokens=16,
-               max_context_len=96, attention_backend="reference")  # fmt: skip
+               max_context_len=96, attention_backend="reference", lazy_compile="sync")  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)

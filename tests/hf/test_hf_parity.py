@@ -36,7 +36,8 @@ def served(request, hf_checkpoints):
     path, ref = hf_checkpoints[family]
     ref.generation_config.eos_token_id = None  # compare fixed-length continuations
     llm = LLM(path, page_size=4, num_pages=NUM_PAGES[family], max_batch_requests=4, max_scheduled_tokens=16,
-              max_context_len=96, attention_backend="reference", debug_checks=True)  # fmt: skip
+              max_context_len=96, attention_backend="reference", debug_checks=True,
+              lazy_compile="sync")  # fmt: skip
     return family, llm, ref
 
 

@@ -38,6 +38,7 @@ KW = dict(
     compile_cache_dir=False,
     debug_checks=True,
     decode_reserve_tokens=0,
+    lazy_compile="sync",  # only the shapes a run takes compile (same outputs)
 )
 
 
@@ -375,7 +376,7 @@ def test_lone_decode_bucket_with_speculation():
     decode whose row proposes nothing runs in it, a row whose drafts pay runs in 16, and the
     outputs are those of the engine without speculation; one compile per shape met. "padding"
     keeps the old ladder (no 1-token bucket: every decode of it pays for 16 rows)."""
-    kw = dict(KW, max_batch_requests=2, lazy_compile="sync")  # every step in its own shape
+    kw = dict(KW, max_batch_requests=2)  # lazy_compile="sync": every step in its own shape
     base = LLM("tiny-random", **kw)
     spec = LLM("tiny-random", speculative_config=SPEC, **kw)
     pad = LLM("tiny-random", speculative_config=dict(SPEC, draft_policy="padding"), **kw)
