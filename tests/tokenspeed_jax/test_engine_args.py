@@ -55,6 +55,7 @@ ROUND_TRIP = {
     "honor_full_refresh": (False, ["--no-honor-full-refresh"]),
     "debug_checks": (True, ["--debug-checks"]),
     "gpu_memory_utilization": (0.5, ["--gpu-memory-utilization", "0.5"]),
+    "kv_offloading_size": (4.0, ["--kv-offloading-size", "4"]),
 }
 
 
