@@ -28,15 +28,19 @@ import numpy as np
 
 from scheduler.block_pool import CacheKey
 
-MIN_COPY_BUCKET = 8  # the smallest copy-column width (powers of two from it: few copy programs)
+# the copy columns' widths in pages: the device compiles one copy program per width and kind;
+# more copies than the widest are padded to a multiple of it and applied in chunks of it
+COPY_WIDTHS = (16, 128)
 
 
 def copy_bucket(n: int) -> int:
-    """Width C of the copy columns for `n` copies: the power of two >= n, at least 8."""
-    c = MIN_COPY_BUCKET
-    while c < n:
-        c *= 2
-    return c
+    """Width C of the copy columns for `n` copies: the narrowest of `COPY_WIDTHS` that holds
+    them, else `n` rounded up to a multiple of the widest."""
+    for c in COPY_WIDTHS:
+        if c >= n:
+            return c
+    top = COPY_WIDTHS[-1]
+    return -(-n // top) * top
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scheduler.host_tier import PageCopies
+from scheduler.host_tier import PageCopies, copy_bucket
 from tests.tokenspeed_jax.conftest import _max_logprob_diff as max_diff
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.runtime.host_tier import HostKVPool
@@ -86,7 +86,7 @@ def test_copy_program_against_numpy():
     pool = HostKVPool(caches, num_pages=6, host_pages=3, page_axis=0)
     pool.pools[0][1] = 7.0  # host page 1 holds some page's K ...
     pool.pools[1][1] = 8.0  # ... and V
-    cols = ([3, 2] + [6] * 6, [0, 2] + [3] * 6, [1] + [3] * 7, [3] + [6] * 7)
+    cols = ([3, 2] + [6] * 14, [0, 2] + [3] * 14, [1] + [3] * 15, [3] + [6] * 15)  # 16: a copy width
     c = PageCopies(2, 1, *(np.array(x, np.int32) for x in cols))
     out = pool.apply(caches, c)
     pool.flush()
@@ -114,3 +114,28 @@ def test_bad_sizes(size):
 def test_a_size_too_small_for_one_page():
     with pytest.raises(ValueError, match="holds no page"):
         LLM("tiny-random", num_pages=16, kv_offloading_size=1e-9, compile_cache_dir=False)
+
+
+def test_copies_wider_than_one_program_run_in_chunks():
+    """130 saves and 130 loads (columns padded to 256): every save chunk reads before any load
+    chunk writes, though the loads fill pages the saves read."""
+    p, h, n = 140, 140, 130
+    k = np.arange(p * 2, dtype=np.float32).reshape(p, 2)
+    caches = ({"k": jnp.asarray(k)},)
+    pool = HostKVPool(caches, num_pages=p, host_pages=h, page_axis=0)
+    pool.pools[0][:] = -np.arange(h * 2, dtype=np.float32).reshape(h, 2)
+    saves, slots = np.arange(1, n + 1), np.arange(n)  # device pages 1..130 -> host 0..129
+    loads = np.arange(h - 1, h - 1 - n, -1)  # host 139..10 -> device pages 1..130
+    width = copy_bucket(n)
+    assert width == 256
+
+    def col(x, pad):
+        return np.concatenate([x, np.full(width - n, pad)]).astype(np.int32)
+
+    c = PageCopies(n, n, col(saves, p), col(slots, h), col(loads, h), col(saves, p))
+    out = np.asarray(pool.apply(caches, c)[0]["k"])
+    pool.flush()
+    want_host = -np.arange(h * 2, dtype=np.float32).reshape(h, 2)
+    np.testing.assert_array_equal(out[1 : n + 1], want_host[loads])  # loaded
+    np.testing.assert_array_equal(out[n + 1 :], k[n + 1 :])  # untouched
+    np.testing.assert_array_equal(pool.pools[0][:n], k[1 : n + 1])  # saved before the loads wrote

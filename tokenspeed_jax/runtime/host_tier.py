@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scheduler.host_tier import PageCopies
-
-# the copy programs' widths in pages (a step's copies are cut into programs of these)
-COPY_WIDTHS = (16, 128)
+from scheduler.host_tier import COPY_WIDTHS, PageCopies
 
 
 def host_pages_for(size_gib: float, device_bytes_per_page: int) -> int:
@@ -126,53 +123,57 @@ class HostKVPool:
         return self.num_compiles - before
 
     def apply(self, caches: Any, copies: PageCopies) -> Any:
-        """Enqueue `copies` on `caches` (donated); returns the caches the step must read.
-        Up to the widest program in one call; more: every save chunk, then every load chunk
-        (a page saved in a step may be the one a load of that step fills)."""
+        """Enqueue `copies` on `caches` (donated); returns the caches the step must read. Columns
+        of one of `COPY_WIDTHS` run as one program; wider ones in chunks of the widest: every
+        save chunk, then every load chunk (a page saved in a step may be the one a load of that
+        step fills). Loads are gathered from the host pool first: this step's saves may go to
+        host pages its loads free, and land only later."""
         t0 = time.perf_counter()
-        assert self.pools is not None, "host tier used while released"
+        pools = self.pools
+        assert pools is not None, "host tier used while released"
         leaves = jax.tree.leaves(caches)
-        ns, nl = copies.num_saves, copies.num_loads
-        top = COPY_WIDTHS[-1]
-        if max(ns, nl) <= top:
-            leaves = self._run(leaves, copies.save_pages[:ns], copies.save_slots[:ns],
-                               copies.load_slots[:nl], copies.load_pages[:nl])  # fmt: skip
+        c, ns, nl = copies, copies.num_saves, copies.num_loads
+        loads = None
+        if nl:
+            self.flush()  # a load may read a page an earlier step's save is still bringing
+            slots = np.minimum(c.load_slots, self.host_pages - 1)  # padding reads a page, dropped
+            loads = [p[self._index(slots)] for p in pools]
+            self.stats["host_bytes_loaded"] += nl * self.page_bytes
+        if c.width in COPY_WIDTHS:
+            leaves = self._run(leaves, c.width, ns, nl, c.save_pages, c.save_slots, loads, c.load_pages)
         else:
+            top = COPY_WIDTHS[-1]
+            assert c.width % top == 0, f"{c.width=} is no copy width (`scheduler.host_tier.copy_bucket`)"
             for i in range(0, ns, top):
                 sl = slice(i, i + top)
-                leaves = self._run(leaves, copies.save_pages[sl], copies.save_slots[sl], None, None)
+                leaves = self._run(leaves, top, min(top, ns - i), 0, c.save_pages[sl], c.save_slots[sl])
             for i in range(0, nl, top):
-                sl = slice(i, i + top)
-                leaves = self._run(leaves, None, None, copies.load_slots[sl], copies.load_pages[sl])
+                sl, part = slice(i, i + top), self._index(slice(i, i + top))
+                chunk = [x[part] for x in cast(list, loads)]
+                leaves = self._run(leaves, top, 0, min(top, nl - i), None, None, chunk, c.load_pages[sl])
         self.stats["host_copy_s"] += time.perf_counter() - t0
         return jax.tree.unflatten(self._treedef, leaves)
 
-    def _run(self, leaves: list, save_pages, save_slots, load_slots, load_pages) -> list:
-        """One copy program on at most the widest width of saves and loads (valid entries)."""
-        pools = self.pools
-        assert pools is not None
-        ns = 0 if save_pages is None else len(save_pages)
-        nl = 0 if load_slots is None else len(load_slots)
-        width = next(w for w in COPY_WIDTHS if w >= max(ns, nl))
+    def _run(
+        self, leaves: list, width: int, ns: int, nl: int, save_pages, save_slots, loads=None, load_pages=None
+    ) -> list:
+        """One copy program of `width` over columns of that width (padding: the drop sentinels)
+        and the gathered `loads`; `ns` saves and `nl` loads of them valid."""
         kind = "both" if ns and nl else ("save" if ns else "load")
-        pages = np.full((2, width), self.num_pages, np.int32)
-        loads = None
-        if ns:
-            pages[0, :ns] = save_pages
-        if nl:
-            self.flush()  # a load may read a page an earlier step's save is still bringing
-            pages[1, :nl] = load_pages
-            slots = np.zeros(width, np.int64)  # padding reads host page 0: dropped on the device
-            slots[:nl] = load_slots
-            loads = [p[self._index(slots)] for p in pools]
-            self.stats["host_bytes_loaded"] += nl * self.page_bytes
-        leaves, saved = self.program(width, kind)(leaves, loads, pages[0], pages[1])
+        none = self._no_pages(width) if save_pages is None or load_pages is None else None
+        save = none if save_pages is None else save_pages
+        load = none if load_pages is None else load_pages
+        leaves, saved = self.program(width, kind)(leaves, loads if nl else None, save, load)
         if ns:
             for x in saved:
                 x.copy_to_host_async()
-            self._pending.append((saved, np.array(save_slots, np.int64), ns))
+            self._pending.append((saved, np.array(save_slots[:ns], np.int64), ns))
             self.stats["host_bytes_saved"] += ns * self.page_bytes
         return leaves
+
+    def _no_pages(self, width: int) -> np.ndarray:
+        """An all-padding device page column (the unused side of a save- or load-only chunk)."""
+        return np.full(width, self.num_pages, np.int32)
 
     def flush(self) -> None:
         """Write every dispatched save into the numpy pools (blocks on their copy programs,
