@@ -46,7 +46,9 @@ def _random_ops(rng, r=5, t=24, layouts=((16, 8, 2), (8, 12, 3))) -> StepOps:
 
 def test_schema_covers_every_array_field():
     """Every numpy field of StepOps / GroupStepOps is tagged (nothing silently stays host-side)."""
-    for cls, host in ((StepOps, {"num_seqs", "num_tokens", "request_ids", "groups"}), (GroupStepOps, set())):
+    # copies: the host tier's page copies run as their own program before the step (PageCopies)
+    host_fields = {"num_seqs", "num_tokens", "request_ids", "groups", "copies"}
+    for cls, host in ((StepOps, host_fields), (GroupStepOps, set())):
         tagged = {n for n, _, _ in device_schema(cls)}
         assert tagged | host == {f.name for f in dataclasses.fields(cls)}
 
