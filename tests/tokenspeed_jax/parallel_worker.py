@@ -158,16 +158,19 @@ def worker(group: str) -> dict:
     }
     run("dp2", 1, 2)
     # scan_layers under tp: stacked params and pools keep their layer's spec behind the run axis
-    # a recurrent hybrid: attention heads sharded, the Gated DeltaNet layers and their state
-    # pools replicated (every device runs them whole)
+    # a recurrent hybrid: attention and Gated DeltaNet heads sharded, state pools on heads
     run("hybrid_tp1", 1, 1, model="tiny-hybrid")
-    run("hybrid_tp2", 2, 1, model="tiny-hybrid")
+    runner = run("hybrid_tp2", 2, 1, model="tiny-hybrid").engine.runner
+    out["hybrid_shards"] = _shard_shapes(runner, "linear_attn", "ssm", "conv_state")
     runner = run("tp2_scan", 2, 1, scan_layers=True).engine.runner
     leaves = jax.tree_util.tree_leaves_with_path((runner.params, runner.state.caches))
     out["scan_shards"] = {
         jax.tree_util.keystr(p): [x.shape, list(x.addressable_shards[0].data.shape)] for p, x in leaves
     }
     out["moe_maxdiff"] = _moe_forward_diff()
+    out["recurrent_maxdiff"] = {
+        f"tp{tp}_g{g}": _recurrent_forward_diff(tp, g) for tp, g in ((2, 2), (4, 2), (2, 1))
+    }
     errors = {}
     for name, kw in {
         "tp3": dict(tensor_parallel_size=3),
@@ -211,6 +214,65 @@ def _moe_forward_diff() -> float:
     sh = plan.param_shardings(params)
     f = jax.jit(lambda p, t: nnx.merge(graph, p).dense(t), in_shardings=(sh, plan.replicated))
     return float(np.abs(np.asarray(f(jax.device_put(params, sh), x)) - ref).max())
+
+
+def _shard_shapes(runner, *parts: str) -> dict:
+    """{path: [shape, first shard's shape]} of the runner's params and pools whose path names
+    one of `parts`."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves_with_path((runner.params, runner.state.caches))
+    return {
+        jax.tree_util.keystr(p): [list(x.shape), list(x.addressable_shards[0].data.shape)]
+        for p, x in leaves
+        if any(part in jax.tree_util.keystr(p) for part in parts)
+    }
+
+
+def _recurrent_forward_diff(tp: int, groups: int) -> list:
+    """[max |logits(tp) - logits(tp=1)|, all-gathers in the compiled forward] of the dense
+    forward of a Mamba2 + Gated DeltaNet + attention config with `groups` B / C groups (tp >
+    groups: replicated onto the shards), biases on; the paged path is tiny-hybrid's run above
+    (same rules)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from tokenspeed_jax.models import build_model
+    from tokenspeed_jax.models.registry import tiny_hybrid_config
+    from tokenspeed_jax.runtime.sharding import TensorParallel, relayout_recurrent, replica_meshes
+
+    cfg = dataclasses.replace(
+        tiny_hybrid_config(), layer_types=("mamba", "linear_attention", "full_attention"),
+        linear_num_key_heads=4, linear_num_value_heads=8, mamba_n_heads=4, mamba_d_head=16,
+        mamba_n_groups=groups, mamba_d_state=8, mamba_proj_bias=True, num_key_value_heads=4,
+    )  # fmt: skip
+    net = build_model(cfg, 0)
+    for layer in net.layers:  # non-zero biases, so their columns are checked
+        m = getattr(layer, "mamba", None)
+        if m is not None:
+            for p in (m.in_proj.bias, m.conv_bias, m.out_proj.bias):
+                p.set_value(
+                    0.1 * jax.random.normal(jax.random.key(7), p.get_value().shape, p.get_value().dtype)
+                )
+    x = jnp.asarray(np.random.default_rng(1).integers(0, 256, 24))
+    ref = np.asarray(net.dense(x))
+    relayout_recurrent(net, cfg, tp)
+    plan = TensorParallel(replica_meshes(tp, 1)[0], cfg)
+    graph, params = nnx.split(net)
+    sh = plan.param_shardings(params)
+    placed = jax.device_put(params, sh)
+    # the recurrent layers really are split: a head-sharded parameter holds 1/tp on a device
+    assert placed["layers"][1]["linear_attn"]["dt_bias"][...].addressable_shards[0].data.shape == (8 // tp,)
+    assert placed["layers"][0]["mamba"]["D"][...].addressable_shards[0].data.shape == (4 // tp,)
+    f = jax.jit(lambda p, t: nnx.merge(graph, p).dense(t), in_shardings=(sh, plan.replicated))
+    # heads stay local: the collectives are all-reduces (row-parallel outputs, the Mamba2 norm
+    # of a group spread over shards), never an all-gather of activations or weights
+    gathers = f.lower(placed, x).compile().as_text().count(" all-gather(")
+    return [float(np.abs(np.asarray(f(placed, x)) - ref).max()), gathers]
 
 
 def _weights_group(run, prompts, gen, plp, out: dict) -> dict:

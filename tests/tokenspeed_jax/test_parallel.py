@@ -4,13 +4,15 @@ The work runs in a 4-device subprocess (`parallel_worker.py`, group "core"); the
 here on its JSON record (quantized KV / weights and the Pallas kernels: test_parallel_quant.py):
 
 - greedy tokens, logprobs and prompt logprobs of tp=2, dp=2 and tp=2 x dp=2 == tp=1 (1e-4),
-  with the reference backend, and tp=2 == tp=1 on the Gated DeltaNet hybrid (tiny-hybrid);
+  with the reference backend, and tp=2 == tp=1 on the Gated DeltaNet hybrid (tiny-hybrid, its heads sharded);
 - params and pools really are sharded (specs and per-device shard shapes);
 - dp: both replicas served requests, `stats()` sums them, `engine` is `engines[0]`;
 - scan_layers under tp=2: same tokens, stacked params and pools sharded like their layer's;
 - one compile per token bucket per replica (the sharded state keeps its sharding across steps);
 - a second tp=1 LLM loads its steps from the executable store onto one of the 4 devices;
 - an MoE + sinks + biases config: sharded forward == unsharded (ragged_dot over sharded experts);
+- the recurrent mixers heads-sharded: tiny-hybrid's params and state pools split, a Mamba2 +
+  Gated DeltaNet config's sharded forward == unsharded (tp 2 and 4, B / C groups replicated);
 - bad sizes raise ValueError (tp=3 with 2 kv heads, tp*dp > devices, tp=0).
 """
 
@@ -89,6 +91,35 @@ def test_data_parallel_replicas(result):
 
 def test_moe_sharded_forward(result):
     assert result["moe_maxdiff"] < 1e-4
+
+
+def test_recurrent_layers_are_head_sharded(result):
+    """tiny-hybrid under tp=2 (its tokens == tp=1 above): the Gated DeltaNet projections, conv,
+    state and conv-tail pools hold half the heads / channels on each device."""
+    sh = result["hybrid_shards"]
+
+    def shard_of(part):
+        keys = [k for k in sh if part in k]
+        assert keys, part
+        return [sh[k] for k in keys]
+
+    # tiny-hybrid: Hk = 2 key heads, Hv = 4 value heads of 16, conv channels 2*32 + 64 = 128
+    assert shard_of("['in_proj_qkv']['kernel']")[0] == [[64, 128], [64, 64]]
+    assert shard_of("['in_proj_z']['kernel']")[0] == [[64, 64], [64, 32]]
+    assert shard_of("['out_proj']['kernel']")[0] == [[64, 64], [32, 64]]
+    assert shard_of("['conv_weight']")[0] == [[4, 128], [4, 64]]
+    for shape, shard in shard_of("['ssm']"):  # f32[P, Hv, Dk, Dv] on Hv
+        assert shard == [shape[0], 2, 16, 16]
+    for shape, shard in shard_of("['conv_state']"):  # f32[P, K-1, C] on C
+        assert shard == [shape[0], 3, 64]
+
+
+@pytest.mark.parametrize("case", ["tp2_g2", "tp4_g2", "tp2_g1"])
+def test_mamba2_and_delta_sharded_forward(result, case):
+    """Mamba2 + Gated DeltaNet + attention, heads sharded (B / C groups split, or replicated when
+    tp > groups): the logits equal the unsharded forward's, and no all-gather runs."""
+    maxdiff, gathers = result["recurrent_maxdiff"][case]
+    assert maxdiff < 1e-4 and gathers == 0
 
 
 def test_bad_sizes_raise(result):

@@ -80,6 +80,9 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
         self.out_proj = Linear(value_dim, h, bias=False, cfg=cfg, rngs=rngs)
         self.config = GatedDeltaConfig()
+        # conv channel layout: 1 = [q | k | v]; n = the tensor-parallel re-layout
+        # (`runtime.recurrent_shards`), [q_0 k_0 v_0 | ... | q_n-1 k_n-1 v_n-1]: each shard's heads local
+        self.head_shards = 1
 
     # ------------------------------------------------------------------ shared pieces
     def _project(self, x: jax.Array):
@@ -97,10 +100,12 @@ class GatedDeltaNet(nnx.Module):
         t = conv_out.shape[0]
         # the model dtype's rounding where HF has it (the conv output is in the model dtype)
         conv_out = conv_out.astype(dtype).astype(jnp.float32)
-        kd = self.num_k_heads * self.head_k_dim
-        q = conv_out[:, :kd].reshape(t, self.num_k_heads, self.head_k_dim)
-        k = conv_out[:, kd : 2 * kd].reshape(t, self.num_k_heads, self.head_k_dim)
-        v = conv_out[:, 2 * kd :].reshape(t, self.num_v_heads, self.head_v_dim)
+        n = self.head_shards
+        kd = self.num_k_heads * self.head_k_dim // n  # one shard's q (and k) channels
+        y = conv_out.reshape(t, n, -1)
+        q = y[:, :, :kd].reshape(t, self.num_k_heads, self.head_k_dim)
+        k = y[:, :, kd : 2 * kd].reshape(t, self.num_k_heads, self.head_k_dim)
+        v = y[:, :, 2 * kd :].reshape(t, self.num_v_heads, self.head_v_dim)
         rep = self.num_v_heads // self.num_k_heads
         q = jnp.repeat(l2norm(q), rep, axis=1) * self.head_k_dim**-0.5
         k = jnp.repeat(l2norm(k), rep, axis=1)

@@ -77,15 +77,21 @@ class Mamba2Mixer(nnx.Module):
         self.norm = GroupGatedRMSNorm(self.inner, self.groups, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
         self.out_proj = Linear(self.inner, h, bias=bias, cfg=cfg, rngs=rngs)
         self.config = Mamba2Config()
+        # in_proj layout: 1 = [z | x | B | C | dt]; n = the tensor-parallel re-layout
+        # (`runtime.recurrent_shards`), [z_s x_s B_s C_s dt_s] per shard, B / C holding the
+        # groups the shard's heads read (bc_groups in all: G, or n when groups are replicated)
+        self.head_shards, self.bc_groups = 1, self.groups
 
     # ------------------------------------------------------------------ shared pieces
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x f[T, H_model] -> (gate f[T, H*P], conv input f32[T, C], dt f32[T, H] after
         softplus and the clamp)."""
-        proj = self.in_proj(x)
-        gate = proj[:, : self.inner]
-        mixed = proj[:, self.inner : self.inner + self.conv_dim].astype(jnp.float32)
-        dt = proj[:, self.inner + self.conv_dim :].astype(jnp.float32)
+        t, n = x.shape[0], self.head_shards
+        proj = self.in_proj(x).reshape(t, n, -1)
+        inner, conv = self.inner // n, self.conv_dim // n  # one shard's
+        gate = proj[:, :, :inner].reshape(t, self.inner)
+        mixed = proj[:, :, inner : inner + conv].reshape(t, self.conv_dim).astype(jnp.float32)
+        dt = proj[:, :, inner + conv :].reshape(t, self.num_heads).astype(jnp.float32)
         dt = jax.nn.softplus(dt + self.dt_bias[...].astype(jnp.float32))
         lo, hi = self.dt_limit
         if (lo, hi) != (0.0, float("inf")):
@@ -99,10 +105,12 @@ class Mamba2Mixer(nnx.Module):
             y = y + self.conv_bias[...].astype(jnp.float32)
         # the model dtype's rounding where HF has it (the conv output is in the model dtype)
         y = jax.nn.silu(y).astype(dtype).astype(jnp.float32)
-        t, gn = y.shape[0], self.groups * self.state_size
-        xs = y[:, : self.inner].reshape(t, self.num_heads, self.head_dim)
-        b = y[:, self.inner : self.inner + gn].reshape(t, self.groups, self.state_size)
-        c = y[:, self.inner + gn :].reshape(t, self.groups, self.state_size)
+        t, n = y.shape[0], self.head_shards
+        inner, gn = self.inner // n, self.bc_groups * self.state_size // n  # one shard's
+        y = y.reshape(t, n, -1)
+        xs = y[:, :, :inner].reshape(t, self.num_heads, self.head_dim)
+        b = y[:, :, inner : inner + gn].reshape(t, self.bc_groups, self.state_size)
+        c = y[:, :, inner + gn :].reshape(t, self.bc_groups, self.state_size)
         return xs, b, c
 
     def _finish(self, y: jax.Array, xs: jax.Array, gate: jax.Array, dtype) -> jax.Array:

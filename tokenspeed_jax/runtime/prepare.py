@@ -81,6 +81,7 @@ def prepare(
         config = sharding.replicate_kv_heads(net, model_config, tp)
     if tp > 1:
         sharding.relayout_conv(net, tp)
+        config = sharding.relayout_recurrent(net, config, tp)
     if quantization is not None:
         quantize_model(net, quantization)
     # use_native() also builds and registers the native custom calls, which must be known

@@ -20,6 +20,9 @@ inserts the collectives, one all-reduce after each row-parallel projection):
   side) and the module's `gate_shards` tells `ShortConv._gates` the layout, so the gates, the
   depthwise conv, the conv pool `[P, B, hidden]` (channel axis) and the conv weights are all
   local; out_proj is row-sharded.
+* Gated DeltaNet / Mamba2: heads sharded, in_proj re-laid per shard so each shard's q / k / v
+  (or x / B / C) channels are local, recurrent state pools on heads, conv tails on channels,
+  out_proj row-sharded (`runtime/recurrent_shards.py`).
 * embeddings / lm_head: sharded on the vocabulary when `vocab % tp == 0` (else replicated). The
   logits of the sampled rows are gathered (replicated) before sampling; prompt logprobs reduce
   the vocab-sharded logits in place.
@@ -58,13 +61,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tokenspeed_jax.models.config import ModelConfig
+from tokenspeed_jax.runtime import recurrent_shards
 from tokenspeed_jax.runtime.param_sources import ParamSource, place_sources
 
 AXIS = "tp"
 
 # (regex over the "/"-joined parameter path, spec); the first match of the parameter's rank wins
 # (per-channel and block scales share a name), no match = replicated.
-_COLUMN_PARALLEL = r"(self_attn/(q|k|v|qkv)_proj|mlp/(gate|up|gate_up)_proj|conv/in_proj)"
+_COLUMN_PARALLEL = (
+    r"(self_attn/(q|k|v|qkv)_proj|mlp/(gate|up|gate_up)_proj|conv/in_proj|linear_attn/in_proj_(qkv|z|b|a)"
+    r"|mamba/in_proj)"
+)
+_ROW_PARALLEL = r"(self_attn/o_proj|mlp/down_proj|(conv|linear_attn|mamba)/out_proj)"
 _RULES: tuple[tuple[str, P], ...] = (
     (r"self_attn/(q|k|v|qkv)_proj/kernel$", P(None, AXIS)),
     (r"self_attn/(q|k|v|qkv)_proj/bias$", P(AXIS)),
@@ -81,16 +89,19 @@ _RULES: tuple[tuple[str, P], ...] = (
     (r"conv/conv_weight$", P(None, AXIS)),
     (r"conv/conv_bias$", P(AXIS)),
     (r"conv/out_proj/kernel$", P(AXIS, None)),
+    # recurrent mixers, heads sharded (runtime/recurrent_shards.py re-lays in_proj per shard)
+    (r"(linear_attn/in_proj_(qkv|z|b|a)|mamba/in_proj)/kernel$", P(None, AXIS)),
+    (r"mamba/in_proj/bias$", P(AXIS)),
+    (r"(linear_attn|mamba)/conv_weight$", P(None, AXIS)),
+    (r"(linear_attn/(dt_bias|A_log)|mamba/(conv_bias|dt_bias|A_log|D|norm/weight))$", P(AXIS)),
+    (r"(linear_attn|mamba)/out_proj/kernel$", P(AXIS, None)),
     # int8 weights (models/quant.py): a column-parallel kernel's scales split with its columns;
     # a row-parallel kernel's (o_proj, down_proj, out_proj) stay whole on every shard
-    (r"(self_attn/(q|k|v|qkv)_proj|mlp/(gate|up|gate_up)_proj|conv/in_proj)/kernel_scale$", P(AXIS)),
+    (rf"{_COLUMN_PARALLEL}/kernel_scale$", P(AXIS)),
     # block scales / mins f32[in/32, out] (models/block_quant.py) split like their kernel
-    (
-        r"(self_attn/(q|k|v|qkv)_proj|mlp/(gate|up|gate_up)_proj|conv/in_proj)/kernel_(scale|min)$",
-        P(None, AXIS),
-    ),
-    (r"(self_attn/o_proj|mlp/down_proj|conv/out_proj)/kernel_(scale|min)$", P(AXIS, None)),
-    (r"(self_attn/o_proj|mlp/down_proj|conv/out_proj)/kernel_scale$", P(None)),  # per channel
+    (rf"{_COLUMN_PARALLEL}/kernel_(scale|min)$", P(None, AXIS)),
+    (rf"{_ROW_PARALLEL}/kernel_(scale|min)$", P(AXIS, None)),
+    (rf"{_ROW_PARALLEL}/kernel_scale$", P(None)),  # per channel
 )
 # scan_layers params (models/layer_scan.py): the shell's paths, and a run's stacked layers
 _SCANNED = re.compile(r"^(shell/|runs/\d+/)")
@@ -121,6 +132,7 @@ def validate(config: ModelConfig, tp: int) -> None:
     for name, size in checks:
         if size % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={size}")
+    recurrent_shards.validate(config, tp)
 
 
 def replica_meshes(tp: int, dp: int, devices: Sequence | None = None) -> list[Mesh]:
@@ -243,6 +255,14 @@ def _gate_perm(h: int, n: int) -> np.ndarray:
     return np.concatenate([g * h + s * c + np.arange(c) for s in range(n) for g in range(3)])
 
 
+def relayout_recurrent(model, config: ModelConfig, tp: int) -> ModelConfig:
+    """Re-lays the Gated DeltaNet / Mamba2 layers for `tp` head shards (in place;
+    `runtime.recurrent_shards`) and returns the runtime config (Mamba2's B / C groups
+    replicated up to tp)."""
+    recurrent_shards.relayout_recurrent(model, tp, _take)
+    return recurrent_shards.runtime_config(config, tp)
+
+
 def relayout_conv(model, tp: int) -> None:
     """Re-lays in_proj of every conv block for `tp` channel shards (in place, idempotent).
 
@@ -303,14 +323,18 @@ class TensorParallel:
 
     def state_shardings(self, state):
         """DeviceState shardings: mirrors replicated, K/V pools and their scales (a quantized
-        cache) on kv heads, conv pools on channels."""
+        cache) on kv heads, conv pools and recurrent conv tails on channels, recurrent states on
+        heads."""
 
         def one(path, x):
             name = _path_str(path).rsplit("/", 1)[-1]
-            lead = (None,) * (np.ndim(x) - (4 if name in ("k", "v") else 3))  # scan_layers: 1
+            lead = (None,) * (np.ndim(x) - (4 if name in ("k", "v", "ssm") else 3))  # scan_layers: 1
             if name in ("k", "v") and len(lead) in (0, 1):
                 return NamedSharding(self.mesh, P(*lead, None, None, AXIS, None))
-            if name in ("conv", "k_scale", "v_scale") and len(lead) in (0, 1):  # last: channels / kv heads
+            if name == "ssm" and len(lead) in (0, 1):  # recurrent state f32[P, heads, ...]
+                return NamedSharding(self.mesh, P(*lead, None, AXIS, None, None))
+            # last axis: channels (conv, recurrent conv tails) / kv heads (scales)
+            if name in ("conv", "conv_state", "k_scale", "v_scale") and len(lead) in (0, 1):
                 return NamedSharding(self.mesh, P(*lead, None, None, AXIS))
             return self.replicated
 
