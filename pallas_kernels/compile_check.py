@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from pallas_kernels import gpu_compile, kv_quant
+from pallas_kernels.gated_delta_pallas import GatedDeltaPallasConfig, gated_delta_chunk
 from pallas_kernels.paged_attention import DECODE_TUNING_CANDIDATES, PagedAttentionConfig, paged_attention
 from pallas_kernels.short_conv import short_conv
 
@@ -172,6 +173,33 @@ def _conv(
     return Variant(name, short_conv, shapes)
 
 
+def _gated_delta(
+    name: str,
+    *,
+    heads: int = 32,
+    chunk: int = 64,
+    dk: int = 128,
+    dv: int = 128,
+    dtype: DTypeLike = jnp.bfloat16,
+    config: GatedDeltaPallasConfig | None = None,
+) -> Variant:
+    """One chunk of the gated delta rule (Qwen3.5: 16..32 value heads, Dk = Dv = 128, C = 64)."""
+    shapes = (
+        _S((heads, dk, dv), jnp.float32),
+        _S((chunk, heads, dk), dtype),
+        _S((chunk, heads, dk), dtype),
+        _S((chunk, heads, dv), dtype),
+        _S((chunk, heads), dtype),
+        _S((chunk, heads), dtype),
+    )
+
+    def fn(*args: jax.Array) -> jax.Array:
+        o, _ = gated_delta_chunk(*args, config=config)
+        return o
+
+    return Variant(name, fn, shapes)
+
+
 def variants(full: bool = True) -> list[Variant]:
     """The compile matrix. `full=False`: one variant per distinct kernel body (CI)."""
     b = 64
@@ -287,6 +315,10 @@ def variants(full: bool = True) -> list[Variant]:
             page_size=16,
             dtype=jnp.float32,
         ),
+    ]
+    out += [
+        _gated_delta("gated_delta chunk C=64 H=32 Dk=Dv=128 bf16"),
+        _gated_delta("gated_delta chunk C=64 H=32 Dk=Dv=128 f32", dtype=jnp.float32),
     ]
     if full:
         out += [

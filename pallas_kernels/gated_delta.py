@@ -22,7 +22,9 @@ float64 numpy twin in the tests).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +42,28 @@ __all__ = [
     "l2norm",
 ]
 
+Matmul = Callable[[jax.Array, jax.Array], jax.Array]
+ChunkImpl = Literal["auto", "jnp", "pallas"]
+_CHUNK_IMPLS = ("auto", "jnp", "pallas")
+
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaConfig:
-    """Tuning: tokens per chunk of the chunked form (64 as in flash-linear-attention)."""
+    """Tuning: tokens per chunk of the chunked form (64 as in flash-linear-attention), and which
+    implementation runs one chunk: "jnp" (`_chunk`, the default), "pallas" (the Triton kernel of
+    `gated_delta_pallas`; interpret mode off GPU, and its shape limits: C, Dk, Dv powers of two
+    >= 16) or "auto" (the kernel when `jax.default_backend() == "gpu"` and the shapes fit it,
+    else jnp). jnp stays the default until the kernel is timed on a GPU against it
+    (`benchmarks/gated_delta.py`): it compiles for sm_90a but has never run on one."""
 
     chunk_size: int = 64
+    chunk_impl: ChunkImpl = "jnp"
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if self.chunk_impl not in _CHUNK_IMPLS:
+            raise ValueError(f"chunk_impl must be one of {_CHUNK_IMPLS}, got {self.chunk_impl!r}")
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -79,19 +93,36 @@ def gated_delta_step(
     return state, jnp.einsum("...kv,...k->...v", state, q)
 
 
-def _unit_lower_inverse(n: jax.Array) -> jax.Array:
+def _unit_lower_inverse(n: jax.Array, matmul: Matmul = jnp.matmul) -> jax.Array:
     """(I + N)^-1 for strictly lower-triangular N f32[..., C, C]: N is nilpotent, so the inverse
     is the finite series sum_i (-N)^i = (I - N)(I + N^2)(I + N^4)... (log2 C matmuls). Matmuls
     only: no LAPACK call (whose CPU kernel is bound lazily at lowering, so an executable read
-    back from the executable cache would call through a null pointer) and no sequential solve."""
+    back from the executable cache would call through a null pointer) and no sequential solve.
+    `matmul`: the Pallas kernel passes its float32 (IEEE, not TF32) in-kernel dot."""
     c = n.shape[-1]
     eye = jnp.eye(c, dtype=n.dtype)
-    inv, power = eye - n, n @ n
+    inv, power = eye - n, matmul(n, n)
     span = 2
     while span < c:  # static: C is a shape
-        inv = inv + inv @ power
-        power, span = power @ power, 2 * span
+        inv = inv + matmul(inv, power)
+        power, span = matmul(power, power), 2 * span
     return inv
+
+
+def _segment_decays(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-decays g f32[..., C] of one chunk -> (cum f32[..., C]: log of the decay from the chunk
+    start through token i; seg f32[..., C(i), C(j)]: g_{j+1} + ... + g_i below the diagonal, 0 on
+    and above it; decay = exp(seg) on and below the diagonal, 0 above). Shared with the Pallas
+    kernel (`gated_delta_pallas`), which calls it on one head's [C]."""
+    c = g.shape[-1]
+    cum = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    # seg[i, j] = g_{j+1} + ... + g_i, summed directly: cum_i - cum_j cancels catastrophically once
+    # the chunk's decays add up to hundreds (real gates reach g = -90), losing ~1e-4 of each decay.
+    seg = jnp.cumsum(jnp.where(strict, g[..., :, None], 0.0), axis=-2)
+    decay = jnp.where(lower, jnp.exp(seg), 0.0)
+    return cum, seg, decay
 
 
 def _chunk(
@@ -103,13 +134,8 @@ def _chunk(
     q, k, v = (x.transpose(1, 0, 2) for x in (q, k, v))  # [H, C, D]
     g, beta = g.T, beta.T  # [H, C]
     c = q.shape[1]
-    cum = jnp.cumsum(g, axis=-1)  # log of the decay from the chunk start through token i
-    lower = jnp.tril(jnp.ones((c, c), bool))
+    cum, seg, decay = _segment_decays(g)  # [H, C], [H, C(i), C(j)] x 2
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    # seg[i, j] = g_{j+1} + ... + g_i, summed directly: cum_i - cum_j cancels catastrophically once
-    # the chunk's decays add up to hundreds (real gates reach g = -90), losing ~1e-4 of each decay.
-    seg = jnp.cumsum(jnp.where(strict, g[:, :, None], 0.0), axis=1)  # [H, C(i), C(j)]
-    decay = jnp.where(lower, jnp.exp(seg), 0.0)
     kb, vb = k * beta[..., None], v * beta[..., None]
     system = jnp.where(strict, (kb @ k.transpose(0, 2, 1)) * decay, 0.0)  # the UT transform's N
     inv = _unit_lower_inverse(system)
@@ -121,6 +147,24 @@ def _chunk(
     k_tail = k * jnp.exp(seg[:, -1, :])[..., None]  # decay from token j to the chunk end
     state = state * jnp.exp(cum[:, -1])[:, None, None] + k_tail.transpose(0, 2, 1) @ v_new
     return out.transpose(1, 0, 2), state
+
+
+ChunkFn = Callable[..., tuple[jax.Array, jax.Array]]  # `_chunk`'s signature
+
+
+def _chunk_fn(config: GatedDeltaConfig, dk: int, dv: int) -> ChunkFn:
+    """The one-chunk implementation `config.chunk_impl` picks for chunks of keys Dk, values Dv."""
+    on_gpu = jax.default_backend() == "gpu"
+    # Imported here, not at the top: gated_delta_pallas imports this module (its reference).
+    from pallas_kernels import gated_delta_pallas
+
+    impl = config.chunk_impl
+    if impl == "auto":
+        fits = gated_delta_pallas.supported(config.chunk_size, dk, dv)
+        impl = "pallas" if on_gpu and fits else "jnp"
+    if impl == "jnp":
+        return _chunk
+    return functools.partial(gated_delta_pallas.gated_delta_chunk, interpret=not on_gpu)
 
 
 def gated_delta_chunked(
@@ -137,7 +181,8 @@ def gated_delta_chunked(
     _check(q, k, v, g, beta, 1)
     h, dk, dv = q.shape[1], q.shape[2], v.shape[-1]
     state = start_state(initial_state, (h, dk, dv))
-    return chunked_scan(lambda st, xs: _chunk(st, *xs), (q, k, v, g, beta), state, config.chunk_size)
+    chunk = _chunk_fn(config, dk, dv)
+    return chunked_scan(lambda st, xs: chunk(st, *xs), (q, k, v, g, beta), state, config.chunk_size)
 
 
 def gated_delta_reference(
@@ -186,8 +231,10 @@ def gated_delta_packed(
     def step(states: jax.Array, xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
         return gated_delta_step(states, *xs)
 
+    chunk_impl = _chunk_fn(config, dk, dv)
+
     def chunk(state: jax.Array, xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return _chunk(state, *xs)
+        return chunk_impl(state, *xs)
 
     return ragged_scan(
         step, chunk, (q, k, v, g, beta), initial_states, cu_q_lens, num_seqs, (h, dv),

@@ -1,4 +1,4 @@
-"""Step 6: the table of every RESULT line in $OUT/results.jsonl, decode beside the roofline
+"""Step 7: the table of every RESULT line in $OUT/results.jsonl, decode beside the roofline
 (weight + KV bytes read per step over the read bandwidth step 4 measured), and each target of
 issue 46 marked met or not."""
 
@@ -55,10 +55,13 @@ def main() -> None:
         "no host copy of the model (peak RSS < param bytes)": cold.get("host_peak_rss_gb", 1e9) * 2**30
         < cold.get("param_bytes", 0),
     }
+    for r in by.get("6_gated_delta", []):
+        fields = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("step", "impl"))
+        print(f"- gated delta chunk, {r['impl']}: {fields}")
     for name, ok in targets.items():
         print(f"- {'MET ' if ok else 'MISS'} {name}")
     shown = {f"{k[0]}{'o' if k[1] else 's'}": v for k, v in shares.items()}
-    result("6_summary", read_gb_s=bw, shares=shown, targets=targets)
+    result("7_summary", read_gb_s=bw, shares=shown, targets=targets)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ request sharing the prefix starts from it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -139,8 +141,9 @@ class GatedDeltaNet(nnx.Module):
         windows = conv_windows(mixed, tail0, batch.cu_q_lens, self.kernel_size)
         q, kk, v = self._qkv(self._conv(windows), x.dtype)
         c, align, pages = snapshot_plan(batch, group, cache["ssm"].shape[0], self.config.chunk_size)
+        config = dataclasses.replace(self.config, chunk_size=c)  # keeps its chunk_impl
         core, ssm1, pool = gated_delta_packed(
-            q, kk, v, g, beta, ssm0, batch.cu_q_lens, batch.num_seqs, GatedDeltaConfig(c), align,
+            q, kk, v, g, beta, ssm0, batch.cu_q_lens, batch.num_seqs, config, align,
             (cache["ssm"], pages),
         )  # fmt: skip
         return self._finish(core, z, x.dtype), store_states(
