@@ -70,22 +70,14 @@ def write_random_llama(path: str, cfg: dict) -> str:
     return path
 
 
-def bench_model(name: str, path: str, dtype: str, repeats: int, untiled: bool = False) -> dict:
-    """untiled: the engine keeps the trainer's layout (the native CPU kernel's tile-major
-    re-layout, and the q/k/v + gate/up fusion it brings, switched off for this LLM), so the
-    handoff shares the arrays and no transform runs."""
-
-    from tokenspeed_jax.runtime import prepare as prep
-
-    default = prep.use_native
-    prep.use_native = (lambda *a: False) if untiled else default  # type: ignore[assignment]
-    try:
-        return _bench_model(name, path, dtype, repeats)
-    finally:
-        prep.use_native = default
+def bench_model(name: str, path: str, dtype: str, repeats: int, layout: str = "auto") -> dict:
+    """layout "checkpoint" (`weight_layout`): the engine keeps the trainer's layout (no tile-major
+    re-layout for the native CPU kernel, no q/k/v + gate/up fusion), so the handoff shares the
+    arrays and no transform runs; its decode is what that costs."""
+    return _bench_model(name, path, dtype, repeats, layout)
 
 
-def _bench_model(name: str, path: str, dtype: str, repeats: int) -> dict:
+def _bench_model(name: str, path: str, dtype: str, repeats: int, layout: str) -> dict:
     import jax
     from flax import nnx
 
@@ -93,7 +85,8 @@ def _bench_model(name: str, path: str, dtype: str, repeats: int) -> dict:
     from tokenspeed_jax.hf import load_checkpoint
     from tokenspeed_jax.runtime.weight_inputs import hf_tensors
 
-    opts = dict(dtype=dtype, num_pages=512, page_size=16, max_batch_requests=8, max_context_len=1024)
+    opts = dict(dtype=dtype, num_pages=512, page_size=16, max_batch_requests=8, max_context_len=1024,
+                weight_layout=layout)  # fmt: skip
     t0 = time.perf_counter()
     llm = LLM(path, **opts)
     jax.block_until_ready(llm.engine.runner.param_leaves)  # dispatch is asynchronous
@@ -120,6 +113,7 @@ def _bench_model(name: str, path: str, dtype: str, repeats: int) -> dict:
     handoff_hf = best(lambda: llm.update_weights(hf_pairs))
     hf_pairs.clear()
     disk = best(lambda: llm.update_weights(path))
+    decode = decode_tok_s(llm)
     slept = llm.sleep(level=1)
     t = time.perf_counter()
     llm.wake_up()
@@ -133,10 +127,24 @@ def _bench_model(name: str, path: str, dtype: str, repeats: int) -> dict:
         "handoff s": handoff,
         "handoff s/GiB": handoff / (raw_bytes / GiB),
         "hf pairs s": handoff_hf,
+        "decode tok/s": decode,
         "pool MiB": slept["kv_bytes"] / (1 << 20),
         "sleep freed %": 100 * slept["freed_bytes"] / slept["kv_bytes"],
         "wake s": wake,
     }
+
+
+def decode_tok_s(llm) -> float:
+    """8 requests x 32 greedy tokens after 16-token prompts (after a run that compiles): output
+    tokens per second, what the layout costs a rollout."""
+    from tokenspeed_jax import SamplingParams
+
+    prompts = [[1 + (7 * i + j) % 500 for j in range(16)] for i in range(8)]
+    sp = SamplingParams(max_tokens=32, ignore_eos=True)
+    llm.generate(prompts, sp)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
 
 def wake_to_first_token(repeats: int) -> dict:
@@ -176,12 +184,12 @@ def main() -> None:
                 from benchmarks.smollm2_hf import build, default_dir
 
                 path = build(default_dir())
-                rows.append(bench_model("SmolLM2-135M f32", path, "float32", args.repeats))
-                rows.append(bench_model("SmolLM2-135M f32 untiled", path, "float32", args.repeats, True))
+                for lay in ("auto", "checkpoint"):
+                    rows.append(bench_model(f"SmolLM2-135M f32, {lay}", path, "float32", args.repeats, lay))
             elif m == "1b":
                 path = write_random_llama(os.path.join(args.dir, "llama-1b-random"), ONE_B)
-                rows.append(bench_model("1B-shaped bf16", path, "bfloat16", args.repeats))
-                rows.append(bench_model("1B-shaped bf16 untiled", path, "bfloat16", args.repeats, True))
+                for lay in ("auto", "checkpoint"):
+                    rows.append(bench_model(f"1B-shaped bf16, {lay}", path, "bfloat16", args.repeats, lay))
             else:
                 raise SystemExit(f"unknown model {m!r}: smollm2 | 1b")
     if rows:

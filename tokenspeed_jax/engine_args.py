@@ -26,6 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "native")  # = runtime.backends.BACKENDS
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # = pallas_kernels.kv_quant.KV_CACHE_DTYPES
 WEIGHT_QUANTIZATIONS = ("int8", "w8a8", "q8_0", "gguf")  # = models.quant.WEIGHT_QUANTIZATIONS
+WEIGHT_LAYOUTS = ("auto", "checkpoint")  # = runtime.prepare.WEIGHT_LAYOUTS
 LAZY_COMPILE = ("background", "sync")
 DEFAULT_TINY_CONTEXT = 2048  # max_context_len of the built-in model ...
 DEFAULT_HF_CONTEXT = 8192  # ... and of checkpoints (at most their max_position_embeddings)
@@ -194,6 +195,14 @@ class EngineArgs:
         "Q8_0 / Q4_0 / Q4_1 blocks) (default: off)",
         kind="str",
         choices=WEIGHT_QUANTIZATIONS,
+    )
+    weight_layout: str = _opt(
+        "auto",
+        "auto: the fastest layout here (tile-major for the native CPU matmul, q/k/v and gate/up "
+        "fused on accelerators); checkpoint: each weight as the checkpoint (or a JAX trainer) "
+        "holds it, so update_weights shares a trainer's arrays instead of re-laying them (an RL "
+        "loop's handoff; CPU decode is slower)",
+        choices=WEIGHT_LAYOUTS,
     )
     enable_prefix_cache: bool = _opt(True, "share cached prompt pages between requests", flag="prefix-cache")
     tensor_parallel_size: int = _opt(1, "devices each replica shards the model over", at_least=1)

@@ -177,6 +177,7 @@ class LLM:
             host_staging=multi,
             one_device=meshes[0] is None,
             fuse=fuse_by_default(platform),
+            weight_layout=args.weight_layout,
         )
         prepared = prepare(self.model_config, net, **self.prepare_options)
         # what `update_weights` re-runs (research.py): the same transforms, by the same code

@@ -189,7 +189,9 @@ def test_choices_match_the_runtime():
     from tokenspeed_jax import engine_args
     from tokenspeed_jax.models.quant import WEIGHT_QUANTIZATIONS
     from tokenspeed_jax.runtime.backends import BACKENDS
+    from tokenspeed_jax.runtime.prepare import WEIGHT_LAYOUTS
 
     assert engine_args.ATTENTION_BACKENDS == BACKENDS
+    assert engine_args.WEIGHT_LAYOUTS == WEIGHT_LAYOUTS
     assert engine_args.KV_CACHE_DTYPES == KV_CACHE_DTYPES
     assert engine_args.WEIGHT_QUANTIZATIONS == WEIGHT_QUANTIZATIONS

@@ -56,6 +56,7 @@ ROUND_TRIP = {
     "debug_checks": (True, ["--debug-checks"]),
     "gpu_memory_utilization": (0.5, ["--gpu-memory-utilization", "0.5"]),
     "kv_offloading_size": (4.0, ["--kv-offloading-size", "4"]),
+    "weight_layout": ("checkpoint", ["--weight-layout", "checkpoint"]),
 }
 
 

@@ -184,3 +184,18 @@ def test_no_host_round_trip_for_jax_arrays(llm):
     leaf = llm.engine.runner.params["norm"]["weight"].get_value()
     assert leaf.unsafe_buffer_pointer() != w.unsafe_buffer_pointer()
     llm.update_weights(_params(0))
+
+
+def test_checkpoint_layout_shares_a_trainers_arrays(fresh, max_logprob_diff):
+    """weight_layout="checkpoint" (the RL loop's choice): nothing is tiled or fused, so every
+    weight of a trainer's `nnx.State` in our dtype is used as it is, none copied; the outputs are
+    the default layout's."""
+    llm = LLM("tiny-random", seed=0, weight_layout="checkpoint", **OPTS)
+    new = _params(1)
+    llm.update_weights(new)
+    theirs = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(new)}
+    leaves = jax.tree_util.tree_leaves_with_path(llm.engine.runner.params)
+    # RoPE's inv_freq is a buffer of the model, not a weight: the trainer does not hand it over
+    ours = [x.unsafe_buffer_pointer() for p, x in leaves if "inv_freq" not in jax.tree_util.keystr(p)]
+    assert len(ours) == len(theirs) and set(ours) == theirs, f"{len(set(ours) - theirs)} weights copied"
+    _close(_run(llm), fresh, max_logprob_diff)

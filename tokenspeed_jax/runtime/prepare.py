@@ -14,6 +14,8 @@ from tokenspeed_jax.models.layers import fuse_linears, tile_linears
 from tokenspeed_jax.models.quant import check_quantization, quantize_model, use_native
 from tokenspeed_jax.runtime import sharding
 
+WEIGHT_LAYOUTS = ("auto", "checkpoint")
+
 
 @dataclasses.dataclass(frozen=True)
 class PreparedModel:
@@ -62,6 +64,7 @@ def prepare(
     one_device: bool = True,
     fuse: bool = False,
     activation_dtype: str | None = None,
+    weight_layout: str = "auto",
 ) -> PreparedModel:
     """Check `tensor_parallel_size` against the model (ValueError naming the size it does not
     divide), then transform `net` in place: KV heads replicated up to the shard count (under
@@ -73,7 +76,11 @@ def prepare(
     default on accelerators, `fuse_by_default`): q/k/v and gate/up fused into one product each,
     laid out for the tensor-parallel shards (not for lazy multi-process parameters, which are
     placed shard by shard as the checkpoint names them). `activation_dtype`: the residual
-    stream's dtype; None: float32 where `wide_activations` says so, else the model dtype."""
+    stream's dtype; None: float32 where `wide_activations` says so, else the model dtype.
+    `weight_layout="checkpoint"`: neither tiled nor fused, every Linear kept [in, out] as loaded
+    (what a trainer holds), so `update_weights` can use a trainer's arrays as they are."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
     tp = tensor_parallel_size
     check_quantization(quantization)
     with sharding.host_staging() if host_staging else contextlib.nullcontext():
@@ -86,7 +93,8 @@ def prepare(
         quantize_model(net, quantization)
     # use_native() also builds and registers the native custom calls, which must be known
     # before a stored executable that calls them loads (any tp)
-    tiled = use_native() and one_device and tp == 1
+    tiled = use_native() and one_device and tp == 1 and weight_layout == "auto"
+    fuse = fuse and weight_layout == "auto"
     if tiled:
         tile_linears(net)
     fused = tiled or (fuse and not host_staging and fuse_linears(net, tp) > 0)
