@@ -45,7 +45,10 @@ def main() -> None:
     args = ap.parse_args()
 
     seed = 0
-    llm = LLM("tiny-random", seed=seed, num_pages=256, max_batch_requests=args.rollouts, max_context_len=128)
+    # weight_layout="checkpoint": the engine keeps the trainer's layout, so each handoff shares the
+    # new arrays instead of re-laying them for the native CPU matmul (docs/rl.md)
+    llm = LLM("tiny-random", seed=seed, num_pages=256, max_batch_requests=args.rollouts, max_context_len=128,
+              weight_layout="checkpoint")  # fmt: skip
     # the trainer's copy of the same policy: the built-in model of the same seed
     graphdef, params, rest = nnx.split(registry.load_builtin("tiny-random", seed=seed)[1], nnx.Param, ...)
     opt = optax.adam(args.lr)
