@@ -27,9 +27,10 @@ def _prompts(seed: int = 0, n: int = 4) -> list[list[int]]:
 
 
 def _run(model: str, tier: float, *, num_pages: int, one_by_one: bool = True, **kw):
-    # 16-token steps, one kv level: two step shapes to compile (1 and 16 tokens)
+    # 16-token steps, one kv level: two step shapes to compile (1 and 16 tokens), read back from
+    # the session's compile cache (tests/conftest.py) by the next LLM of the same shapes
     llm = LLM(model, page_size=8, num_pages=num_pages, max_batch_requests=2, max_scheduled_tokens=16,
-              max_context_len=64, compile_cache_dir=False, debug_checks=True, kv_offloading_size=tier,
+              max_context_len=64, debug_checks=True, kv_offloading_size=tier,
               attention_backend="reference", lazy_compile="sync", **kw)  # fmt: skip
     prompts = _prompts()
     outs = [o for p in prompts for o in llm.generate([p], SP)] if one_by_one else llm.generate(prompts, SP)
@@ -64,7 +65,7 @@ def test_retraction_with_the_tier_equals_a_roomy_pool():
 
 def test_sleep_and_wake_with_the_tier():
     llm = LLM("tiny-random", page_size=8, num_pages=28, max_batch_requests=2, max_context_len=64,
-              max_scheduled_tokens=16, compile_cache_dir=False, kv_offloading_size=0.002)  # fmt: skip
+              max_scheduled_tokens=16, kv_offloading_size=0.002)  # fmt: skip
     prompts = _prompts(1, 4)
     want = [o.token_ids for p in prompts for o in llm.generate([p], SP)]
     assert llm.stats()["host_cached_pages"] > 0

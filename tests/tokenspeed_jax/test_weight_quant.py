@@ -28,9 +28,9 @@ SMALL = dict(
     max_batch_requests=4,
     max_scheduled_tokens=16,  # token buckets 1 and 16: one compile fewer per LLM than 32
     max_context_len=96,
-    compile_cache_dir=False,
     attention_backend="reference",
     lazy_compile="sync",  # only the shapes a run takes compile (same outputs)
+    # the session's compile cache stays on (tests/conftest.py): LLMs of one mode share programs
 )
 RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (9, 30, 17)]

@@ -15,7 +15,7 @@ from tokenspeed_jax.runtime.weight_inputs import dotted, hf_tensors
 
 OPTS = dict(
     num_pages=48, page_size=8, max_batch_requests=4, max_scheduled_tokens=64, max_context_len=128,
-    compile_cache_dir=False, lazy_compile="sync",  # compiles counted: none may land in the background
+    lazy_compile="sync",  # compiles counted: none may land in the background
 )  # fmt: skip
 SP = SamplingParams(max_tokens=8, logprobs=True)
 PROMPTS = ["hello world, this is a prompt", "the quick brown fox"]
