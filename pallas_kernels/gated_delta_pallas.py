@@ -1,6 +1,6 @@
 """One chunk of the gated delta rule (Gated DeltaNet) as a Pallas GPU (Triton) kernel.
 
-Same contract as the jnp `gated_delta._chunk` (its reference, exported here as
+Same contract as the jnp `gated_delta_chunk.chunk_jnp` (its reference, exported here as
 `gated_delta_chunk_reference`): from state f32[H, Dk, Dv], a chunk of C tokens q k f[C, H, Dk],
 v f[C, H, Dv], g beta f[C, H] -> (o f32[C, H, Dv], state after the chunk f32[H, Dk, Dv]), the WY /
 UT-transform form with float32 accumulation. `gated_delta._chunk_fn` runs it inside the chunked
@@ -12,9 +12,9 @@ Kernel design (Triton lowering, see `backend.py`):
   the same keys and decays). Many programs per head keep the SMs busy at H = 16..32 heads; the
   price is that each one recomputes its head's [C, C] work (decays, k k^T, the inverse, q k^T).
 - Per program, in registers (Triton's dot operands pass through shared memory): the head's
-  decays (`gated_delta._segment_decays`: the segment sums are summed directly, never as
+  decays (`gated_delta_chunk.segment_decays`: the segment sums are summed directly, never as
   cum_i - cum_j), the UT system N = beta_i k_i.k_j decay_ij (strictly lower), (I + N)^-1 by the
-  matmul-only series (`gated_delta._unit_lower_inverse`, no triangular solve), the state slice
+  matmul-only series (`gated_delta_chunk.unit_lower_inverse`, no triangular solve), the state slice
   and the [C, block_v] corrected values; the [C, Dk] key / query tiles are loaded once each.
 - float32 dots ask for IEEE precision (never TF32: the inverse's series and strong decays need
   the full mantissa); bf16 q / k go to the tensor cores as they are (bf16 x bf16 products are
@@ -33,8 +33,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
 from pallas_kernels.backend import Ref
-from pallas_kernels.gated_delta import _chunk as gated_delta_chunk_reference
-from pallas_kernels.gated_delta import _segment_decays, _unit_lower_inverse
+from pallas_kernels.gated_delta_chunk import chunk_jnp as gated_delta_chunk_reference
+from pallas_kernels.gated_delta_chunk import segment_decays, unit_lower_inverse
 
 __all__ = [
     "GatedDeltaPallasConfig",
@@ -107,7 +107,7 @@ def _kernel(
     # (0 above the diagonal), so no separate masks for the intra-chunk matrices are needed.
     g = f32(backend.load(g_ref, (t, h)))
     beta = f32(backend.load(beta_ref, (t, h)))
-    cum, seg, decay = _segment_decays(g)  # [C], [C, C], [C, C]
+    cum, seg, decay = segment_decays(g)  # [C], [C, C], [C, C]
     strict = t[:, None] > t[None, :]
     # seg's last row (decay from token j to the chunk end), as a masked column sum: Triton has no
     # static slice of a register tile.
@@ -116,7 +116,7 @@ def _kernel(
     k = backend.load(k_ref, (t[:, None], h, kd[None, :]))  # [C, Dk], input dtype
     # N_ij = beta_i k_i.k_j decay_ij for j < i: the UT transform's strictly lower system.
     system = jnp.where(strict, backend.dot(k, k, trans_b=True) * beta[:, None] * decay, 0.0)
-    inv = _unit_lower_inverse(system, backend.dot)  # (I + N)^-1, [C, C]
+    inv = unit_lower_inverse(system, backend.dot)  # (I + N)^-1, [C, C]
     kf = f32(k)
     w = backend.dot(inv, kf * (beta * jnp.exp(cum))[:, None])  # [C, Dk]
     state = backend.load(state_ref, (h, kd[:, None], vd[None, :]))  # [Dk, BV] f32

@@ -1,5 +1,5 @@
 """The gated delta chunk kernel (Pallas, interpret mode on CPU) against the float64 sequential
-oracle, in one test body shared with its jnp reference (`gated_delta._chunk`): cold and warm
+oracle, in one test body shared with its jnp reference (`gated_delta_chunk.chunk_jnp`): cold and warm
 states, strong decays, bf16 inputs, padded tokens, and several programs per head (block_v < Dv).
 Then the chunked and packed drivers with `chunk_impl="pallas"` on lengths chunks do not divide,
 and the input checks. The sm_90a compile of the kernel is in test_compile_sm90.py."""
