@@ -74,10 +74,6 @@ def bench_model(name: str, path: str, dtype: str, repeats: int, layout: str = "a
     """layout "checkpoint" (`weight_layout`): the engine keeps the trainer's layout (no tile-major
     re-layout for the native CPU kernel, no q/k/v + gate/up fusion), so the handoff shares the
     arrays and no transform runs; its decode is what that costs."""
-    return _bench_model(name, path, dtype, repeats, layout)
-
-
-def _bench_model(name: str, path: str, dtype: str, repeats: int, layout: str) -> dict:
     import jax
     from flax import nnx
 

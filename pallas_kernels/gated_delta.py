@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 ChunkImpl = Literal["auto", "jnp", "pallas"]
-_CHUNK_IMPLS = ("auto", "jnp", "pallas")
+_CHUNK_IMPLS = get_args(ChunkImpl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,7 @@ class GatedDeltaConfig:
     `gated_delta_pallas`; interpret mode off GPU, and its shape limits: C, Dk, Dv powers of two
     >= 16) or "auto" (the kernel when `jax.default_backend() == "gpu"` and the shapes fit it,
     else jnp). jnp stays the default until the kernel is timed on a GPU against it
-    (`benchmarks/gated_delta.py`): it compiles for sm_90a but has never run on one."""
+    (`benchmarks/device_e2e/gated_delta.py`): it compiles for sm_90a but has never run on one."""
 
     chunk_size: int = 64
     chunk_impl: ChunkImpl = "jnp"

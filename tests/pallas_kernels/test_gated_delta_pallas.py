@@ -29,16 +29,23 @@ IMPLS = {
 }
 
 
+def sequence(rng: np.random.Generator, n: int, *, g_max: float = 2.0, beta_min: float = 0.05):
+    """n tokens: q k [n, H, Dk] (normalized, q scaled as the model does), v [n, H, Dv], g beta
+    [n, H] (decays down to -g_max)."""
+    q = gd.l2norm(jnp.asarray(rng.normal(size=(n, H, DK)), jnp.float32)) * DK**-0.5
+    k = gd.l2norm(jnp.asarray(rng.normal(size=(n, H, DK)), jnp.float32))
+    v = jnp.asarray(rng.normal(size=(n, H, DV)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0.0, g_max, size=(n, H)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(beta_min, 1.0, size=(n, H)), jnp.float32)
+    return q, k, v, g, beta
+
+
 def chunk_inputs(seed: int, *, strong: bool = False, dtype=jnp.float32, warm: bool = True):
-    """state f32[H, Dk, Dv], q k [C, H, Dk] (normalized, q scaled), v [C, H, Dv], g beta [C, H]."""
+    """state f32[H, Dk, Dv] and one chunk of C tokens (`sequence`) in `dtype`."""
     rng = np.random.default_rng(seed)
-    q = gd.l2norm(jnp.asarray(rng.normal(size=(C, H, DK)), jnp.float32)) * DK**-0.5
-    k = gd.l2norm(jnp.asarray(rng.normal(size=(C, H, DK)), jnp.float32))
-    v = jnp.asarray(rng.normal(size=(C, H, DV)), jnp.float32)
-    g = -jnp.asarray(rng.uniform(0.0, 90.0 if strong else 2.0, size=(C, H)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(1e-3, 1.0, size=(C, H)), jnp.float32)
+    xs = sequence(rng, C, g_max=90.0 if strong else 2.0, beta_min=1e-3)
     state = jnp.asarray(rng.normal(size=(H, DK, DV)) if warm else np.zeros((H, DK, DV)), jnp.float32)
-    return (state, *(x.astype(dtype) for x in (q, k, v, g, beta)))
+    return (state, *(x.astype(dtype) for x in xs))
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -80,11 +87,7 @@ def test_chunked_driver_runs_the_kernel(n):
     """`gated_delta_chunked` with chunk_impl="pallas": a length the 16-token chunk does not divide,
     from a warm state, equals the oracle (and the jnp driver)."""
     rng = np.random.default_rng(n)
-    q = gd.l2norm(jnp.asarray(rng.normal(size=(n, H, DK)), jnp.float32)) * DK**-0.5
-    k = gd.l2norm(jnp.asarray(rng.normal(size=(n, H, DK)), jnp.float32))
-    v = jnp.asarray(rng.normal(size=(n, H, DV)), jnp.float32)
-    g = -jnp.asarray(rng.uniform(0.0, 2.0, size=(n, H)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.05, 1.0, size=(n, H)), jnp.float32)
+    q, k, v, g, beta = sequence(rng, n)
     state = jnp.asarray(rng.normal(size=(H, DK, DV)), jnp.float32)
     want_o, want_s = oracle(q, k, v, g, beta, state)
     for impl in ("pallas", "jnp"):
@@ -98,11 +101,7 @@ def test_packed_driver_runs_the_kernel():
     decode row and a padding row; each row's state and outputs are the oracle's."""
     rng = np.random.default_rng(2)
     lens, t = [20, 1, 0], 32
-    q = gd.l2norm(jnp.asarray(rng.normal(size=(t, H, DK)), jnp.float32)) * DK**-0.5
-    k = gd.l2norm(jnp.asarray(rng.normal(size=(t, H, DK)), jnp.float32))
-    v = jnp.asarray(rng.normal(size=(t, H, DV)), jnp.float32)
-    g = -jnp.asarray(rng.uniform(0.0, 2.0, size=(t, H)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.05, 1.0, size=(t, H)), jnp.float32)
+    q, k, v, g, beta = sequence(rng, t)
     init = jnp.asarray(rng.normal(size=(len(lens), H, DK, DV)), jnp.float32)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     packed = jax.jit(gd.gated_delta_packed, static_argnames="config")
