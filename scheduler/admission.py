@@ -5,7 +5,8 @@ reservation, and headroom for the pages running decoders need next step:
 `pending_decode_growth`) and `admit` gives it the pages, as mini-sglang's prefill manager does
 for its prefill batch. Every row, running or new, takes its pages through `acquire_row`, which
 also decides whether the row sends a tail delta or refreshes its device row whole (DESIGN §6).
-`Admission` keeps the reservation ledger (pages promised to a request's next acquire); the
+`Admission` keeps the reservation ledger (pages promised to a request's next acquire, per pool:
+every count here is a tuple with one entry per pool of `CacheCoordinator.pools`); the
 `Scheduler` keeps the policy (row order, retraction victims, slots, lifecycle) and passes in the
 requests it means.
 """
@@ -18,7 +19,7 @@ from typing import cast
 
 from scheduler.block_table import BlockTable
 from scheduler.config import SchedulerConfig
-from scheduler.coordinator import CacheCoordinator
+from scheduler.coordinator import CacheCoordinator, fits
 from scheduler.hashing import PrefixHasher
 from scheduler.ops_builder import ScheduledRow
 from scheduler.request import Request
@@ -32,7 +33,7 @@ class Admitted:
     tables: list[BlockTable]  # its fresh tables, the prefix pages claimed
     hit: int  # prompt tokens served by the prefix cache
     num_tokens: int  # its first chunk
-    reserve: int  # pages reserved for its decodes after the chunk
+    reserve: tuple[int, ...]  # pages reserved for its decodes after the chunk, per pool
     host_hit: int = 0  # of `hit`, tokens the host tier served (loaded, not recomputed)
 
 
@@ -55,6 +56,15 @@ def check_prompt(prompt_token_ids: list[int], max_new_tokens: int, max_context_l
     return prompt
 
 
+def add(*counts: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-pool counts added entry by entry."""
+    return tuple(map(sum, zip(*counts)))
+
+
+def sub(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x - y for x, y in zip(a, b))
+
+
 def requeue(waiting: list[Request], req: Request) -> None:
     """Put a retracted request back: retracted requests resume before new arrivals, oldest
     first (the waiting queue is served in order, FCFS)."""
@@ -72,29 +82,39 @@ class Admission:
     ) -> None:
         self.config = config
         self.coord = coord
-        self.pool = coord.pool
         self.layouts = layouts
         self.chunk_cap = config.max_prefill_chunk_tokens or config.max_scheduled_tokens
-        self.reserved_total = 0  # the sum of every running request's `reserved`
+        self.none = (0,) * len(coord.pools)  # no pages, per pool
+        self.reserved_total = self.none  # the sum of every running request's `reserved`
 
     # ------------------------------------------------------------------ reservations
-    def available_for(self, req: Request) -> int:
+    def available_for(self, req: Request) -> tuple[int, ...]:
         """Free pages `req` may take: all but those promised to the other requests."""
-        return self.pool.num_free - (self.reserved_total - req.reserved)
+        others = sub(self.reserved_total, req.reserved) if req.reserved else self.reserved_total
+        return sub(self.coord.free_pages(), others)
 
-    def reserve(self, req: Request, n: int) -> None:
+    def has_room(self) -> bool:
+        """Whether the free pages cover every reservation (no acquire has to wait for one)."""
+        return fits(self.reserved_total, self.coord.free_pages())
+
+    def reserve(self, req: Request, n: tuple[int, ...]) -> None:
         """Promise `n` free pages to `req`'s next acquire (admission keeps them for its decodes)."""
-        self.reserved_total += n - req.reserved
-        req.reserved = n
+        self.reserved_total = add(self.reserved_total, n, sub(self.none, req.reserved or self.none))
+        req.reserved = n if any(n) else ()
 
     def settle(self, req: Request) -> None:
         """Drop `req`'s reservation: its acquire used the pages, or it gave everything back."""
-        self.reserved_total -= req.reserved
-        req.reserved = 0
+        if req.reserved:
+            self.reserved_total = sub(self.reserved_total, req.reserved)
+            req.reserved = ()
 
     # ------------------------------------------------------------------ waiting requests
     def fit(
-        self, req: Request, budget: int, headroom: int, sizer: Callable[[int], int] | None = None
+        self,
+        req: Request,
+        budget: int,
+        headroom: tuple[int, ...],
+        sizer: Callable[[int], int] | None = None,
     ) -> Admitted | None:
         """Whether the waiting `req` can start now with at most `budget` tokens, keeping
         `headroom` pages free for the running decoders; if so, claim its prefix pages.
@@ -116,10 +136,11 @@ class Admission:
         # could make a request that fits alone unadmittable forever (a liveness bug).
         left = req.max_new_tokens - req.num_generated
         extra = min(cfg.decode_reserve_tokens, left) if n == len(req.tokens) - hit else 0
-        chunk_need = coord.blocks_needed_for(tables, n)
-        reserve = coord.blocks_needed_for_sequential(tables, n, extra) - chunk_need
-        pulled = coord.prefix_pages_in_free_list(cast("list[list[int]]", hit_rows)) if hit else 0
-        if chunk_need + reserve + pulled + headroom > self.pool.num_free - self.reserved_total:
+        chunk_need = coord.pages_needed(tables, n)
+        reserve = sub(coord.pages_needed_sequential(tables, n, extra), chunk_need)
+        pulled = coord.prefix_pages_in_free_list(cast("list[list[int]]", hit_rows)) if hit else self.none
+        room = sub(coord.free_pages(), self.reserved_total)
+        if not fits(add(chunk_need, reserve, pulled, headroom), room):
             return None
         host_hit = 0
         if hit:
@@ -155,19 +176,19 @@ class Admission:
         hit, _ = self.coord.match_prefix(hasher.hashes, len(prompt_token_ids) - 1)
         return hit
 
-    def pending_decode_growth(self, running: Iterable[Request]) -> int:
+    def pending_decode_growth(self, running: Iterable[Request]) -> tuple[int, ...]:
         """Pages the `running` decoders will need next step if they sit at a page boundary:
         admission keeps them free so a new request does not force a retraction one step later."""
         coord = self.coord
-        total = 0
+        total = self.none
         max_len = self.config.max_context_len
         for r in running:
             if r.num_pending and r.finishes_by_length(max_len):
                 continue  # planned no more
-            if r.prefill_done and r.reserved == 0:
+            if r.prefill_done and not r.reserved:
                 for t in r.held_tables:
                     if t.tail_avail < 1:  # only then can one more token need a page
-                        total += coord.blocks_needed_for(r.held_tables, 1)
+                        total = add(total, coord.pages_needed(r.held_tables, 1))
                         break
         return total
 
@@ -239,13 +260,18 @@ class Admission:
         """Raise AssertionError unless the reservations of `running` (every running request)
         add up and every page's refcount equals the references their tables hold (no page both
         free and referenced, free + referenced == num_pages - 1, page 0 never free or cached)."""
-        refs: dict[int, int] = {}
-        reserved = 0
+        pools = self.coord.pools
+        refs: list[dict[int, int]] = [{} for _ in pools]
+        reserved = self.none
         for req in running:
-            reserved += req.reserved
-            for t in req.held_tables:
+            if req.reserved:
+                assert any(req.reserved), "an all-zero reservation must be ()"
+                reserved = add(reserved, req.reserved)
+            for t, i in zip(req.held_tables, self.coord.pool_index):
+                pool_refs = refs[i]
                 for p in t.pages:
                     if p:
-                        refs[p] = refs.get(p, 0) + 1
+                        pool_refs[p] = pool_refs.get(p, 0) + 1
         assert reserved == self.reserved_total, "reservation bookkeeping drifted"
-        self.pool.check_invariants(refs)
+        for pool, pool_refs in zip(pools, refs):
+            pool.check_invariants(pool_refs)

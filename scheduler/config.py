@@ -33,6 +33,10 @@ class SchedulerConfig:
         writes the state at every page end, as tokenspeed_jax's recurrent layers do).
     host_pages: pages of the host KV tier below the device pool (`scheduler.host_tier`;
         0 = no tier): evicted prefix pages are kept there and loaded back on a hit.
+    state_pages: page ids of a pool of their own for the recurrent-state groups (null page
+        included; `scheduler.coordinator`), so attention pages do not pay for state snapshots
+        nor snapshots for K/V. None: every group shares the one pool of `num_pages`
+        (DESIGN.md §2). Needs a state group beside another group and no host tier.
     """
 
     num_pages: int
@@ -50,6 +54,7 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     state_snapshots: str = "chunk_end"
     host_pages: int = 0
+    state_pages: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -93,6 +98,23 @@ class SchedulerConfig:
         self.speculative = SpeculativeConfig.parse(self.speculative)
         if self.speculative is not None:
             self._check_speculative(self.speculative)
+        if self.state_pages is not None:
+            self._check_state_pages(self.state_pages)
+
+    def _check_state_pages(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ValueError(
+                "SchedulerConfig.state_pages must be None or an int >= 2 (page 0 is the null page), "
+                f"got {n!r}"
+            )
+        families = {g.family for g in self.group_specs}
+        if families != {"state", "history"}:
+            raise ValueError(
+                "SchedulerConfig.state_pages needs a recurrent-state group beside another group, "
+                f"got groups {[g.group_id for g in self.group_specs]}"
+            )
+        if self.host_pages:
+            raise ValueError("SchedulerConfig.state_pages with host_pages: the host tier needs one pool")
 
     @property
     def group_specs(self) -> list[PagedCacheGroupSpec]:

@@ -1,9 +1,18 @@
-"""`CacheCoordinator`: all cache groups of one request over one shared pool (DESIGN.md §4-5)."""
+"""`CacheCoordinator`: all cache groups of one request over one shared pool (DESIGN.md §4-5),
+or over two: the recurrent-state groups may get a pool of their own (`state_pool`).
+
+Why two: the device gives every page id of a pool a slot in every layer that pool serves, so
+over one shared pool each attention page also pays every recurrent layer's state snapshot and
+each snapshot pays every attention layer's K/V (at Qwen3.5-0.8B shapes 3.21 MiB of state beside
+0.25 MiB of K/V per id). With a state pool each kind of page pays only its own layers. The
+accounting is then per pool: `pages_needed*`, `free_pages` and the admission ledger are tuples
+with one entry per pool (`pools`), and a demand fits when every entry does (`fits`).
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import reduce
 
 from scheduler.block_pool import NULL_PAGE, BlockPool
@@ -18,7 +27,11 @@ class CacheCoordinator:
     """Check-then-act growth, prefix match, publish/adopt and reclaim across groups."""
 
     def __init__(
-        self, specs: list[PagedCacheGroupSpec], pool: BlockPool, state_every_page: bool = False
+        self,
+        specs: list[PagedCacheGroupSpec],
+        pool: BlockPool,
+        state_every_page: bool = False,
+        state_pool: BlockPool | None = None,
     ) -> None:
         if not specs:
             raise ValueError("CacheCoordinator needs at least one group spec")
@@ -26,7 +39,16 @@ class CacheCoordinator:
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate group ids in {ids}")
         self.specs = list(specs)
-        self.pool = pool
+        self.pool = pool  # the shared pool (every group's, but the state groups' with a state pool)
+        if state_pool is not None:
+            if all(s.family != "state" for s in specs):
+                raise ValueError(f"a state pool needs a state group; groups are {ids}")
+            if all(s.family == "state" for s in specs):
+                raise ValueError(f"a state pool needs a group beside the state groups; groups are {ids}")
+        self.pools: tuple[BlockPool, ...] = (pool,) if state_pool is None else (pool, state_pool)
+        # index into `pools` of each group's pool
+        self.pool_index = [int(state_pool is not None and s.family == "state") for s in specs]
+        self._pool_of = [self.pools[i] for i in self.pool_index]
         self.state_every_page = state_every_page  # SchedulerConfig.state_snapshots == "every_page"
         sizes = [s.page_size for s in specs]
         self.base = reduce(math.gcd, sizes)
@@ -45,6 +67,8 @@ class CacheCoordinator:
     def attach_host_tier(self, host: HostTier) -> None:
         """Below the device pool: evicted hashed pages are saved there, and prefix matches
         continue into it (`scheduler.host_tier`)."""
+        if len(self.pools) > 1:
+            raise ValueError("a host KV tier needs the one shared pool (no state pool)")
         self.host = host
         self.pool.on_evict = host.evicted
 
@@ -73,15 +97,46 @@ class CacheCoordinator:
             for m, t in zip(self.managers, tables)
         )
 
-    def acquire(self, tables: list[BlockTable], num_tokens: int, available: int | None = None) -> bool:
+    # per pool: tuples with one entry per pool of `pools`
+    def split(self, per_group: Iterable[int]) -> tuple[int, ...]:
+        """Per-group page counts summed per pool."""
+        if len(self.pools) == 1:
+            return (sum(per_group),)
+        out = [0] * len(self.pools)
+        for i, n in zip(self.pool_index, per_group):
+            out[i] += n
+        return tuple(out)
+
+    def free_pages(self) -> tuple[int, ...]:
+        return tuple(p.num_free for p in self.pools)
+
+    def pages_needed(self, tables: list[BlockTable], num_tokens: int) -> tuple[int, ...]:
+        """`blocks_needed_for` per pool."""
+        return self.split(m.blocks_needed_for(t, num_tokens) for m, t in zip(self.managers, tables))
+
+    def pages_needed_sequential(
+        self, tables: list[BlockTable], first_tokens: int, extra_tokens: int
+    ) -> tuple[int, ...]:
+        """`blocks_needed_for_sequential` per pool."""
+        return self.split(
+            m.blocks_needed_for_sequential(t, first_tokens, extra_tokens)
+            for m, t in zip(self.managers, tables)
+        )
+
+    def acquire(
+        self, tables: list[BlockTable], num_tokens: int, available: tuple[int, ...] | None = None
+    ) -> bool:
         """Grow every group by `num_tokens`, or change nothing. `available` caps the pages this
-        call may take (default: all free pages), so reservations of others can be honoured."""
-        need = self.blocks_needed_for(tables, num_tokens)
-        limit = self.pool.num_free if available is None else min(available, self.pool.num_free)
-        if need > limit:
+        call may take from each pool (default: all free pages), so reservations of others can
+        be honoured."""
+        need = self.pages_needed(tables, num_tokens)
+        limit = self.free_pages()
+        if available is not None:
+            limit = tuple(map(min, available, limit))
+        if not fits(need, limit):
             return False
-        for m, t in zip(self.managers, tables):
-            ok = m.acquire(self.pool, t, num_tokens)
+        for m, t, pool in zip(self.managers, tables, self._pool_of):
+            ok = m.acquire(pool, t, num_tokens)
             assert ok, "coordinator demand mirror disagrees with a manager's acquire"
         return True
 
@@ -106,22 +161,26 @@ class CacheCoordinator:
         """`solo_peak_pages` of this coordinator's groups."""
         return solo_peak_pages(self.specs, total_tokens, max_chunk_tokens)
 
+    def solo_peak_by_pool(self, total_tokens: int, max_chunk_tokens: int) -> tuple[int, ...]:
+        """`solo_peak_pages` per pool."""
+        return self.split(solo_peak_pages([s], total_tokens, max_chunk_tokens) for s in self.specs)
+
     def truncate(self, tables: list[BlockTable], num_tokens: int) -> bool:
         """Roll every group back to `num_tokens` tokens (speculative decoding: positions a step
         wrote for rejected drafts). Slots wholly past it leave the table and their pages go back
         to the pool: they were acquired by that step alone, so nothing else references them and
         nothing published them. Returns True when a slot left (the device row must refresh)."""
         dropped = False
-        for m, t in zip(self.managers, tables):
+        for m, t, pool in zip(self.managers, tables, self._pool_of):
             b = m.page_size
             keep = ceil_div(num_tokens, b)
             if keep < len(t.pages):
                 gone = [p for p in t.pages[keep:] if p != NULL_PAGE]
-                assert all(self.pool.refcount(p) == 1 and self.pool.key_of(p) is None for p in gone), (
+                assert all(pool.refcount(p) == 1 and pool.key_of(p) is None for p in gone), (
                     "rolled-back pages must be private and unpublished"
                 )
                 del t.pages[keep:]
-                self.pool.free(gone)
+                pool.free(gone)
                 t.num_published = min(t.num_published, keep)
                 t.reclaim_floor = min(t.reclaim_floor, keep)
                 dropped = True
@@ -129,23 +188,24 @@ class CacheCoordinator:
         return dropped
 
     def free(self, tables: list[BlockTable]) -> None:
-        for m, t in zip(self.managers, tables):
-            m.free(self.pool, t)
+        for m, t, pool in zip(self.managers, tables, self._pool_of):
+            m.free(pool, t)
 
     # ------------------------------------------------------------------ retention
     def reclaim(self, tables: list[BlockTable], num_tokens: int) -> list[list[int]]:
         """Reclaim slid-out slots at extent `num_tokens`; returns the new hole slots per group."""
-        return [m.reclaim_slots(self.pool, t, num_tokens) for m, t in zip(self.managers, tables)]
+        return [m.reclaim_slots(p, t, num_tokens) for m, t, p in zip(self.managers, tables, self._pool_of)]
 
     def blocks_reclaimable_at(self, tables: list[BlockTable], num_tokens: int) -> int:
         return sum(
-            m.blocks_reclaimable_at(t, num_tokens, pool=self.pool) for m, t in zip(self.managers, tables)
+            m.blocks_reclaimable_at(t, num_tokens, pool=p)
+            for m, t, p in zip(self.managers, tables, self._pool_of)
         )
 
     # ------------------------------------------------------------------ prefix cache
     def _lookup(self, g: int, base_hashes: list[bytes], use_host: bool) -> Callable[[int], int | None]:
         k = self._base_per_page[g]
-        pool = self.pool
+        pool = self._pool_of[g]
         host = self.host if use_host else None
 
         def lookup(slot: int) -> int | None:
@@ -183,8 +243,8 @@ class CacheCoordinator:
     def claim_prefix(self, tables: list[BlockTable], num_tokens: int, rows: list[list[int]]) -> None:
         """Point fresh tables at matched rows and take a reference on every hit page. Host hits
         (markers < 0) get a fresh device page each, loaded from the host tier this step."""
-        for row in rows:  # device hits first: allocating for the host hits must not evict them
-            self.pool.touch(p for p in row if p > 0)
+        for row, pool in zip(rows, self._pool_of):  # device hits first: allocating for the
+            pool.touch(p for p in row if p > 0)  # host hits must not evict them
         host = self.host
         for g, row in enumerate(rows):
             marked = [i for i, p in enumerate(row) if p < 0]
@@ -207,11 +267,13 @@ class CacheCoordinator:
                 floor += 1
             t.reclaim_floor = floor
 
-    def prefix_pages_in_free_list(self, rows: list[list[int]]) -> int:
-        """Hit pages that claiming would pull out of the free list (they cost free pages); a host
-        hit costs the free page it is loaded into."""
-        pulled = sum(1 for row in rows for p in set(row) if p > 0 and self.pool.is_free(p))
-        return pulled + sum(1 for row in rows for p in row if p < 0)
+    def prefix_pages_in_free_list(self, rows: list[list[int]]) -> tuple[int, ...]:
+        """Hit pages that claiming would pull out of each pool's free list (they cost free
+        pages); a host hit costs the free page it is loaded into."""
+        return self.split(
+            sum(1 for p in set(row) if p > 0 and pool.is_free(p)) + sum(1 for p in row if p < 0)
+            for row, pool in zip(rows, self._pool_of)
+        )
 
     def publish(
         self,
@@ -228,9 +290,8 @@ class CacheCoordinator:
         only the page ending exactly at a chunk end (`chunk_end` and page-aligned), or every
         completed page with `state_every_page` (the device snapshots every page end).
         Returns, per group, the slots whose page id changed (adoption), for the mirror."""
-        pool = self.pool
         changed: list[list[int]] = []
-        for g, (spec, t) in enumerate(zip(self.specs, tables)):
+        for g, (spec, t, pool) in enumerate(zip(self.specs, tables, self._pool_of)):
             k = self._base_per_page[g]
             b = spec.page_size
             complete = min(num_tokens // b, len(base_hashes) // k, len(t.pages))
@@ -257,6 +318,11 @@ class CacheCoordinator:
             t.num_published = max(t.num_published, complete)
             changed.append(moved)
         return changed
+
+
+def fits(need: tuple[int, ...], room: tuple[int, ...]) -> bool:
+    """Whether a per-pool demand fits per-pool room, entry by entry."""
+    return all(n <= r for n, r in zip(need, room))
 
 
 def solo_peak_pages(specs: list[PagedCacheGroupSpec], total_tokens: int, max_chunk_tokens: int) -> int:

@@ -32,7 +32,10 @@ class RequestLifecycle:
         self.config = config
         self.pool = BlockPool(config.num_pages)
         self.coord = CacheCoordinator(
-            config.group_specs, self.pool, state_every_page=config.state_snapshots == "every_page"
+            config.group_specs,
+            self.pool,
+            state_every_page=config.state_snapshots == "every_page",
+            state_pool=None if config.state_pages is None else BlockPool(config.state_pages),
         )
         # the host KV tier below the pool (None: off); its copies ride on each step's StepOps
         self.host_tier = HostTier(config.host_pages, config.num_pages) if config.host_pages else None
@@ -91,12 +94,13 @@ class RequestLifecycle:
             prompt = self.check_prompt(prompt_token_ids, max_new_tokens)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
-        need = self.coord.solo_peak_pages(len(prompt) + max_new_tokens, cfg.max_scheduled_tokens)
-        if need > self.pool.num_pages - 1:
-            raise ValueError(
-                f"request {request_id!r}: needs {need} cache pages even alone, the "
-                f"pool has {self.pool.num_pages - 1}"
-            )
+        needs = self.coord.solo_peak_by_pool(len(prompt) + max_new_tokens, cfg.max_scheduled_tokens)
+        for need, pool, name in zip(needs, self.coord.pools, ("", "state ")):
+            if need > pool.num_pages - 1:
+                raise ValueError(
+                    f"request {request_id!r}: needs {need} {name}cache pages even alone, the "
+                    f"{name}pool has {pool.num_pages - 1}"
+                )
         salt = options.pop("cache_salt", None)
         try:
             if sampling is None:
@@ -261,7 +265,7 @@ class RequestLifecycle:
             assert req.slot not in slots, f"slot {req.slot} used twice"
             slots.add(req.slot)
         for req in self._waiting:
-            assert req.tables is None and req.slot == -1 and req.reserved == 0
+            assert req.tables is None and req.slot == -1 and not req.reserved
         finishing = [r for r in self._requests.values() if r.status is Status.FINISHING]
         for req in finishing:  # released at plan time: only its last token is still to come
             assert req.tables is None and req.slot == -1 and req.num_pending >= 1

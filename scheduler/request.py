@@ -104,7 +104,7 @@ class Request:
         self.tables: list[BlockTable] | None = None
         self.slot = -1
         self.num_computed = 0
-        self.reserved = 0  # pages promised to this request's next acquire
+        self.reserved: tuple[int, ...] = ()  # pages promised to its next acquire, per pool; () none
         self.prefill_done = False
         self.num_decode_rows = 0
         self.needs_refresh = True

@@ -24,6 +24,7 @@ import numpy as np
 
 from scheduler.bucket_fit import fit_chunk
 from scheduler.config import SchedulerConfig
+from scheduler.coordinator import fits
 from scheduler.drafting import check_proposal, plan_drafts
 from scheduler.lifecycle import RequestLifecycle
 from scheduler.mirror_check import MirrorChecker
@@ -83,7 +84,7 @@ class Scheduler(RequestLifecycle):
         if self.has_unfinished() or self._flights:
             raise RuntimeError("reset_prefix_cache needs an idle scheduler (requests or steps in flight)")
         host = 0 if self.host_tier is None else self.host_tier.drop_cached()
-        return self.pool.drop_cached() + host
+        return sum(pool.drop_cached() for pool in self.coord.pools) + host
 
     def prefix_match_tokens(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> int:
         """Prompt tokens a new request would take from the prefix cache right now (read-only;
@@ -126,9 +127,9 @@ class Scheduler(RequestLifecycle):
 
     def _plan_running(self, plan: StepPlan) -> None:
         """A row per running request, in admission order, while rows and budget last."""
-        running, pool, coord, adm = self._running, self.pool, self.coord, self._admission
+        running, coord, adm = self._running, self.coord, self._admission
         max_rows, fast, ending = self.config.max_batch_requests, self.decode_fast_path, plan.ending
-        room = pool.num_free >= adm.reserved_total  # changes only on the general path
+        room = adm.has_room()  # changes only on the general path
         i = 0
         while i < len(running) and len(plan.rows) < max_rows and plan.budget > 0:
             req = running[i]
@@ -146,7 +147,7 @@ class Scheduler(RequestLifecycle):
                 # now, as the synchronous loop's update would have before this schedule, so
                 # prefix hits do not lag a step. Whoever hits them runs later.
                 self._publish(req, extent)
-                room = pool.num_free >= adm.reserved_total  # adoption frees private copies
+                room = adm.has_room()  # adoption frees private copies
             drafts = plan.drafts.get(req) if plan.drafts else None
             if drafts:  # the step's budget may have run short of what `_plan_drafts` assumed
                 drafts = drafts[: plan.budget - 1] or None
@@ -172,7 +173,7 @@ class Scheduler(RequestLifecycle):
             if not drafts and req.remaining > 1:  # a prefill chunk
                 budget = self._chunk_budget(plan, running, i)
             row = self._schedule_running(req, budget, extent, drafts)
-            room = pool.num_free >= adm.reserved_total
+            room = adm.has_room()
             if row is None:  # req itself was retracted (it was the LIFO victim)
                 continue
             if fast and row.num_tokens == 1 and row.samples and not row.full_refresh:
@@ -210,13 +211,13 @@ class Scheduler(RequestLifecycle):
     def _plan_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in queue order while rows, budget and slots last."""
         waiting, max_rows = self._waiting, self.config.max_batch_requests
-        headroom = -1  # computed at the first admission attempt (O(running); a full batch
-        # with a waiting queue, the common decode case, never needs it)
+        headroom: tuple[int, ...] | None = None  # computed at the first admission attempt
+        # (O(running); a full batch with a waiting queue, the common decode case, never needs it)
         while waiting and len(plan.rows) < max_rows and plan.budget > 0 and self._free_slots:
             head = waiting[0]
             if head.num_pending:
                 break  # retracted with a token in flight: it resumes once the token has landed
-            if headroom < 0:
+            if headroom is None:
                 headroom = self._admission.pending_decode_growth(self._running)
             fit = self._admission.fit(head, plan.budget, headroom, self._admission_sizer(plan))
             if fit is None:
@@ -283,12 +284,12 @@ class Scheduler(RequestLifecycle):
             # Speculation never retracts anyone: the drafts' pages must be free for the taking,
             # else the row decodes its one token as usual.
             k = 1 + len(drafts)
-            if coord.blocks_needed_for(tables, k) <= self._admission.available_for(req):
+            if fits(coord.pages_needed(tables, k), self._admission.available_for(req)):
                 row = self._admission.acquire_row(req, k, holes, samples=True)
                 row.drafts = req.drafts = drafts
                 return row
-        need = coord.blocks_needed_for(tables, n)
-        while need > self._admission.available_for(req):
+        need = coord.pages_needed(tables, n)
+        while not fits(need, self._admission.available_for(req)):
             victim = self._running[-1]
             self._retract(victim)
             if victim is req:
@@ -373,12 +374,21 @@ class Scheduler(RequestLifecycle):
             free_pages=pool.num_free,
             total_pages=pool.num_pages - 1,
             used_pages=pool.num_used,
-            reserved_pages=self._admission.reserved_total,
+            reserved_pages=self._admission.reserved_total[0],
             num_running=len(self._running),
             num_waiting=len(self._waiting),
             num_evictions=pool.num_evictions,
             group_pages={s.group_id: n for s, n in zip(self.config.group_specs, per_group)},
         )
+        if len(self.coord.pools) > 1:  # the recurrent-state pool (`SchedulerConfig.state_pages`)
+            state = self.coord.pools[1]
+            out.update(
+                state_free_pages=state.num_free,
+                state_total_pages=state.num_pages - 1,
+                state_used_pages=state.num_used,
+                state_reserved_pages=self._admission.reserved_total[1],
+                state_evictions=state.num_evictions,
+            )
         if self.host_tier is not None:
             host = self.host_tier
             out.update(host.stats, host_pages=host.pool.num_pages, host_cached_pages=host.pool.num_cached)

@@ -120,6 +120,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     STATE_SNAPSHOTS = "chunk_end"
     HOST_PAGES = 0  # a host KV tier below the pool (scheduler/host_tier.py)
     NUM_PAGES = 40
+    STATE_PAGES: int | None = None  # a pool of their own for the state groups
 
     def __init__(self) -> None:
         super().__init__()
@@ -133,6 +134,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             debug_checks=True,
             state_snapshots=self.STATE_SNAPSHOTS,
             host_pages=self.HOST_PAGES,
+            state_pages=self.STATE_PAGES,
         )
         self.sched = Scheduler(self.cfg)
         self.rng = np.random.default_rng(0)
@@ -223,6 +225,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.sched.has_unfinished() and not self.expect
         stats = self.sched.stats()
         assert stats["free_pages"] == stats["total_pages"] and stats["reserved_pages"] == 0
+        if self.STATE_PAGES is not None:
+            assert stats["state_free_pages"] == stats["state_total_pages"] == self.STATE_PAGES - 1
+            assert stats["state_reserved_pages"] == 0
 
     @invariant()
     def consistent(self):

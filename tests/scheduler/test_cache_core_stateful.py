@@ -45,7 +45,7 @@ class CacheCoreMachine(RuleBasedStateMachine):
             before = self.pool.num_free
             pulled = self.coord.prefix_pages_in_free_list(rows)
             self.coord.claim_prefix(tables, hit, rows)
-            assert before - self.pool.num_free == pulled
+            assert (before - self.pool.num_free,) == pulled
         self.live.append(dict(tables=tables, tokens=tokens, computed=hit, hasher=hasher))
 
     @precondition(lambda self: self.live)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler import BlockPool, CacheCoordinator, PagedCacheGroupSpec, SlidingWindowManager
 from scheduler.hashing import PrefixHasher
 
@@ -28,7 +30,7 @@ def test_acquire_is_check_then_act_across_groups():
     assert [t.page_ids() for t in tables] == [[], [], []] and pool.num_free == 99
     assert coord.acquire(tables, 1024)
     assert [len(t.pages) for t in tables] == [4, 8, 128]
-    assert not coord.acquire(tables, 1024, available=10)
+    assert not coord.acquire(tables, 1024, available=(10,))
     coord.free(tables)
     assert pool.num_free == 99
 
@@ -143,3 +145,46 @@ def test_publish_skips_holes_and_hashed_pages_state_only_at_aligned_chunk_end():
     state_row = tables[2].page_ids()
     assert pool.key_of(state_row[4]) is not None
     assert all(pool.key_of(p) is None for p in state_row[:4] if p)
+
+
+def test_state_pool_gives_state_groups_their_own_page_ids():
+    """With `state_pool`, state groups take ids from it and history groups from the shared pool
+    (each numbered from 1); demand, room and prefix pulls are per pool, and an acquire that one
+    pool cannot serve changes neither."""
+    full = PagedCacheGroupSpec("full", "full_history", 8, 1, None)
+    state = PagedCacheGroupSpec("state", "sliding_window", 8, 1, 2, family="state")
+    pool, spool = BlockPool(64), BlockPool(6)
+    coord = CacheCoordinator([full, state], pool, state_every_page=True, state_pool=spool)
+    assert coord.pools == (pool, spool) and coord.pool_index == [0, 1]
+    h = PrefixHasher(coord.base)
+    h.extend(list(range(48)))
+    tables = coord.new_tables()
+    assert coord.pages_needed(tables, 36) == (5, 5) and coord.blocks_needed_for(tables, 36) == 10
+    assert not coord.acquire(tables, 48)  # 6 state pages, the state pool has 5
+    assert [t.pages for t in tables] == [[], []] and coord.free_pages() == (63, 5)
+    assert not coord.acquire(tables, 36, available=(63, 4))
+    assert coord.acquire(tables, 36)
+    assert [t.page_ids() for t in tables] == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]
+    assert coord.free_pages() == (58, 0)
+    coord.publish(tables, h.hashes, 36)
+    assert coord.reclaim(tables, 36) == [[], [0, 1, 2, 3]]  # W = 2: only the live state stays
+    assert coord.free_pages() == (58, 4)
+    # a request sharing 35 tokens resumes at 32 from the shared pool's pages and snapshot 4
+    hit, rows = coord.match_prefix(h.hashes, 35)
+    assert (hit, rows) == (32, [[1, 2, 3, 4], [0, 0, 0, 4]])
+    assert coord.prefix_pages_in_free_list(rows) == (0, 1)  # snapshot 4 sits in the free list
+    again = coord.new_tables()
+    coord.claim_prefix(again, hit, rows)
+    assert coord.free_pages() == (58, 3) and spool.refcount(4) == 1 and pool.refcount(4) == 2
+    coord.free(again)
+    coord.free(tables)
+    assert coord.free_pages() == (63, 5)
+
+
+def test_state_pool_needs_both_kinds_of_group():
+    full = PagedCacheGroupSpec("full", "full_history", 8, 1, None)
+    state = PagedCacheGroupSpec("state", "sliding_window", 8, 1, 2, family="state")
+    with pytest.raises(ValueError, match="needs a state group"):
+        CacheCoordinator([full], BlockPool(8), state_pool=BlockPool(8))
+    with pytest.raises(ValueError, match="beside the state groups"):
+        CacheCoordinator([state], BlockPool(8), state_pool=BlockPool(8))

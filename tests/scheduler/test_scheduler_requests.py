@@ -179,3 +179,24 @@ def test_num_waiting_counts_the_queue_only():
     assert s.num_waiting == 2 == s.stats()["num_waiting"]
     s.schedule()  # one row: a runs, b waits
     assert s.num_waiting == 1 == s.stats()["num_waiting"]
+
+
+def test_state_pages_is_checked_and_bounds_a_request_alone():
+    """`state_pages`: an int >= 2 beside a state group and another group, no host tier; a
+    request whose state pages alone exceed the state pool is refused, naming that pool."""
+    from tests.scheduler.helpers import HYBRID, STATE_HYBRID
+
+    base = dict(num_pages=40, page_size=4, max_batch_requests=4, max_scheduled_tokens=12, max_context_len=48)
+    for bad, match in [
+        (dict(state_pages=1, groups=STATE_HYBRID), "state_pages must be None or an int >= 2"),
+        (dict(state_pages=True, groups=STATE_HYBRID), "state_pages must be None or an int >= 2"),
+        (dict(state_pages=8, groups=HYBRID), "needs a recurrent-state group"),
+        (dict(state_pages=8, groups=STATE_HYBRID, host_pages=4), "host tier needs one pool"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SchedulerConfig(**base, **bad)  # type: ignore[arg-type]
+    sched = Scheduler(SchedulerConfig(**base, groups=STATE_HYBRID, state_pages=6))  # type: ignore[arg-type]
+    # alone: 1 resume page + 3 pages of a 12-token chunk + 2 edges = 6 state pages > 5
+    with pytest.raises(ValueError, match="needs 6 state cache pages even alone, the state pool has 5"):
+        sched.add_request("a", list(range(20)), 4)
+    assert sched.stats()["state_free_pages"] == 5 and not sched.has_unfinished()

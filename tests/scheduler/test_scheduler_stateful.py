@@ -32,6 +32,16 @@ TestStateScheduler = StateSchedulerMachine.TestCase
 TestStateScheduler.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
 
 
+class StatePoolMachine(StateSchedulerMachine):
+    """The state group on a pool of its own, small enough that state pages run short first."""
+
+    STATE_PAGES = 10
+
+
+TestStatePool = StatePoolMachine.TestCase
+TestStatePool.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
+
+
 class HostTierSchedulerMachine(SchedulerMachine):
     """The same workloads with a host KV tier (issue 49) under a smaller pool, so pages are
     evicted, saved, hit on the host and loaded back; a 5-page host tier also evicts its own."""
@@ -57,10 +67,13 @@ TestHostTierState.settings = settings(max_examples=20, stateful_step_count=40, d
 
 @pytest.mark.parametrize("host_pages", [0, 6])
 @pytest.mark.parametrize("chunk_cap", [None, 5])
-@pytest.mark.parametrize("groups", ["hybrid", "state"])
+@pytest.mark.parametrize("groups", ["hybrid", "state", "state_pool"])
 def test_pressure_workload_retracts_and_completes(chunk_cap, groups, host_pages):
-    """A deterministic heavy run: the pool is far too small for everyone at once."""
-    state = groups == "state"
+    """A deterministic heavy run: the pool is far too small for everyone at once (with a state
+    pool of its own, both pools are: 30 pages and 9 state pages)."""
+    if groups == "state_pool" and host_pages:
+        pytest.skip("a host tier needs one pool (SchedulerConfig.state_pages)")
+    state = groups != "hybrid"
     cfg = SchedulerConfig(
         num_pages=30,
         page_size=4,
@@ -72,6 +85,7 @@ def test_pressure_workload_retracts_and_completes(chunk_cap, groups, host_pages)
         max_prefill_chunk_tokens=chunk_cap,
         state_snapshots="every_page" if state else "chunk_end",
         host_pages=host_pages,
+        state_pages=10 if groups == "state_pool" else None,
     )
     sched = Scheduler(cfg)
     rng = np.random.default_rng(1)
@@ -86,6 +100,9 @@ def test_pressure_workload_retracts_and_completes(chunk_cap, groups, host_pages)
     stats = sched.stats()
     assert stats["num_retractions"] > 0 and stats["prefix_hit_tokens"] > 0
     assert stats["free_pages"] == stats["total_pages"]
+    if groups == "state_pool":
+        assert stats["state_free_pages"] == stats["state_total_pages"] == 9
+        assert stats["state_evictions"] > 0  # the state pool ran short on its own
     if host_pages:  # retracted requests' pages went to the host tier and came back
         assert stats["host_pages_saved"] > 0 and stats["host_pages_loaded"] > 0
 
