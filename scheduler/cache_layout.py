@@ -44,9 +44,23 @@ class CacheLayout:
     def max_live_requests(self) -> int:  # device page-table mirror slots
         return self.scheduler_config.num_live_slots
 
-    def with_num_pages(self, num_pages: int) -> CacheLayout:
-        """The same layout over a pool of `num_pages` (sized once the groups are known)."""
-        config = dataclasses.replace(self.scheduler_config, num_pages=num_pages)
+    @property
+    def state_pages(self) -> int | None:  # page ids of the state groups' own pool (None: shared)
+        return self.scheduler_config.state_pages
+
+    @property
+    def group_pages(self) -> tuple[int, ...]:
+        """Page ids (null page included) of each group's pool: what its page ids index."""
+        state = self.state_pages
+        return tuple(
+            state if state is not None and spec.family == "state" else self.num_pages
+            for spec in self.scheduler_config.group_specs
+        )
+
+    def with_num_pages(self, num_pages: int, state_pages: int | None = None) -> CacheLayout:
+        """The same layout over a pool of `num_pages` (sized once the groups are known), and a
+        state pool of `state_pages` (None: the state groups share the one pool)."""
+        config = dataclasses.replace(self.scheduler_config, num_pages=num_pages, state_pages=state_pages)
         return dataclasses.replace(self, scheduler_config=config)
 
     def with_host_pages(self, host_pages: int) -> CacheLayout:

@@ -141,6 +141,21 @@ class EngineArgs:
         "recomputed (0: off)",
         kind="gib",
     )
+    num_state_pages: int | None = _opt(
+        None,
+        "page ids of hybrid models' recurrent-state pool (Qwen3.5, Bamba...): their "
+        "state snapshots get a pool of their own, so attention pages do not pay for them "
+        "(default: state_pool_share of the cache memory when the pools are sized from "
+        "memory; one pool shared by every group when num_pages is given)",
+        kind="int",
+        at_least=2,
+    )
+    state_pool_share: float = _opt(
+        0.5,
+        "share of the cache memory a hybrid model's recurrent-state pool gets when the pools "
+        "are sized from memory (0: one pool shared by every group, as with a host KV tier)",
+        kind="share",
+    )
     gpu_memory_utilization: float = _opt(
         DEFAULT_GPU_MEMORY_UTILIZATION,
         "fraction of an accelerator's memory this engine may use: weights, the largest "
@@ -355,6 +370,9 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
     elif kind == "fraction":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")
+    elif kind == "share":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ValueError(f"{name} must be a share in [0, 1), got {value!r}")
     elif kind == "bool" and not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     elif kind == "str" and not isinstance(value, str):
@@ -399,15 +417,25 @@ def int_at_least(lo: int) -> Callable[[str], int]:
     return _at_least(int, lo, "an integer")
 
 
-def fraction(text: str) -> float:
-    """argparse `type=`: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction like 0.9, got {text!r}") from None
-    if not 0 < value <= 1:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
+def _unit_interval(name: str, example: str, low_open: bool) -> Callable[[str], float]:
+    """argparse `type=`: a float in (0, 1] (low_open) or [0, 1), else a clear error."""
+    span = "(0, 1]" if low_open else "[0, 1)"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name} like {example}, got {text!r}") from None
+        if not (0 < value <= 1 if low_open else 0 <= value < 1):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be in {span}, got {text!r}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+fraction = _unit_interval("a fraction", "0.9", low_open=True)  # gpu_memory_utilization
+share = _unit_interval("a share", "0.5", low_open=False)  # state_pool_share
 
 
 _UNITS = {
@@ -469,6 +497,8 @@ def add_cli_args(p: argparse.ArgumentParser, *, platform: str | None = None, **d
             kw["type"] = _speculative_json
         elif kind == "fraction":
             kw["type"] = fraction
+        elif kind == "share":
+            kw["type"] = share
         elif kind == "gib":
             kw["type"] = _at_least(float, 0.0, "a number of GiB like 4 or 0.5")
         if meta["choices"] is not None:

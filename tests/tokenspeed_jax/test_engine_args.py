@@ -56,6 +56,8 @@ ROUND_TRIP = {
     "debug_checks": (True, ["--debug-checks"]),
     "gpu_memory_utilization": (0.5, ["--gpu-memory-utilization", "0.5"]),
     "kv_offloading_size": (4.0, ["--kv-offloading-size", "4"]),
+    "num_state_pages": (300, ["--num-state-pages", "300"]),
+    "state_pool_share": (0.0, ["--state-pool-share", "0"]),
     "weight_layout": ("checkpoint", ["--weight-layout", "checkpoint"]),
 }
 
@@ -160,6 +162,9 @@ def test_no_compile_cache_is_false():
         (["--kv-offloading-size", "-1"], "must be >= 0.0"),
         (["--kv-offloading-size", "nan"], "must be >= 0.0"),
         (["--kv-offloading-size", "lots"], "expected a number of GiB"),
+        (["--state-pool-share", "1"], "must be in [0, 1)"),
+        (["--state-pool-share", "half"], "expected a share like 0.5"),
+        (["--num-state-pages", "1"], "must be >= 2"),
     ],
 )
 def test_bad_flags_are_argparse_errors(argv, needle, capsys):
@@ -184,6 +189,8 @@ def test_bad_flags_are_argparse_errors(argv, needle, capsys):
         (dict(pages=10), "unknown LLM options"),
         (dict(gpu_memory_utilization=0.0), r"gpu_memory_utilization must be a fraction in \(0, 1\]"),
         (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization must be a fraction"),
+        (dict(state_pool_share=-0.1), r"state_pool_share must be a share in \[0, 1\)"),
+        (dict(num_state_pages=1), "num_state_pages must be an int >= 2"),
     ],
 )
 def test_bad_options_raise_value_errors_naming_them(options, needle):

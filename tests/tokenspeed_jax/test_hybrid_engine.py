@@ -28,9 +28,9 @@ def _is_greedy(net, prompt: list[int], tokens: list[int]) -> bool:
     return np.asarray(logits.argmax(-1)).tolist() == tokens
 
 
-def _llm(num_pages: int) -> LLM:
+def _llm(num_pages: int, **kw) -> LLM:
     return LLM("tiny-hybrid", page_size=4, num_pages=num_pages, max_batch_requests=4, max_scheduled_tokens=16,
-               max_context_len=96, attention_backend="reference", debug_checks=True)  # fmt: skip
+               max_context_len=96, attention_backend="reference", debug_checks=True, **kw)  # fmt: skip
 
 
 def test_prompt_logprobs_match_dense(dense):
@@ -43,14 +43,15 @@ def test_prompt_logprobs_match_dense(dense):
         assert np.abs(np.asarray(o.prompt_logprobs[1:]) - want).max() < 2e-3
 
 
-@pytest.mark.parametrize("num_pages", [200, 24])
-def test_prefix_hits_and_retraction_keep_greedy_tokens(dense, num_pages):
+@pytest.mark.parametrize("num_pages, state_pages", [(200, None), (24, None), (40, 12)])
+def test_prefix_hits_and_retraction_keep_greedy_tokens(dense, num_pages, state_pages):
     """A shared 24-token prefix: the second batch starts from cached state snapshots (fewer
-    tokens computed), every continuation equals the dense greedy one; 24 pages retract."""
+    tokens computed), every continuation equals the dense greedy one; 24 pages retract. With a
+    state pool of its own (12 ids), its snapshots are evicted by one another, not by K/V."""
     rng = np.random.default_rng(1)
     prefix = rng.integers(3, 250, 24).tolist()
     prompts = [prefix + rng.integers(3, 250, n).tolist() for n in (3, 6, 9, 13)]
-    llm = _llm(num_pages)
+    llm = _llm(num_pages, num_state_pages=state_pages)
     sp = SamplingParams(max_tokens=NEW, logprobs=True, ignore_eos=True)
     first = llm.generate(prompts, sp)
     hits = llm.stats()["prefix_hit_tokens"]
@@ -65,6 +66,10 @@ def test_prefix_hits_and_retraction_keep_greedy_tokens(dense, num_pages):
     if num_pages == 24:
         assert stats["num_retractions"] > 0
     assert stats["free_pages"] == stats["total_pages"]
+    if state_pages:  # the state pool: its own ids, all back, and short enough to evict
+        assert [c["ssm"].shape[0] for c in llm.engine.runner.state.caches if "ssm" in c] == [12] * 3
+        assert stats["state_free_pages"] == stats["state_total_pages"] == 11
+        assert stats["state_evictions"] > 0
 
 
 def test_state_resumes_at_any_page_boundary(dense):

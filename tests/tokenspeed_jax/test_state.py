@@ -12,7 +12,9 @@ from tokenspeed_jax.runtime.state import (
     bytes_per_page,
     fixed_state_bytes,
     init_state,
+    page_bytes_by_pool,
     pages_from_memory,
+    split_pool_pages,
 )
 
 CFG = tiny_random_config()  # layers: full, conv, sliding, full
@@ -68,3 +70,32 @@ def test_pages_from_memory(monkeypatch):
     # given bytes (kv_cache_memory_bytes) replace both budgets
     for device in (dev, FakeDevice(None)):
         assert pages_from_memory(CFG, LG, BS, device=device, budget_bytes=123 * per + 1) == 123
+
+
+def test_a_state_pool_of_its_own_sizes_and_splits_the_bytes():
+    """tiny-hybrid (Gated DeltaNet + attention): a page id's bytes split into the shared pool's
+    (attention K/V) and a snapshot's (the recurrent layers' state); `state_pages` gives the
+    recurrent pools their own length; `split_pool_pages` shares a budget between the two."""
+    from scheduler.group_spec import group_specs_from_layer_types, layer_group_indices
+    from tokenspeed_jax.models.registry import tiny_hybrid_config
+
+    cfg = tiny_hybrid_config()
+    specs = group_specs_from_layer_types(layer_types=cfg.layer_types, sliding_window_tokens=None, page_size=4)
+    lg, bs = tuple(layer_group_indices(cfg.layer_types, specs)), (4,) * len(specs)
+    history, snapshot = page_bytes_by_pool(cfg, lg, bs)
+    assert history + snapshot == bytes_per_page(cfg, lg, bs) and history > 0 and snapshot > 0
+    assert page_bytes_by_pool(CFG, LG, BS) == (bytes_per_page(CFG, LG, BS), 0)  # nothing recurrent
+    st = init_state(cfg, lg, bs, (3,) * len(specs), num_pages=9, max_live_requests=2, state_pages=5)
+    rows = {name: a.shape[0] for c in st.caches for name, a in c.items()}
+    assert rows == {"k": 9, "v": 9, "ssm": 5, "conv_state": 5}
+    with pytest.raises(ValueError, match="state_pages must be >= 2"):
+        init_state(cfg, lg, bs, (3,) * len(specs), num_pages=9, max_live_requests=2, state_pages=1)
+    # half of 1000 snapshots' bytes -> 500 snapshots, the rest in shared pages; a floor of 600
+    # snapshots takes more; a floor that leaves no shared page falls back (None)
+    budget = 1000 * snapshot
+    assert split_pool_pages(budget, history, snapshot, share=0.5, min_state_pages=10) == (
+        500 * snapshot // history,
+        500,
+    )
+    assert split_pool_pages(budget, history, snapshot, share=0.5, min_state_pages=600)[1] == 600
+    assert split_pool_pages(budget, history, snapshot, share=0.5, min_state_pages=1000) is None

@@ -177,7 +177,7 @@ class ModelRunner:
             num_pages=layout.num_pages, max_live_requests=layout.max_live_requests,
             runs=None if self._scan is None else self._scan.runs,
             bits_pools=jnp_layout(self.backend),  # bf16 / fp8 as bits (pool_bits)
-            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_dtype=self.kv_cache_dtype, state_pages=layout.state_pages,
         )  # fmt: skip
         # device-resident token counts of each slot for the penalties (sampling.PenaltyState)
         make_penalties = functools.partial(init_penalty_state, layout.max_live_requests, config.vocab_size)
@@ -251,6 +251,7 @@ class ModelRunner:
             mirrors, ops.req_slots, ops.cu_q_lens, ops.kv_lens, ops.positions,
             ops.token_rows, page_sizes=self.layout.page_sizes, num_pages=self.layout.num_pages,
             layer_groups=self.layout.layer_groups, kv_cols=layout.cols,
+            group_pages=self.layout.group_pages,
         )  # fmt: skip
         # resolved in place: everything below that reads the input ids sees the real tokens
         ops = ops.replace(token_ids=input_tokens(ops, state.last_tokens))

@@ -12,8 +12,10 @@
               (scan_layers: caches[r] per run r of n layers, each pool f[n, num_pages, ...])
   last_tokens i32[max_live_requests]                the last token sampled for each slot: a
               step reads it for input tokens flagged `token_from_prev` (overlapped scheduling)
-Page id p means the same index in every layer of every group (one shared BlockPool). Page 0 is
-the null page: all zeros, and the write path never targets it (holes drop their writes).
+Page id p means the same index in every layer of every group (one shared BlockPool), or, with
+a state pool of its own (`SchedulerConfig.state_pages`), the recurrent layers' pools have
+`state_pages` rows indexed by the state pool's ids and the others `num_pages`. Page 0 is the
+null page: all zeros, and the write path never targets it (holes drop their writes).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import kv_quant, pool_bits
+from scheduler.group_spec import LAYER_TYPE_GROUPS
 from tokenspeed_jax.models import gated_delta, mamba2
 from tokenspeed_jax.models.config import ModelConfig
 from tokenspeed_jax.models.layer_scan import LayerRun, run_cache_shapes
@@ -51,18 +54,21 @@ def layer_cache_shapes(
     page_sizes: tuple[int, ...],
     num_pages: int,
     kv_cache_dtype: str = "auto",
+    state_pages: int | None = None,
 ) -> list[dict[str, tuple[int, ...]]]:
-    """Shape of each layer's pool arrays (see module docstring)."""
+    """Shape of each layer's pool arrays (see module docstring); recurrent layers get
+    `state_pages` rows (None: `num_pages`, the one shared pool)."""
     quantized = kv_quant.quantized_dtype(kv_cache_dtype) is not None
+    snapshots = num_pages if state_pages is None else state_pages
     out: list[dict[str, tuple[int, ...]]] = []
     for layer, layer_type in enumerate(config.layer_types):
         b = page_sizes[layer_groups[layer]]
         if layer_type == "conv":
             out.append({"conv": (num_pages, b, config.hidden_size)})
         elif layer_type == "linear_attention":  # one snapshot per page, whatever its tokens
-            out.append(gated_delta.state_pool_shapes(config, num_pages))
+            out.append(gated_delta.state_pool_shapes(config, snapshots))
         elif layer_type == "mamba":
-            out.append(mamba2.state_pool_shapes(config, num_pages))
+            out.append(mamba2.state_pool_shapes(config, snapshots))
         else:
             shape = (num_pages, b, config.num_key_value_heads, config.head_dim)
             out.append({"k": shape, "v": shape})
@@ -96,9 +102,45 @@ def bytes_per_page(
     kv_cache_dtype: str = "auto",
 ) -> int:
     """Device bytes one page id costs summed over every layer's pool (scales included)."""
+    return sum(page_bytes_by_pool(config, layer_groups, page_sizes, kv_cache_dtype))
+
+
+def page_bytes_by_pool(
+    config: ModelConfig,
+    layer_groups: tuple[int, ...],
+    page_sizes: tuple[int, ...],
+    kv_cache_dtype: str = "auto",
+) -> tuple[int, int]:
+    """(bytes of one page id over the layers that are not recurrent, bytes of one state
+    snapshot over the recurrent layers): what a page id of the shared pool and of a state pool
+    of its own cost. The second is 0 for a model without recurrent layers."""
     dtypes = pool_dtypes(config, kv_cache_dtype)
     shapes = layer_cache_shapes(config, layer_groups, page_sizes, 1, kv_cache_dtype)
-    return sum(int(np.prod(s)) * dtypes[name].itemsize for c in shapes for name, s in c.items())
+    out = [0, 0]
+    for layer_type, c in zip(config.layer_types, shapes):
+        nbytes = sum(int(np.prod(s)) * dtypes[name].itemsize for name, s in c.items())
+        out[LAYER_TYPE_GROUPS.get(layer_type) == "state"] += nbytes
+    return out[0], out[1]
+
+
+def split_pool_pages(
+    budget_bytes: int,
+    history_bytes: int,
+    state_bytes: int,
+    *,
+    share: float,
+    min_state_pages: int,
+    max_pages: int = 1 << 20,
+) -> tuple[int, int] | None:
+    """(num_pages, state_pages), null pages included, of a budget split between the shared pool
+    and a state pool of its own: the state pool gets `share` of the budget but at least
+    `min_state_pages` ids, the shared pool the rest. None when that floor leaves the shared pool
+    less than one page of its own (then the one shared pool serves the budget better)."""
+    state_pages = min(max_pages, max(min_state_pages, int(share * budget_bytes) // state_bytes))
+    num_pages = min(max_pages, (budget_bytes - state_pages * state_bytes) // history_bytes)
+    if num_pages < 2:
+        return None
+    return int(num_pages), int(state_pages)
 
 
 def fixed_state_bytes(config: ModelConfig, widths: tuple[int, ...], max_live_requests: int) -> int:
@@ -143,18 +185,32 @@ def pages_from_memory(
     budget_bytes: the pools' bytes per device, given (vLLM's `kv_cache_memory_bytes`): replaces
     both budgets above.
     """
-    device = device or jax.devices()[0]
     per_page = bytes_per_page(config, layer_groups, page_sizes, kv_cache_dtype)
+    budget, shards = pool_budget(
+        device, gpu_memory_utilization, temp_bytes, reserved_bytes, budget_bytes, shards
+    )
+    return int(max(2, min(max_pages, budget // -(-per_page // shards))))
+
+
+def pool_budget(
+    device,
+    gpu_memory_utilization: float,
+    temp_bytes: int,
+    reserved_bytes: int,
+    budget_bytes: int | None,
+    shards: int,
+) -> tuple[int, int]:
+    """(the pools' bytes per device, the shards a page's bytes divide into on each device):
+    the budget of `pages_from_memory` (its docstring says which)."""
+    device = device or jax.devices()[0]
     memory = device_memory(device)
-    if memory is not None:
-        per_page = -(-per_page // max(1, shards))
     if budget_bytes is not None:
         budget = budget_bytes
     elif memory is not None:
         budget = memory.engine_budget(gpu_memory_utilization) - temp_bytes - reserved_bytes
     else:
         budget = min(CPU_POOL_BUDGET_BYTES, _free_host_bytes() // 4)
-    return int(max(2, min(max_pages, budget // per_page)))
+    return budget, max(1, shards) if memory is not None else 1
 
 
 def init_state(
@@ -168,6 +224,7 @@ def init_state(
     runs: tuple[LayerRun, ...] | None = None,
     bits_pools: bool = False,
     kv_cache_dtype: str = "auto",
+    state_pages: int | None = None,
 ) -> DeviceState:
     """All-zero mirrors (every column a hole) and all-zero pools (page 0 stays zero forever).
 
@@ -175,11 +232,13 @@ def init_state(
     (`models.layer_scan`); None = one cache per layer. bits_pools: the reference backend stores
     16- / 8-bit float pools as uint16 / uint8 bits (`pallas_kernels.pool_bits`).
     kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8_e4m3" (`pallas_kernels.kv_quant`;
-    scale pools beside the K/V pools)."""
-    if num_pages < 2:
-        raise ValueError(f"num_pages must be >= 2 (null page + one), got {num_pages}")
+    scale pools beside the K/V pools). state_pages: rows of the recurrent layers' pools when the
+    state groups have a pool of their own (None: num_pages)."""
+    for name, n in (("num_pages", num_pages), ("state_pages", state_pages)):
+        if n is not None and n < 2:
+            raise ValueError(f"{name} must be >= 2 (null page + one), got {n}")
     mirrors = tuple(jnp.zeros((max_live_requests, w), jnp.int32) for w in widths)
-    shapes = layer_cache_shapes(config, layer_groups, page_sizes, num_pages, kv_cache_dtype)
+    shapes = layer_cache_shapes(config, layer_groups, page_sizes, num_pages, kv_cache_dtype, state_pages)
     if runs is not None:
         shapes = run_cache_shapes(shapes, runs)
     dtypes = pool_dtypes(config, kv_cache_dtype, bits_pools)
