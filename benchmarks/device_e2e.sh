@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 46: a real-size model end to end on one GPU, in one 15-minute device window.
-#   bash benchmarks/device_e2e.sh                    # on the GPU machine (step timeouts sum to 570 s)
+#   bash benchmarks/device_e2e.sh                    # on the GPU machine (step timeouts sum to 580 s)
 #   E2E_REHEARSE=1 bash benchmarks/device_e2e.sh     # every step at tiny sizes on CPU (reference
 #                                                    # backend); tests/benchmarks/test_device_e2e.py
 # Uses only what the device machine has: jax + CUDA plugin, flax, numpy, safetensors, torch,
@@ -12,7 +12,7 @@
 #  3. ours.py warm         a second process: warm start from the executable cache, same tokens
 #  4. probes.py            plain JAX: read and copy bandwidth, a dense-KV decode step of the model
 #  5. hf_compare.py        transformers: teacher-forced greedy agreement and |dlogprob| vs ours
-#  6. gated_delta.py       issue 47's Gated DeltaNet chunk kernel (Pallas) beside the jnp form: ms, diffs
+#  6. recurrent.py         issue 47's chunk kernels (Pallas: Gated DeltaNet, Mamba2 SSD) beside jnp: ms, diffs
 #  7. summary.py           decode beside the roofline (bytes read / measured bandwidth), targets
 # A failed or timed-out step does not stop the next. Every step prints RESULT {json} lines.
 #
@@ -56,11 +56,11 @@ step() {  # step NAME TIMEOUT SCRIPT ARGS...
   fi
 }
 step 1_checkpoint 80 "$here/write_checkpoint.py"
-step 2_ours_cold 240 "$here/ours.py" cold
+step 2_ours_cold 230 "$here/ours.py" cold
 step 3_ours_warm 60 "$here/ours.py" warm
 step 4_plain_jax 60 "$here/probes.py"
 step 5_transformers 90 "$here/hf_compare.py"
-step 6_gated_delta 30 "$here/gated_delta.py"
+step 6_recurrent 40 "$here/recurrent.py"
 step 7_summary 10 "$here/summary.py"
 echo; echo "steps failed: $failed; results: $OUT/results.jsonl"
 exit $failed

@@ -17,10 +17,14 @@ Three variants of those shapes: "hybrid" (3 DeltaNet : 1 attention, Qwen3.5's ra
    target 8k / 1k <= 8.8x;
 3. a multi-turn workload (sessions sharing a system prompt, each turn resending its history):
    prefix hit rate of the hybrid within 5 points of the attention model's;
-4. transformers `generate` on the hybrid checkpoint: same greedy tokens, time per request.
-Pages: 64 tokens in 1-2 (so 32k tokens of snapshots fit this machine's memory: every page id pays
-for the K/V of the attention layers and a state snapshot of each DeltaNet layer, printed below),
-16 in 3 (the prefix-cache granularity users get by default).
+4. transformers `generate` on the hybrid checkpoint: same greedy tokens, time per request;
+5. one memory budget (1 GiB; --quick 0.75), more sessions: one shared pool, where every page id
+   pays for the K/V of the attention layers and a state snapshot of each DeltaNet layer, against
+   the engine's default, a state pool of its own (`state_pool_share` 0.5): pages of each kind,
+   prefix hit rate, retractions; the attention model on the same budget beside.
+Pages: 64 tokens in 1-2 (so 32k tokens of snapshots fit this machine's memory in one shared pool:
+the bytes per page id are printed below), 16 in 3 and 5 (the prefix-cache granularity users get
+by default).
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def write_checkpoint(path: str, layer_types: list[str]) -> None:
     tr.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
 
 
-def engine(path: str, page: int, context: int, pages: int, **kw):
+def engine(path: str, page: int, context: int, pages: int | None, **kw):
     from tokenspeed_jax import LLM
 
     return LLM(path, page_size=page, num_pages=pages, max_context_len=context + 128, max_batch_requests=8,
@@ -107,14 +111,15 @@ def prefill_s(path: str, n: int) -> float:
     return dt
 
 
-def multi_turn(path: str, system: int, sessions: int, turns: int) -> tuple[float, int, int]:
-    """(hit rate, hit tokens, prompt tokens) of the multi-turn workload."""
+def multi_turn(path: str, system: int, sessions: int, turns: int, pages: int | None = 1024, **pool) -> dict:
+    """Stats of the multi-turn workload (`prefix_hit_rate`, ...) plus the pools' "kv_pages" /
+    "state_pages"; pool: the pool options when `pages` is None."""
     from tokenspeed_jax import SamplingParams
 
     rng = np.random.default_rng(7)
     sys_prompt = prompt(rng, system)
     history = [list(sys_prompt) for _ in range(sessions)]
-    llm = engine(path, 16, system + turns * 200, 1024)
+    llm = engine(path, 16, system + turns * 200, pages, **pool)
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     for _ in range(turns):
         for h in history:
@@ -122,10 +127,12 @@ def multi_turn(path: str, system: int, sessions: int, turns: int) -> tuple[float
         outs = llm.generate([list(h) for h in history], sp)
         for h, o in zip(history, outs, strict=True):
             h += o.token_ids
-    st = llm.stats()
+    st = dict(llm.stats())
+    layout = llm.engine.runner.layout
+    st.update(kv_pages=layout.num_pages - 1, state_pages=(layout.state_pages or 1) - 1)
     del llm
     gc.collect()
-    return float(st["prefix_hit_rate"]), int(st["prefix_hit_tokens"]), int(st["prefix_query_tokens"])
+    return st
 
 
 def versus_transformers(path: str, n: int, new: int) -> tuple[bool, float, float]:
@@ -202,10 +209,25 @@ def main() -> None:
     print("| model | prefix hit rate | hit tokens / prompt tokens |\n|---|---|---|")
     rates = {}
     for name in ("attention", "hybrid"):
-        rate, hit, total = multi_turn(paths[name], system, sessions, turns)
-        rates[name] = rate
-        print(f"| {name} | {100 * rate:.1f}% | {hit} / {total} |", flush=True)
-    print(f"hybrid - attention: {100 * (rates['hybrid'] - rates['attention']):+.1f} points")
+        st = multi_turn(paths[name], system, sessions, turns)
+        rates[name] = st["prefix_hit_rate"]
+        print(
+            f"| {name} | {100 * rates[name]:.1f}% | {st['prefix_hit_tokens']} / {st['prefix_query_tokens']} |"
+        )
+    print(f"hybrid - attention: {100 * (rates['hybrid'] - rates['attention']):+.1f} points", flush=True)
+
+    gib = 0.75 if args.quick else 1.0
+    sessions, turns = (8, 2) if args.quick else (16, 3)
+    print(f"\none budget: {gib} GiB of cache, {sessions} sessions x {turns} turns, system prompt {system}")
+    print("| model | pools | K/V pages | state snapshots | prefix hit rate | retractions |")
+    print("|---|---|---|---|---|---|")
+    runs = [("attention", "one pool", 0.5), ("hybrid", "one shared pool", 0.0), ("hybrid", "state pool", 0.5)]
+    for name, label, share in runs:
+        st = multi_turn(paths[name], system, sessions, turns, None, kv_cache_memory_bytes=int(gib * 2**30),
+                        state_pool_share=share)  # fmt: skip
+        kv, snaps = st["kv_pages"], st["state_pages"] or ("(the K/V page ids)" if name == "hybrid" else "-")
+        print(f"| {name} | {label} | {kv} | {snaps} | {100 * st['prefix_hit_rate']:.1f}% | "
+              f"{st['num_retractions']} |", flush=True)  # fmt: skip
 
     n, new = (256, 16) if args.quick else (1024, 32)
     same, ours, hf = versus_transformers(paths["hybrid"], n, new)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias, get_args
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +115,25 @@ def check_config(config: Any, *, powers_of_2: Sequence[str]) -> None:
     for field_name in powers_of_2:
         if not is_power_of_2(getattr(config, field_name)):
             raise ValueError(f"{name}.{field_name}={getattr(config, field_name)} must be a power of two")
+
+
+# Which implementation runs one chunk of a recurrence (gated delta, Mamba2 SSD): the jnp form,
+# the Pallas kernel (interpret mode off GPU), or "auto": the kernel on a GPU where it fits.
+ChunkImpl = Literal["auto", "jnp", "pallas"]
+CHUNK_IMPLS: tuple[str, ...] = get_args(ChunkImpl)
+
+
+def check_chunk_impl(impl: str) -> None:
+    if impl not in CHUNK_IMPLS:
+        raise ValueError(f"chunk_impl must be one of {CHUNK_IMPLS}, got {impl!r}")
+
+
+def chunk_kernel_wanted(impl: str, supported: bool) -> bool:
+    """Whether chunk_impl `impl` runs the Pallas chunk kernel: "pallas" always (the kernel's own
+    shape check raises where it is not `supported`), "auto" on a GPU where `supported`."""
+    if impl == "auto":
+        return jax.default_backend() == "gpu" and supported
+    return impl == "pallas"
 
 
 def is_power_of_2(n: int) -> bool:

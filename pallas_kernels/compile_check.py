@@ -21,6 +21,7 @@ from jax.typing import DTypeLike
 
 from pallas_kernels import gpu_compile, kv_quant
 from pallas_kernels.gated_delta_pallas import GatedDeltaPallasConfig, gated_delta_chunk
+from pallas_kernels.mamba2_ssd_pallas import SsdPallasConfig, ssd_chunk
 from pallas_kernels.paged_attention import DECODE_TUNING_CANDIDATES, PagedAttentionConfig, paged_attention
 from pallas_kernels.short_conv import short_conv
 
@@ -200,6 +201,34 @@ def _gated_delta(
     return Variant(name, fn, shapes)
 
 
+def _ssd(
+    name: str,
+    *,
+    heads: int = 64,
+    groups: int = 8,
+    chunk: int = 64,
+    p: int = 64,
+    n: int = 128,
+    dtype: DTypeLike = jnp.bfloat16,
+    config: SsdPallasConfig | None = None,
+) -> Variant:
+    """One chunk of Mamba2's SSD (Bamba-9B / Nemotron-H: 64..128 heads of P = 64, N = 128)."""
+    shapes = (
+        _S((heads, p, n), jnp.float32),
+        _S((chunk, heads, p), dtype),
+        _S((chunk, heads), jnp.float32),
+        _S((heads,), jnp.float32),
+        _S((chunk, groups, n), dtype),
+        _S((chunk, groups, n), dtype),
+    )
+
+    def fn(*args: jax.Array) -> jax.Array:
+        y, _ = ssd_chunk(*args, config=config)
+        return y
+
+    return Variant(name, fn, shapes)
+
+
 def variants(full: bool = True) -> list[Variant]:
     """The compile matrix. `full=False`: one variant per distinct kernel body (CI)."""
     b = 64
@@ -318,6 +347,7 @@ def variants(full: bool = True) -> list[Variant]:
     ]
     # bf16 only: the dtype a GPU serves in (an f32 compile takes ~1 min, 329 KB spills at 4 warps)
     out.append(_gated_delta("gated_delta chunk C=64 H=32 Dk=Dv=128 bf16"))
+    out.append(_ssd("mamba2 ssd chunk C=64 H=64 P=64 N=128 bf16"))
     if full:
         out += [
             _attention(

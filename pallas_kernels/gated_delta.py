@@ -24,13 +24,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import gated_delta_pallas
+from pallas_kernels import backend, gated_delta_pallas
+from pallas_kernels.backend import ChunkImpl
 from pallas_kernels.gated_delta_chunk import chunk_jnp as _chunk
 from pallas_kernels.ragged_scan import chunked_scan, ragged_scan
 from pallas_kernels.ragged_scan import initial_state as start_state
@@ -44,9 +44,6 @@ __all__ = [
     "l2norm",
 ]
 
-ChunkImpl = Literal["auto", "jnp", "pallas"]
-_CHUNK_IMPLS = get_args(ChunkImpl)
-
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaConfig:
@@ -55,7 +52,7 @@ class GatedDeltaConfig:
     `gated_delta_pallas`; interpret mode off GPU, and its shape limits: C, Dk, Dv powers of two
     >= 16) or "auto" (the kernel when `jax.default_backend() == "gpu"` and the shapes fit it,
     else jnp). jnp stays the default until the kernel is timed on a GPU against it
-    (`benchmarks/device_e2e/gated_delta.py`): it compiles for sm_90a but has never run on one."""
+    (`benchmarks/device_e2e/recurrent.py`): it compiles for sm_90a but has never run on one."""
 
     chunk_size: int = 64
     chunk_impl: ChunkImpl = "jnp"
@@ -63,8 +60,7 @@ class GatedDeltaConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
-        if self.chunk_impl not in _CHUNK_IMPLS:
-            raise ValueError(f"chunk_impl must be one of {_CHUNK_IMPLS}, got {self.chunk_impl!r}")
+        backend.check_chunk_impl(self.chunk_impl)
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -99,14 +95,10 @@ ChunkFn = Callable[..., tuple[jax.Array, jax.Array]]  # `_chunk`'s signature
 
 def _chunk_fn(config: GatedDeltaConfig, dk: int, dv: int) -> ChunkFn:
     """The one-chunk implementation `config.chunk_impl` picks for chunks of keys Dk, values Dv."""
-    on_gpu = jax.default_backend() == "gpu"
-    impl = config.chunk_impl
-    if impl == "auto":
-        fits = gated_delta_pallas.supported(config.chunk_size, dk, dv)
-        impl = "pallas" if on_gpu and fits else "jnp"
-    if impl == "jnp":
+    fits = gated_delta_pallas.supported(config.chunk_size, dk, dv)
+    if not backend.chunk_kernel_wanted(config.chunk_impl, fits):
         return _chunk
-    return functools.partial(gated_delta_pallas.gated_delta_chunk, interpret=not on_gpu)
+    return functools.partial(gated_delta_pallas.gated_delta_chunk, interpret=jax.default_backend() != "gpu")
 
 
 def gated_delta_chunked(

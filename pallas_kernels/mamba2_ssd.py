@@ -22,12 +22,17 @@ numpy twin in the tests).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import backend, mamba2_ssd_pallas
+from pallas_kernels.backend import ChunkImpl
+from pallas_kernels.mamba2_ssd_chunk import chunk_jnp as _chunk
+from pallas_kernels.mamba2_ssd_chunk import heads
 from pallas_kernels.ragged_scan import chunked_scan, ragged_scan
 from pallas_kernels.ragged_scan import initial_state as start_state
 
@@ -36,13 +41,31 @@ __all__ = ["Mamba2Config", "ssd_chunked", "ssd_packed", "ssd_reference", "ssd_st
 
 @dataclasses.dataclass(frozen=True)
 class Mamba2Config:
-    """Tuning: tokens per chunk of the chunked form."""
+    """Tuning: tokens per chunk of the chunked form, and which implementation runs one chunk:
+    "jnp" (`mamba2_ssd_chunk.chunk_jnp`, the default), "pallas" (the Triton kernel of
+    `mamba2_ssd_pallas`; interpret mode off GPU; C, P, N powers of two >= 16) or "auto" (the
+    kernel on a GPU where the shapes fit it). jnp stays the default until the kernel is timed on a
+    GPU against it: it compiles for sm_90a but has never run on one."""
 
     chunk_size: int = 64
+    chunk_impl: ChunkImpl = "jnp"
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        backend.check_chunk_impl(self.chunk_impl)
+
+
+ChunkFn = Callable[..., tuple[jax.Array, jax.Array]]  # `_chunk`'s signature
+
+
+def _chunk_fn(config: Mamba2Config, p: int, n: int) -> ChunkFn:
+    """The one-chunk implementation `config.chunk_impl` picks for head dim P, state size N."""
+    if not backend.chunk_kernel_wanted(
+        config.chunk_impl, mamba2_ssd_pallas.supported(config.chunk_size, p, n)
+    ):
+        return _chunk
+    return functools.partial(mamba2_ssd_pallas.ssd_chunk, interpret=jax.default_backend() != "gpu")
 
 
 def _check(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, lead: int) -> None:
@@ -59,11 +82,6 @@ def _check(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array
         raise ValueError(f"{B.shape=}: the group count must divide the {x.shape[-2]} heads")
 
 
-def _heads(b: jax.Array, h: int) -> jax.Array:
-    """B or C f[..., G, N] -> f32[..., H, N]: each group repeated onto its H // G heads."""
-    return jnp.repeat(b.astype(jnp.float32), h // b.shape[-2], axis=-2)
-
-
 def ssd_step(
     state: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -74,36 +92,10 @@ def ssd_step(
         raise ValueError(f"{state.shape=} must be {x.shape + B.shape[-1:]}")
     h = x.shape[-2]
     x, dt, A = (v.astype(jnp.float32) for v in (x, dt, A))
-    bh, ch = _heads(B, h), _heads(C, h)
+    bh, ch = heads(B, h), heads(C, h)
     state = state.astype(jnp.float32) * jnp.exp(dt * A)[..., None, None]
     state = state + (dt[..., None] * x)[..., :, None] * bh[..., None, :]
     return state, jnp.einsum("...pn,...n->...p", state, ch)
-
-
-def _chunk(
-    state: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """One chunk of c tokens from `state` f32[H, P, N]: x f32[c, H, P], dt f32[c, H], A f32[H],
-    B C f32[c, G, N] -> (y f32[c, H, P], state after the chunk). Tokens with dt = 0, x = 0
-    (padding) change nothing."""
-    c, h = dt.shape
-    bh, ch = _heads(B, h), _heads(C, h)  # [c, H, N]
-    a = (dt * A).T  # [H, c]: log of each token's decay
-    cum = jnp.cumsum(a, axis=-1)  # log of the decay from the chunk start through token i
-    lower = jnp.tril(jnp.ones((c, c), bool))
-    strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    # seg[i, j] = a_{j+1} + ... + a_i, summed directly: cum_i - cum_j cancels catastrophically once
-    # the chunk's decays add up to hundreds (dt * A reaches -100 and below per token).
-    seg = jnp.cumsum(jnp.where(strict, a[:, :, None], 0.0), axis=1)  # [H, c(i), c(j)]
-    decay = jnp.where(lower, jnp.exp(seg), 0.0)
-    xdt = x * dt[..., None]  # [c, H, P]
-    scores = jnp.einsum("ihn,jhn->hij", ch, bh) * decay
-    intra = jnp.einsum("hij,jhp->ihp", scores, xdt)
-    inter = jnp.einsum("hpn,ihn->ihp", state, ch) * jnp.exp(cum).T[..., None]
-    tail = jnp.exp(seg[:, -1, :]).T  # [c, H]: decay from token j to the chunk end
-    state = state * jnp.exp(cum[:, -1])[:, None, None]
-    state = state + jnp.einsum("jhp,jhn->hpn", xdt * tail[..., None], bh)
-    return intra + inter, state
 
 
 def ssd_chunked(
@@ -120,10 +112,11 @@ def ssd_chunked(
     _check(x, dt, A, B, C, 1)
     a = A.astype(jnp.float32)
     state = start_state(initial_state, (x.shape[1], x.shape[2], B.shape[-1]))
+    impl = _chunk_fn(config, x.shape[2], B.shape[-1])
 
     def chunk(state: jax.Array, xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
         xc, dtc, bc, cc = xs
-        return _chunk(state, xc, dtc, a, bc, cc)
+        return impl(state, xc, dtc, a, bc, cc)
 
     return chunked_scan(chunk, (x, dt, B, C), state, config.chunk_size)
 
@@ -182,9 +175,11 @@ def ssd_packed(
         x1, dt1, b1, c1 = xs
         return ssd_step(states, x1, dt1, a, b1, c1)
 
+    impl = _chunk_fn(config, p, n)
+
     def chunk(state: jax.Array, xs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
         xc, dtc, bc, cc = xs
-        return _chunk(state, xc, dtc, a, bc, cc)
+        return impl(state, xc, dtc, a, bc, cc)
 
     return ragged_scan(
         step, chunk, (x, dt, B, C), initial_states, cu_q_lens, num_seqs, (h, p), config.chunk_size,

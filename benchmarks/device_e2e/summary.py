@@ -55,9 +55,9 @@ def main() -> None:
         "no host copy of the model (peak RSS < param bytes)": cold.get("host_peak_rss_gb", 1e9) * 2**30
         < cold.get("param_bytes", 0),
     }
-    for r in by.get("6_gated_delta", []):
-        fields = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("step", "impl"))
-        print(f"- gated delta chunk, {r['impl']}: {fields}")
+    for r in by.get("6_recurrent", []):
+        fields = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("step", "kernel", "impl"))
+        print(f"- {r['kernel']} chunk, {r['impl']}: {fields}")
     for name, ok in targets.items():
         print(f"- {'MET ' if ok else 'MISS'} {name}")
     shown = {f"{k[0]}{'o' if k[1] else 's'}": v for k, v in shares.items()}

@@ -16,7 +16,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device_e2e.sh"
 STEPS = ("1_checkpoint", "2_cold_start", "2_checks", "2_decode", "3_warm_start", "3_warm_same_tokens",
-         "4_bandwidth", "4_dense_decode", "5_transformers", "6_gated_delta", "7_summary")  # fmt: skip
+         "4_bandwidth", "4_dense_decode", "5_transformers", "6_recurrent", "7_summary")  # fmt: skip
 
 
 def test_timeouts_fit_the_window() -> None:
@@ -48,7 +48,7 @@ def test_the_rehearsal_runs_every_step(tmp_path) -> None:
     assert {(r["rows"], r["overlapped"]) for r in by["2_decode"]} == {
         (n, o) for n in (8, 4, 1) for o in (True, False)
     }
-    kernel = {r["impl"]: r for r in by["6_gated_delta"]}
+    kernel = {r["impl"]: r for r in by["6_recurrent"]}
     assert "failed" not in kernel["pallas"] and kernel["pallas"]["max_diff_out"] < 1e-3, kernel
     hf = by["5_transformers"][0]
     assert hf["greedy_agreement"] >= 0.9 and hf["mean_abs_dlogprob"] < 0.05, hf

@@ -12,6 +12,8 @@ page of the state cache group, read and written as models/recurrent_state.py des
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -138,7 +140,8 @@ class Mamba2Mixer(nnx.Module):
         xs, b, c = self._conv(windows, x.dtype)
         chunk, align, pages = snapshot_plan(batch, group, cache["ssm"].shape[0], self.config.chunk_size)
         y, ssm1, pool = ssd_packed(
-            xs, dt, self._a(), b, c, ssm0, batch.cu_q_lens, batch.num_seqs, Mamba2Config(chunk), align,
+            xs, dt, self._a(), b, c, ssm0, batch.cu_q_lens, batch.num_seqs,
+            dataclasses.replace(self.config, chunk_size=chunk), align,  # keeps its chunk_impl
             (cache["ssm"], pages),
         )  # fmt: skip
         return self._finish(y, xs, gate, x.dtype), store_states(
