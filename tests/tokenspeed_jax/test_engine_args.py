@@ -212,3 +212,18 @@ def test_preflight_counts_pages_from_the_record_without_a_scheduler():
     problem = preflight(small, longest_request=None)
     assert problem is not None and "--num-pages 20" in problem
     assert "--max-context-len 512" in preflight(ok, longest_request=600)
+
+
+def test_preflight_counts_a_state_pool_apart():
+    """tiny-hybrid with --num-state-pages: the attention pages are checked against --num-pages
+    and the state snapshots against --num-state-pages, each naming its own flag."""
+    from tokenspeed_jax.cli.checks import preflight
+
+    kw = dict(model="tiny-hybrid", max_context_len=512, max_scheduled_tokens=64, page_size=16)
+    # alone: 32 attention pages; 1 + 4 + 2 = 7 state pages (resume, a 64-token chunk, two edges)
+    assert preflight(EngineArgs(num_pages=33, num_state_pages=8, **kw), longest_request=None) is None
+    problem = preflight(EngineArgs(num_pages=32, num_state_pages=8, **kw), longest_request=None)
+    assert problem is not None and problem.startswith("--num-pages 32: a 512-token request needs 33")
+    problem = preflight(EngineArgs(num_pages=33, num_state_pages=7, **kw), longest_request=None)
+    assert problem is not None and problem.startswith("--num-state-pages 7: a 512-token request needs 8")
+    assert preflight(EngineArgs(num_pages=33, **kw), longest_request=None) is not None  # one pool: 39

@@ -34,7 +34,7 @@ def _model_config(model: str, dtype: str):
     from tokenspeed_jax.models import registry
 
     if model in registry.BUILTIN_MODELS:
-        return registry.tiny_random_config()
+        return registry.builtin_config(model)
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
         from tokenspeed_jax.hf import load_config
 
@@ -85,10 +85,17 @@ def preflight(args: EngineArgs, *, longest_request: int | None) -> str | None:
     )
     specs = list(layout.scheduler_config.groups or ())
     assert args.max_scheduled_tokens is not None  # resolved above
-    need = solo_peak_pages(specs, total, args.max_scheduled_tokens)
-    if need > args.num_pages - 1:
-        return (
-            f"--num-pages {args.num_pages}: a {total}-token request needs {need + 1} pages "
-            f"(page 0 is reserved); raise --num-pages or lower --max-context-len"
-        )
+    pools = [("--num-pages", args.num_pages, specs)]
+    if args.num_state_pages is not None:  # the state groups on a pool of their own
+        pools = [
+            ("--num-pages", args.num_pages, [s for s in specs if s.family != "state"]),
+            ("--num-state-pages", args.num_state_pages, [s for s in specs if s.family == "state"]),
+        ]
+    for flag, pages, pool_specs in pools:
+        need = solo_peak_pages(pool_specs, total, args.max_scheduled_tokens)
+        if need > pages - 1:
+            return (
+                f"{flag} {pages}: a {total}-token request needs {need + 1} pages "
+                f"(page 0 is reserved); raise {flag} or lower --max-context-len"
+            )
     return None

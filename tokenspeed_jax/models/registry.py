@@ -101,8 +101,13 @@ def build_model(config: ModelConfig, seed: int = 0) -> CausalLM:
     return CausalLM(config, rngs=nnx.Rngs(params=seed))
 
 
-def load_builtin(name: str, seed: int = 0, **overrides) -> tuple[ModelConfig, CausalLM]:
+def builtin_config(name: str, **overrides) -> ModelConfig:
+    """The config of built-in model `name` (ValueError naming the known ones)."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r} (known: {BUILTIN_MODELS})")
-    cfg = tiny_random_config(**overrides) if name == "tiny-random" else tiny_hybrid_config(**overrides)
+    return tiny_random_config(**overrides) if name == "tiny-random" else tiny_hybrid_config(**overrides)
+
+
+def load_builtin(name: str, seed: int = 0, **overrides) -> tuple[ModelConfig, CausalLM]:
+    cfg = builtin_config(name, **overrides)
     return cfg, build_model(cfg, seed)
