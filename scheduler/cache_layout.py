@@ -70,18 +70,26 @@ class CacheLayout:
 
 
 def cache_layout(
-    config: SchedulerConfig, model: Any, *, conv_page_size: int = 8, honor_full_refresh: bool = True
+    config: SchedulerConfig,
+    model: Any,
+    *,
+    conv_page_size: int = 8,
+    honor_full_refresh: bool = True,
+    state_page_size: int | None = None,
 ) -> CacheLayout:
     """The layout of `model` (anything with `layer_types`, `sliding_window`, `conv_L_cache`: a
     `ModelConfig`) under `config`: full_attention -> full-history group of `config.page_size`-token
     pages; sliding_attention -> sliding group (W = sliding_window, same pages); conv -> live-tail
-    sliding group (W = conv_L_cache, `conv_page_size`-token pages). `config.groups` is replaced."""
+    sliding group (W = conv_L_cache, `conv_page_size`-token pages); linear_attention, mamba ->
+    state group of `state_page_size`-token pages (None: `config.page_size`; a snapshot per page).
+    `config.groups` is replaced."""
     specs = group_specs_from_layer_types(
         layer_types=tuple(model.layer_types),
         sliding_window_tokens=model.sliding_window,
         page_size=config.page_size,
         conv_page_size=conv_page_size,
         conv_kernel_size=model.conv_L_cache if "conv" in model.layer_types else None,
+        state_page_size=state_page_size,
     )
     config = dataclasses.replace(config, groups=specs)
     return CacheLayout(

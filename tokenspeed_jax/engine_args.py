@@ -286,6 +286,14 @@ class EngineArgs:
         True, "repoint a just-computed page to an existing cached copy and free it", flag="adoption"
     )
     conv_page_size: int = _opt(8, "tokens per page of short-conv state groups (LFM2)", at_least=1)
+    state_page_size: int | None = _opt(
+        None,
+        "tokens between a hybrid model's recurrent-state snapshots (default: page_size): "
+        "larger ones cost fewer snapshot bytes and writes, and prefix hits then resume at "
+        "multiples of it",
+        kind="int",
+        at_least=1,
+    )
     honor_full_refresh: bool = _opt(
         True,
         "apply full page-table row refreshes (off reproduces the tail-only mirror bug, a research ablation)",

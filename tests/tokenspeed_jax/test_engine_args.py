@@ -52,6 +52,7 @@ ROUND_TRIP = {
     "decode_reserve_tokens": (0, ["--decode-reserve-tokens", "0"]),
     "enable_adoption": (False, ["--no-adoption"]),
     "conv_page_size": (4, ["--conv-page-size", "4"]),
+    "state_page_size": (64, ["--state-page-size", "64"]),
     "honor_full_refresh": (False, ["--no-honor-full-refresh"]),
     "debug_checks": (True, ["--debug-checks"]),
     "gpu_memory_utilization": (0.5, ["--gpu-memory-utilization", "0.5"]),

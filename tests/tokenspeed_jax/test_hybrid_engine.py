@@ -72,20 +72,22 @@ def test_prefix_hits_and_retraction_keep_greedy_tokens(dense, num_pages, state_p
         assert stats["state_evictions"] > 0
 
 
-def test_state_resumes_at_any_page_boundary(dense):
+@pytest.mark.parametrize("state_page, resume", [(None, 28), (8, 24)])
+def test_state_resumes_at_any_page_boundary(dense, state_page, resume):
     """The recurrent layers snapshot their state at every page end, not only at chunk ends: B
     shares A's first 30 tokens, which no chunk of A ended at (A ran 40 tokens in chunks of 16),
     yet B resumes at 28, the last page boundary inside the shared part, and continues exactly as
-    the dense model does and as a run without the prefix cache does."""
+    the dense model does and as a run without the prefix cache does. With 8-token state pages
+    (`state_page_size`: a snapshot every 8 tokens) the boundary is the last multiple of 8, 24."""
     rng = np.random.default_rng(2)
     shared = rng.integers(3, 250, 30).tolist()
     a, b = shared + rng.integers(3, 250, 10).tolist(), shared + rng.integers(3, 250, 7).tolist()
     sp = SamplingParams(max_tokens=NEW, logprobs=True, ignore_eos=True)
-    llm = _llm(200)
+    llm = _llm(200, state_page_size=state_page)
     llm.generate([a], sp)
     before = llm.stats()["prefix_hit_tokens"]
     out = llm.generate([b], sp)[0]
-    assert llm.stats()["prefix_hit_tokens"] - before == 28
+    assert llm.stats()["prefix_hit_tokens"] - before == resume
     assert _is_greedy(dense, b, out.token_ids)
     cold = LLM("tiny-hybrid", page_size=4, num_pages=200, max_batch_requests=4, max_scheduled_tokens=16,
                max_context_len=96, attention_backend="reference", enable_prefix_cache=False)  # fmt: skip

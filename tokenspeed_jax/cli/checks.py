@@ -82,6 +82,7 @@ def preflight(args: EngineArgs, *, longest_request: int | None) -> str | None:
         SchedulerConfig(num_pages=args.num_pages, page_size=args.page_size, max_context_len=ctx),
         cfg,
         conv_page_size=args.conv_page_size,
+        state_page_size=args.state_page_size,
     )
     specs = list(layout.scheduler_config.groups or ())
     assert args.max_scheduled_tokens is not None  # resolved above

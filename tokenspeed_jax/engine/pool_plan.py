@@ -57,6 +57,7 @@ def cache_layout_of(args: EngineArgs, model_config: Any) -> CacheLayout:
         model_config,
         conv_page_size=args.conv_page_size,
         honor_full_refresh=args.honor_full_refresh,
+        state_page_size=args.state_page_size,
     )
     if args.num_state_pages is None:
         return layout
