@@ -20,8 +20,9 @@ Three variants of those shapes: "hybrid" (3 DeltaNet : 1 attention, Qwen3.5's ra
 4. transformers `generate` on the hybrid checkpoint: same greedy tokens, time per request;
 5. one memory budget (1 GiB; --quick 0.75), more sessions: one shared pool, where every page id
    pays for the K/V of the attention layers and a state snapshot of each DeltaNet layer, against
-   the engine's default, a state pool of its own (`state_pool_share` 0.5): pages of each kind,
-   prefix hit rate, retractions; the attention model on the same budget beside.
+   the engine's default, a state pool of its own (`state_pool_share` 0.5), and that pool with a
+   snapshot every 64 tokens (`state_page_size`): pages of each kind, prefix hit rate,
+   retractions; the attention model on the same budget beside.
 Pages: 64 tokens in 1-2 (so 32k tokens of snapshots fit this machine's memory in one shared pool:
 the bytes per page id are printed below), 16 in 3 and 5 (the prefix-cache granularity users get
 by default).
@@ -221,10 +222,15 @@ def main() -> None:
     print(f"\none budget: {gib} GiB of cache, {sessions} sessions x {turns} turns, system prompt {system}")
     print("| model | pools | K/V pages | state snapshots | prefix hit rate | retractions |")
     print("|---|---|---|---|---|---|")
-    runs = [("attention", "one pool", 0.5), ("hybrid", "one shared pool", 0.0), ("hybrid", "state pool", 0.5)]
-    for name, label, share in runs:
+    runs = [
+        ("attention", "one pool", 0.5, None),
+        ("hybrid", "one shared pool", 0.0, None),
+        ("hybrid", "state pool", 0.5, None),
+        ("hybrid", "state pool, a snapshot every 64 tokens", 0.5, 64),
+    ]
+    for name, label, share, every in runs:
         st = multi_turn(paths[name], system, sessions, turns, None, kv_cache_memory_bytes=int(gib * 2**30),
-                        state_pool_share=share)  # fmt: skip
+                        state_pool_share=share, state_page_size=every)  # fmt: skip
         kv, snaps = st["kv_pages"], st["state_pages"] or ("(the K/V page ids)" if name == "hybrid" else "-")
         print(f"| {name} | {label} | {kv} | {snaps} | {100 * st['prefix_hit_rate']:.1f}% | "
               f"{st['num_retractions']} |", flush=True)  # fmt: skip

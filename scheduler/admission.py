@@ -99,8 +99,10 @@ class Admission:
 
     def reserve(self, req: Request, n: tuple[int, ...]) -> None:
         """Promise `n` free pages to `req`'s next acquire (admission keeps them for its decodes)."""
-        self.reserved_total = add(self.reserved_total, n, sub(self.none, req.reserved or self.none))
-        req.reserved = n if any(n) else ()
+        self.settle(req)
+        if any(n):
+            self.reserved_total = add(self.reserved_total, n)
+            req.reserved = n
 
     def settle(self, req: Request) -> None:
         """Drop `req`'s reservation: its acquire used the pages, or it gave everything back."""

@@ -3,10 +3,11 @@ or over two: the recurrent-state groups may get a pool of their own (`state_pool
 
 Why two: the device gives every page id of a pool a slot in every layer that pool serves, so
 over one shared pool each attention page also pays every recurrent layer's state snapshot and
-each snapshot pays every attention layer's K/V (at Qwen3.5-0.8B shapes 3.21 MiB of state beside
-0.25 MiB of K/V per id). With a state pool each kind of page pays only its own layers. The
-accounting is then per pool: `pages_needed*`, `free_pages` and the admission ledger are tuples
-with one entry per pool (`pools`), and a demand fits when every entry does (`fits`).
+each snapshot pays every attention layer's K/V (at Qwen3.5-0.8B layer shapes and 16-token pages,
+3.21 MiB of state beside 64 KiB of K/V per id). With a state pool each kind of page pays only
+its own layers. The accounting is then per pool: `pages_needed*`, `free_pages` and the admission
+ledger are tuples with one entry per pool (`pools`), and a demand fits when every entry does
+(`fits`).
 """
 
 from __future__ import annotations
