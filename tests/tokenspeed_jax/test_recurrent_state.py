@@ -91,3 +91,22 @@ def test_garbage_in_unused_and_null_state_pages_never_leaks(name):
     # page ends: row 0's position 3 (page 1), row 2's position 3 (page 7); row-final states: row 0
     # in page 2, row 1 in page 5 (slot 2), row 2 in page 8 (slot 1). Nothing else.
     assert written == {1, 2, 5, 7, 8}
+
+
+def test_each_group_drops_its_writes_at_its_own_pool_length():
+    """With a state pool of its own, a state group's padding / hole writes point one past that
+    pool, not past the shared one: a state pool larger than the shared pool would otherwise take
+    the shared length as a real page id and overwrite a snapshot."""
+    mirrors = (jnp.asarray([[1, 2, 0]], jnp.int32), jnp.asarray([[3, 0, 0]], jnp.int32))
+    cu = jnp.asarray([0, 3, 3], jnp.int32)
+    kv_lens = jnp.asarray([3, 0], jnp.int32)
+    positions = jnp.asarray([0, 1, 2, 0], jnp.int32)
+    rows = jnp.asarray([0, 0, 0, 2], jnp.int32)  # the last token is padding
+    kw = dict(page_sizes=(4, 4), num_pages=10, layer_groups=(0, 1))
+    batch = make_paged_batch(mirrors, jnp.asarray([0, -1], jnp.int32), cu, kv_lens, positions, rows,
+                             group_pages=(10, 25), **kw)  # fmt: skip
+    assert np.asarray(batch.write_idx[0]).tolist() == [4, 5, 6, 40]
+    assert np.asarray(batch.write_idx[1]).tolist() == [12, 13, 14, 100]
+    assert np.asarray(batch.state_write[1]).tolist() == [3, 25]  # row 1 is padding
+    shared = make_paged_batch(mirrors, jnp.asarray([0, -1], jnp.int32), cu, kv_lens, positions, rows, **kw)
+    assert np.asarray(shared.state_write[1]).tolist() == [3, 10]
