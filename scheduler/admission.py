@@ -62,6 +62,8 @@ def add(*counts: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def sub(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    if len(a) == 1:  # one shared pool (the hot path)
+        return (a[0] - b[0],)
     return tuple(x - y for x, y in zip(a, b))
 
 

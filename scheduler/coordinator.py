@@ -109,6 +109,8 @@ class CacheCoordinator:
         return tuple(out)
 
     def free_pages(self) -> tuple[int, ...]:
+        if len(self.pools) == 1:  # the hot path's case: no generator
+            return (self.pool.num_free,)
         return tuple(p.num_free for p in self.pools)
 
     def pages_needed(self, tables: list[BlockTable], num_tokens: int) -> tuple[int, ...]:
@@ -133,7 +135,7 @@ class CacheCoordinator:
         need = self.pages_needed(tables, num_tokens)
         limit = self.free_pages()
         if available is not None:
-            limit = tuple(map(min, available, limit))
+            limit = (min(available[0], limit[0]),) if len(limit) == 1 else tuple(map(min, available, limit))
         if not fits(need, limit):
             return False
         for m, t, pool in zip(self.managers, tables, self._pool_of):
@@ -323,6 +325,8 @@ class CacheCoordinator:
 
 def fits(need: tuple[int, ...], room: tuple[int, ...]) -> bool:
     """Whether a per-pool demand fits per-pool room, entry by entry."""
+    if len(need) == 1:  # one shared pool: the scheduler's hot path, no generator
+        return need[0] <= room[0]
     return all(n <= r for n, r in zip(need, room))
 
 
