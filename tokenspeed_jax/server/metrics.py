@@ -68,10 +68,22 @@ class _EngineCollector:
                 "tokenspeed_num_requests_waiting", "requests queued or retracted", labels=["replica"]
             ),
             "free": GaugeMetricFamily(
-                "tokenspeed_pages_free", "free pages of the pool (shared by all groups)", labels=["replica"]
+                "tokenspeed_pages_free",
+                "free pages of the pool (shared by all groups, but a state pool's)",
+                labels=["replica"],
             ),
             "total": GaugeMetricFamily(
                 "tokenspeed_pages_total", "pages of the pool (null page excluded)", labels=["replica"]
+            ),
+            "state_free": GaugeMetricFamily(
+                "tokenspeed_state_pages_free",
+                "free pages of a hybrid model's recurrent-state pool (absent: no such pool)",
+                labels=["replica"],
+            ),
+            "state_total": GaugeMetricFamily(
+                "tokenspeed_state_pages_total",
+                "pages of a hybrid model's recurrent-state pool (null page excluded)",
+                labels=["replica"],
             ),
             "group": GaugeMetricFamily(
                 "tokenspeed_pages_used",
@@ -109,6 +121,9 @@ class _EngineCollector:
             gauges["waiting"].add_metric([r], st.get("num_waiting", 0))
             gauges["free"].add_metric([r], st.get("free_pages", 0))
             gauges["total"].add_metric([r], st.get("total_pages", 0))
+            if "state_total_pages" in st:
+                gauges["state_free"].add_metric([r], st["state_free_pages"])
+                gauges["state_total"].add_metric([r], st["state_total_pages"])
             gauges["hit"].add_metric([r], st.get("prefix_hit_rate", 0.0))
             for group, n in st.get("group_pages", {}).items():
                 gauges["group"].add_metric([r, group], n)

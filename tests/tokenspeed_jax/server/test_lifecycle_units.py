@@ -146,3 +146,15 @@ def test_queue_time_histogram_is_exported():
     text = m.render().decode()
     assert "tokenspeed_queue_time_seconds_count 2.0" in text
     assert 'tokenspeed_queue_time_seconds_bucket{le="0.025"} 1.0' in text
+
+
+def test_a_state_pool_gets_its_own_page_gauges():
+    """A replica with a state pool (`state_total_pages` in its stats) exports its free / total
+    pages beside the shared pool's; a replica without one exports none."""
+    base = dict(free_pages=90, total_pages=100)
+    m = ServerMetrics(lambda: [dict(base, state_free_pages=7, state_total_pages=9), dict(base)])
+    text = m.render().decode()
+    assert 'tokenspeed_pages_free{replica="0"} 90.0' in text
+    assert 'tokenspeed_state_pages_free{replica="0"} 7.0' in text
+    assert 'tokenspeed_state_pages_total{replica="0"} 9.0' in text
+    assert 'tokenspeed_state_pages_total{replica="1"}' not in text
