@@ -186,3 +186,14 @@ def test_render_chat_encodes_the_template_without_a_second_bos():
     ids = render_chat(ByteTokenizer(), msgs)
     assert ids[0] == BOS_ID and ids.count(BOS_ID) == 1
     assert bytes(ids[1:]).decode() == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+
+
+def test_the_summary_shows_a_state_pool_only_where_there_is_one():
+    from tokenspeed_jax.workloads.agentic import WorkloadReport
+
+    kw = dict(requests=1, prompt_tokens=4, computed_prompt_tokens=4, generated_tokens=2, wall_s=1.0, steps=2,
+              ttft_s=[0.1], tpot_s=[0.01], prefix_hit_rate=0.0, retractions=0, peak_pages=3, total_pages=9,
+              compiles=1)  # fmt: skip
+    assert "state_pages" not in WorkloadReport(**kw).summary()
+    summary = WorkloadReport(**kw, state_pages=5).summary()
+    assert summary["state_pages"] == 5 and summary["total_pages"] == 9

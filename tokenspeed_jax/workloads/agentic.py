@@ -55,6 +55,7 @@ class WorkloadReport:
     peak_pages: int
     total_pages: int
     compiles: int
+    state_pages: int = 0  # a hybrid model's state pool (`SchedulerConfig.state_pages`; 0: none)
 
     def summary(self) -> dict:
         pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")  # noqa: E731
@@ -79,6 +80,7 @@ class WorkloadReport:
             "retractions": self.retractions,
             "peak_pages": self.peak_pages,
             "total_pages": self.total_pages,
+            **({"state_pages": self.state_pages} if self.state_pages else {}),
             "compiles": self.compiles,
         }
 
@@ -184,4 +186,5 @@ def run_workload(
         peak_pages=peak,
         total_pages=stats["total_pages"],
         compiles=stats.get("num_compiles", 0),
+        state_pages=stats.get("state_total_pages", 0),
     )
