@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from tokenspeed_jax.outputs import CompletionOutput
-from tokenspeed_jax.workloads.agentic import WorkloadConfig, run_workload
+from tokenspeed_jax.workloads.agentic import WorkloadConfig, WorkloadReport, run_workload
 
 
 class _OrderedEngine:
@@ -189,8 +189,6 @@ def test_render_chat_encodes_the_template_without_a_second_bos():
 
 
 def test_the_summary_shows_a_state_pool_only_where_there_is_one():
-    from tokenspeed_jax.workloads.agentic import WorkloadReport
-
     kw = dict(requests=1, prompt_tokens=4, computed_prompt_tokens=4, generated_tokens=2, wall_s=1.0, steps=2,
               ttft_s=[0.1], tpot_s=[0.01], prefix_hit_rate=0.0, retractions=0, peak_pages=3, total_pages=9,
               compiles=1)  # fmt: skip
