@@ -17,6 +17,7 @@ Everything here also works with `interpret=True` on CPU, where compiler params a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeAlias, get_args
 
@@ -128,12 +129,22 @@ def check_chunk_impl(impl: str) -> None:
         raise ValueError(f"chunk_impl must be one of {CHUNK_IMPLS}, got {impl!r}")
 
 
-def chunk_kernel_wanted(impl: str, supported: bool) -> bool:
-    """Whether chunk_impl `impl` runs the Pallas chunk kernel: "pallas" always (the kernel's own
-    shape check raises where it is not `supported`), "auto" on a GPU where `supported`."""
-    if impl == "auto":
-        return jax.default_backend() == "gpu" and supported
-    return impl == "pallas"
+ChunkFn = Callable[..., tuple[jax.Array, jax.Array]]  # one chunk of a recurrence: state, inputs
+
+
+def pick_chunk(impl: str, supported: bool, jnp_chunk: ChunkFn, kernel: ChunkFn) -> ChunkFn:
+    """The one-chunk implementation chunk_impl `impl` runs: the Pallas `kernel` for "pallas"
+    (its own shape check raises where it is not `supported`; interpret mode off GPU) and for
+    "auto" on a GPU where `supported`, else `jnp_chunk`."""
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "pallas" or (impl == "auto" and on_gpu and supported):
+        return functools.partial(kernel, interpret=not on_gpu)
+    return jnp_chunk
+
+
+def triton_dims_ok(*dims: int) -> bool:
+    """Whether every dimension can be a Triton tile side: a power of two, and >= 16 for its dots."""
+    return all(is_power_of_2(d) and d >= 16 for d in dims)
 
 
 def is_power_of_2(n: int) -> bool:

@@ -22,15 +22,14 @@ float64 numpy twin in the tests).
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import backend, gated_delta_pallas
-from pallas_kernels.backend import ChunkImpl
+from pallas_kernels.backend import ChunkFn, ChunkImpl
 from pallas_kernels.gated_delta_chunk import chunk_jnp as _chunk
 from pallas_kernels.ragged_scan import chunked_scan, ragged_scan
 from pallas_kernels.ragged_scan import initial_state as start_state
@@ -90,15 +89,10 @@ def gated_delta_step(
     return state, jnp.einsum("...kv,...k->...v", state, q)
 
 
-ChunkFn = Callable[..., tuple[jax.Array, jax.Array]]  # `_chunk`'s signature
-
-
 def _chunk_fn(config: GatedDeltaConfig, dk: int, dv: int) -> ChunkFn:
     """The one-chunk implementation `config.chunk_impl` picks for chunks of keys Dk, values Dv."""
     fits = gated_delta_pallas.supported(config.chunk_size, dk, dv)
-    if not backend.chunk_kernel_wanted(config.chunk_impl, fits):
-        return _chunk
-    return functools.partial(gated_delta_pallas.gated_delta_chunk, interpret=jax.default_backend() != "gpu")
+    return backend.pick_chunk(config.chunk_impl, fits, _chunk, gated_delta_pallas.gated_delta_chunk)
 
 
 def gated_delta_chunked(

@@ -61,7 +61,7 @@ class GatedDeltaPallasConfig:
 def supported(chunk: int, dk: int, dv: int) -> bool:
     """Whether the kernel takes chunks of `chunk` tokens with key / value widths dk / dv: Triton
     tiles are powers of two and its dots want every dimension >= 16."""
-    return all(backend.is_power_of_2(n) and n >= 16 for n in (chunk, dk, dv))
+    return backend.triton_dims_ok(chunk, dk, dv)
 
 
 def _check_inputs(

@@ -22,15 +22,14 @@ numpy twin in the tests).
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import backend, mamba2_ssd_pallas
-from pallas_kernels.backend import ChunkImpl
+from pallas_kernels.backend import ChunkFn, ChunkImpl
 from pallas_kernels.mamba2_ssd_chunk import chunk_jnp as _chunk
 from pallas_kernels.mamba2_ssd_chunk import heads
 from pallas_kernels.ragged_scan import chunked_scan, ragged_scan
@@ -56,16 +55,10 @@ class Mamba2Config:
         backend.check_chunk_impl(self.chunk_impl)
 
 
-ChunkFn = Callable[..., tuple[jax.Array, jax.Array]]  # `_chunk`'s signature
-
-
 def _chunk_fn(config: Mamba2Config, p: int, n: int) -> ChunkFn:
     """The one-chunk implementation `config.chunk_impl` picks for head dim P, state size N."""
-    if not backend.chunk_kernel_wanted(
-        config.chunk_impl, mamba2_ssd_pallas.supported(config.chunk_size, p, n)
-    ):
-        return _chunk
-    return functools.partial(mamba2_ssd_pallas.ssd_chunk, interpret=jax.default_backend() != "gpu")
+    fits = mamba2_ssd_pallas.supported(config.chunk_size, p, n)
+    return backend.pick_chunk(config.chunk_impl, fits, _chunk, mamba2_ssd_pallas.ssd_chunk)
 
 
 def _check(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, lead: int) -> None:

@@ -55,7 +55,7 @@ class SsdPallasConfig:
 def supported(chunk: int, p: int, n: int) -> bool:
     """Whether the kernel takes chunks of `chunk` tokens with head dim `p` and state size `n`:
     Triton tiles are powers of two and its dots want every dimension >= 16."""
-    return all(backend.is_power_of_2(d) and d >= 16 for d in (chunk, p, n))
+    return backend.triton_dims_ok(chunk, p, n)
 
 
 def _check_inputs(
