@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from scheduler.config import SchedulerConfig
+from scheduler.coordinator import pool_indices
 from scheduler.group_spec import group_specs_from_layer_types, layer_group_indices
 from scheduler.step_ops import GroupLayout
 
@@ -52,10 +53,8 @@ class CacheLayout:
     def group_pages(self) -> tuple[int, ...]:
         """Page ids (null page included) of each group's pool: what its page ids index."""
         state = self.state_pages
-        return tuple(
-            state if state is not None and spec.family == "state" else self.num_pages
-            for spec in self.scheduler_config.group_specs
-        )
+        pages = (self.num_pages,) if state is None else (self.num_pages, state)
+        return tuple(pages[i] for i in pool_indices(self.scheduler_config.group_specs, state is not None))
 
     def with_num_pages(self, num_pages: int, state_pages: int | None = None) -> CacheLayout:
         """The same layout over a pool of `num_pages` (sized once the groups are known), and a

@@ -47,8 +47,7 @@ class CacheCoordinator:
             if all(s.family == "state" for s in specs):
                 raise ValueError(f"a state pool needs a group beside the state groups; groups are {ids}")
         self.pools: tuple[BlockPool, ...] = (pool,) if state_pool is None else (pool, state_pool)
-        # index into `pools` of each group's pool
-        self.pool_index = [int(state_pool is not None and s.family == "state") for s in specs]
+        self.pool_index = pool_indices(specs, state_pool is not None)
         self._pool_of = [self.pools[i] for i in self.pool_index]
         self.state_every_page = state_every_page  # SchedulerConfig.state_snapshots == "every_page"
         sizes = [s.page_size for s in specs]
@@ -166,7 +165,7 @@ class CacheCoordinator:
 
     def solo_peak_by_pool(self, total_tokens: int, max_chunk_tokens: int) -> tuple[int, ...]:
         """`solo_peak_pages` per pool."""
-        return self.split(solo_peak_pages([s], total_tokens, max_chunk_tokens) for s in self.specs)
+        return solo_peak_by_pool(self.specs, total_tokens, max_chunk_tokens, len(self.pools) > 1)
 
     def truncate(self, tables: list[BlockTable], num_tokens: int) -> bool:
         """Roll every group back to `num_tokens` tokens (speculative decoding: positions a step
@@ -328,6 +327,23 @@ def fits(need: tuple[int, ...], room: tuple[int, ...]) -> bool:
     if len(need) == 1:  # one shared pool: the scheduler's hot path, no generator
         return need[0] <= room[0]
     return all(n <= r for n, r in zip(need, room))
+
+
+def pool_indices(specs: list[PagedCacheGroupSpec], state_pool: bool) -> list[int]:
+    """Index into `CacheCoordinator.pools` of each group's pool: 1 for the state groups when
+    they have a pool of their own (`state_pool`), else 0 (the shared pool)."""
+    return [int(state_pool and s.family == "state") for s in specs]
+
+
+def solo_peak_by_pool(
+    specs: list[PagedCacheGroupSpec], total_tokens: int, max_chunk_tokens: int, state_pool: bool
+) -> tuple[int, ...]:
+    """`solo_peak_pages` of each pool (`pool_indices`), from the specs alone (a preflight check
+    needs no Scheduler)."""
+    out = [0] * (2 if state_pool else 1)
+    for spec, i in zip(specs, pool_indices(specs, state_pool)):
+        out[i] += solo_peak_pages([spec], total_tokens, max_chunk_tokens)
+    return tuple(out)
 
 
 def solo_peak_pages(specs: list[PagedCacheGroupSpec], total_tokens: int, max_chunk_tokens: int) -> int:

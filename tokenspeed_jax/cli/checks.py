@@ -66,7 +66,7 @@ def preflight(args: EngineArgs, *, longest_request: int | None) -> str | None:
     if cfg is None:
         return None
     from scheduler import SchedulerConfig, cache_layout
-    from scheduler.coordinator import solo_peak_pages
+    from scheduler.coordinator import solo_peak_by_pool
     from tokenspeed_jax.engine_args import default_context_len
 
     ctx = default_context_len(model, cfg) if args.max_context_len is None else args.max_context_len
@@ -86,14 +86,11 @@ def preflight(args: EngineArgs, *, longest_request: int | None) -> str | None:
     )
     specs = list(layout.scheduler_config.groups or ())
     assert args.max_scheduled_tokens is not None  # resolved above
-    pools = [("--num-pages", args.num_pages, specs)]
-    if args.num_state_pages is not None:  # the state groups on a pool of their own
-        pools = [
-            ("--num-pages", args.num_pages, [s for s in specs if s.family != "state"]),
-            ("--num-state-pages", args.num_state_pages, [s for s in specs if s.family == "state"]),
-        ]
-    for flag, pages, pool_specs in pools:
-        need = solo_peak_pages(pool_specs, total, args.max_scheduled_tokens)
+    # with --num-state-pages the state groups are on a pool of their own, counted apart
+    state = args.num_state_pages
+    needs = solo_peak_by_pool(specs, total, args.max_scheduled_tokens, state is not None)
+    sizes = (args.num_pages,) if state is None else (args.num_pages, state)
+    for flag, pages, need in zip(("--num-pages", "--num-state-pages"), sizes, needs):
         if need > pages - 1:
             return (
                 f"{flag} {pages}: a {total}-token request needs {need + 1} pages "
