@@ -163,16 +163,11 @@ def versus_transformers(path: str, n: int, new: int) -> tuple[bool, float, float
 def page_bytes(path: str, page: int) -> tuple[int, int]:
     """(state snapshot bytes, attention K/V bytes) one page id costs in the hybrid."""
     from tokenspeed_jax.hf import load_config
-    from tokenspeed_jax.runtime.state import layer_cache_shapes, pool_dtypes
+    from tokenspeed_jax.runtime.state import page_bytes_by_pool
 
     cfg = load_config(path)
-    shapes = layer_cache_shapes(cfg, tuple(range(len(cfg.layer_types))), (page,) * len(cfg.layer_types), 1)
-    dtypes = pool_dtypes(cfg)
-    state = attn = 0
-    for pools in shapes:
-        for name, s in pools.items():
-            size = int(np.prod(s)) * dtypes[name].itemsize
-            state, attn = (state + size, attn) if name in ("ssm", "conv_state") else (state, attn + size)
+    n = len(cfg.layer_types)  # one group per layer: each layer's pools at one page id
+    attn, state = page_bytes_by_pool(cfg, tuple(range(n)), (page,) * n)
     return state, attn
 
 
