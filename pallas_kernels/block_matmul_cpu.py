@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import native
+from pallas_kernels.stacked import LayerSlice, Weight, materialize, whole
 
 __all__ = [
     "AMX_MODEL_TARGET",
@@ -86,7 +87,7 @@ def unpack_tiles(w: jax.Array) -> jax.Array:
     return w.transpose(1, 0, 2).reshape(w.shape[1], w.shape[0] * TILE)
 
 
-def weight_shape(w: jax.Array) -> tuple[int, int]:
+def weight_shape(w: Weight) -> tuple[int, int]:
     """(K, N) of a [K, N] or tile-major weight."""
     if w.ndim == 3 and w.shape[2] == TILE:
         return int(w.shape[1]), int(w.shape[0]) * TILE
@@ -148,6 +149,7 @@ def block_matmul_cpu(
     result up to float32 summation order. Elsewhere the float product, as without it."""
     block = _check(x, codes, scales, mins)
     if not available():
+        codes, scales, mins = (materialize(a) for a in (codes, scales, mins))
         return block_matmul_reference(x, codes, scales, mins).astype(out_dtype)
     return _native_call(x, codes, scales, mins, block, x_q8=x_q8, out_dtype=out_dtype)
 
@@ -193,9 +195,9 @@ def block_matmul_q8_reference(
 
 def _native_call(
     x: jax.Array,
-    codes: jax.Array,
-    scales: jax.Array,
-    mins: jax.Array | None,
+    codes: Weight,
+    scales: Weight,
+    mins: Weight | None,
     block: int,
     target: str = TARGET,
     x_q8: bool = False,
@@ -212,17 +214,27 @@ def _native_call(
     if rows.dtype != jnp.bfloat16:
         rows = rows.astype(jnp.float32)
     written = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
+    # LayerSlice operands (scan_layers): the stacks go in whole with the layer index
+    slices: list[Weight | None] = [codes, scales, mins]
+    layer = next((a.index for a in slices if isinstance(a, LayerSlice)), jnp.int32(0))
+    if mins is not None and isinstance(mins, LayerSlice) != isinstance(scales, LayerSlice):
+        scales, mins = materialize(scales), materialize(mins)  # the kernel offsets both or neither
+    scales_arr, mins_arr = whole(scales), whole(mins)
+    assert scales_arr is not None
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), written))
     y: jax.Array = call(
         rows,
-        codes,
-        scales.astype(jnp.float32),
-        jnp.zeros((1,), jnp.float32) if mins is None else mins.astype(jnp.float32),
+        whole(codes),
+        scales_arr.astype(jnp.float32),
+        jnp.zeros((1,), jnp.float32) if mins_arr is None else mins_arr.astype(jnp.float32),
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
         block=np.int32(block),
         has_mins=mins is not None,
         tiled=codes.ndim == 3,
         x_bf16=bool(x.dtype == jnp.bfloat16 and codes.dtype == jnp.bfloat16),
         x_q8=bool(x_q8),
+        codes_stacked=isinstance(codes, LayerSlice),
+        scales_stacked=isinstance(scales, LayerSlice),
     )
     return y.reshape(*x.shape[:-1], n).astype(out_dtype)
 
@@ -251,7 +263,7 @@ def dense_matmul_cpu(x: jax.Array, w: jax.Array, out_dtype: Any = jnp.float32) -
     (the reference when it cannot be built); accumulated in float32."""
     _check_dense(x, w)
     if not available():
-        return dense_matmul_reference(x, w, out_dtype)
+        return dense_matmul_reference(x, materialize(w), out_dtype)
     k, n = weight_shape(w)
     return _native_call(x, w, jnp.ones((1, n), jnp.float32), None, k, out_dtype=out_dtype)
 

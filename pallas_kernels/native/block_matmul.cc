@@ -27,7 +27,9 @@
 //
 // Inputs (shapes checked by pallas_kernels/block_matmul_cpu.py): x f32 / bf16 [M, K], codes s8 / f32 /
 // bf16 [K, N] or [N / 16, K, 16] (tiled, N a multiple of 16), scales f32[G, N], mins f32[G, N]
-// (has_mins) or any f32 array. Attributes: block = K / G, has_mins, tiled, x_bf16 (x's values
+// (has_mins) or any f32 array, layer s32[1]. codes_stacked / scales_stacked: codes (scales and
+// mins) carry a leading layer axis [L, ...] and the product reads layer `layer` of it in place
+// (scan_layers). Attributes: block = K / G, has_mins, tiled, x_bf16 (x's values
 // are bfloat16: with AVX512-BF16, tile-major bf16 weights take the bf16 dot product,
 // Tile2<bf16>). Output f32 or bf16 [M, N] (bf16: the float32 sums rounded here, so a bf16
 // model's product needs no convert of XLA's on either side).
@@ -218,26 +220,56 @@ void run_amx(ffi::ThreadPool& pool, const Problem& p) {
 }
 #endif
 
-ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer codes,
-                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
-                           int32_t block, bool has_mins, bool tiled, bool x_bf16, bool x_q8,
-                           ffi::Result<ffi::AnyBuffer> y) {
+// Layer `layer` of a stacked operand [L, ...] (scan_layers: the weights of a run of layers, read
+// in place instead of sliced out by XLA, which copies a dynamic slice before a custom call):
+// its dimensions without L and its data. `stacked` false: the operand as it is.
+struct Operand {
+  std::vector<int64_t> dims;
+  const void* data;
+  bool ok;
+};
+
+template <class Buffer>
+Operand layer_of(const Buffer& b, bool stacked, int64_t layer) {
+  auto d = b.dimensions();
+  if (!stacked) return {std::vector<int64_t>(d.begin(), d.end()), b.untyped_data(), true};
+  if (d.size() < 1 || layer < 0 || layer >= d[0]) return {{}, nullptr, false};
+  const size_t per_layer = b.size_bytes() / static_cast<size_t>(d[0]);
+  return {std::vector<int64_t>(d.begin() + 1, d.end()),
+          static_cast<const char*>(b.untyped_data()) + per_layer * layer, true};
+}
+
+ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer codes_in,
+                           ffi::Buffer<ffi::F32> scales_in, ffi::Buffer<ffi::F32> mins_in,
+                           ffi::Buffer<ffi::S32> layer_in, int32_t block, bool has_mins,
+                           bool tiled, bool x_bf16, bool x_q8, bool codes_stacked,
+                           bool scales_stacked, ffi::Result<ffi::AnyBuffer> y) {
+  const int64_t layer = layer_in.element_count() > 0 ? layer_in.typed_data()[0] : 0;
+  const Operand codes = layer_of(codes_in, codes_stacked, layer);
+  const Operand scales = layer_of(scales_in, scales_stacked, layer);
+  const Operand mins = layer_of(mins_in, scales_stacked && has_mins, layer);
+  if (!codes.ok || !scales.ok || !mins.ok) {
+    return ffi::Error::InvalidArgument("block_matmul: stacked operand without layer `layer`");
+  }
   auto xd = x.dimensions();
-  auto cd = codes.dimensions();
-  auto sd = scales.dimensions();
+  const std::vector<int64_t>& cd = codes.dims;
+  const std::vector<int64_t>& sd = scales.dims;
+  int64_t scale_count = 1, min_count = 1;
+  for (int64_t v : sd) scale_count *= v;
+  for (int64_t v : mins.dims) min_count *= v;
   // codes [K, N], or tile-major [N / kCols, K, kCols]
   const bool rank_ok = tiled ? cd.size() == 3 && cd[2] == kCols : cd.size() == 2;
   const int64_t ck = rank_ok ? (tiled ? cd[1] : cd[0]) : -1;
   const int64_t cn = rank_ok ? (tiled ? cd[0] * kCols : cd[1]) : -1;
   if (!rank_ok || xd.size() != 2 || sd.size() != 2 || block < 1 || xd[1] != ck ||
       ck != sd[0] * block || cn != sd[1] ||
-      (has_mins && mins.element_count() != scales.element_count()) ||
+      (has_mins && min_count != scale_count) ||
       y->element_count() != xd[0] * cn) {
     return ffi::Error::InvalidArgument(
         "block_matmul: x [M, K], codes [K, N] (tiled: [N / 16, K, 16]), scales (and mins) "
         "[K / block, N], y [M, N]");
   }
-  const ffi::DataType dtype = codes.element_type();
+  const ffi::DataType dtype = codes_in.element_type();
   if (dtype != ffi::DataType::S8 && dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument("block_matmul: codes must be int8, float32 or bfloat16");
   }
@@ -252,8 +284,9 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   std::vector<float> xf, yf;
   const uint16_t* x16_rows = x16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
   if (y16) yf.resize(xd[0] * cn);
-  Problem p{x16 ? nullptr : static_cast<const float*>(x.untyped_data()), codes.untyped_data(),
-            scales.typed_data(), has_mins ? mins.typed_data() : nullptr, nullptr, nullptr,
+  Problem p{x16 ? nullptr : static_cast<const float*>(x.untyped_data()), codes.data,
+            static_cast<const float*>(scales.data),
+            has_mins ? static_cast<const float*>(mins.data) : nullptr, nullptr, nullptr,
             y16 ? yf.data() : static_cast<float*>(y->untyped_data()), xd[0], ck, cn, block, tiled};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   p.x16 = x16_rows;
@@ -322,9 +355,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TOKENSPEED_BLOCK_MATMUL_SYMBOL, tokenspeed::blockm
                                   .Arg<ffi::AnyBuffer>()         // codes: s8, f32 or bf16
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mins
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer: s32[1]
                                   .Attr<int32_t>("block")
                                   .Attr<bool>("has_mins")
                                   .Attr<bool>("tiled")
                                   .Attr<bool>("x_bf16")
                                   .Attr<bool>("x_q8")
+                                  .Attr<bool>("codes_stacked")
+                                  .Attr<bool>("scales_stacked")
                                   .Ret<ffi::AnyBuffer>());  // y: f32 or bf16

@@ -11,11 +11,14 @@ import pytest
 
 from pallas_kernels import block_matmul_cpu
 from pallas_kernels.block_matmul_cpu import TILE, block_matmul_reference
+from pallas_kernels.stacked import LayerSlice
 from tests.native_kernels import need_native
 
 IMPLS = {"reference": block_matmul_reference, "native": block_matmul_cpu.block_matmul_cpu}
 LAYOUTS = ("kn", "tiled")
-IMPL_IDS = [f"{name}-{layout}" for name in sorted(IMPLS) for layout in LAYOUTS]
+# "native-stacked": the native kernel reading layer 1 of weights stacked over 3 layers in place
+# (a LayerSlice, as scan_layers passes them)
+IMPL_IDS = [f"{name}-{layout}" for name in sorted(IMPLS) for layout in LAYOUTS] + ["native-stacked"]
 
 
 def _tiled(fn):
@@ -27,6 +30,30 @@ def _tiled(fn):
         if w.dtype not in (jnp.int8, jnp.float32, jnp.bfloat16):
             return fn(x, w, *rest)
         return fn(x, block_matmul_cpu.pack_tiles(w), *rest)
+
+    return call
+
+
+def _stacked(fn):
+    """`fn` taking its weight tile-major as layer 1 of a [3, ...] stack (its block scales and mins
+    too), through `LayerSlice` under jit with the index traced: the kernel offsets its pointers
+    into the stack (scan_layers). Layers 0 and 2 hold other values (NaN where a float can), so a
+    wrong offset shows. Weights of a dtype no kernel takes go as they are (their ValueError)."""
+
+    def other(a: jax.Array, fill: float) -> jax.Array:
+        return jnp.full_like(a, 127 if a.dtype == jnp.int8 else fill)
+
+    def call(x, w, *rest):
+        if w.dtype not in (jnp.int8, jnp.float32, jnp.bfloat16):
+            return fn(x, w, *rest)
+        weights = [block_matmul_cpu.pack_tiles(w), *(r for r in rest if isinstance(r, jax.Array))]
+        stacks = [jnp.stack([other(a, np.nan), a, other(a, -np.inf)]) for a in weights]
+        tail = [r for r in rest if not isinstance(r, jax.Array)]
+
+        def layer(i, x, *stacks):
+            return fn(x, *(LayerSlice(s, i) for s in stacks), *tail)
+
+        return jax.jit(layer)(jnp.int32(1), x, *stacks)
 
     return call
 
@@ -47,7 +74,7 @@ def _impl(table, ident: str):
     name, layout = ident.split("-")
     if name == "native":
         need_native("block_matmul")  # fails in CI ($TOKENSPEED_JAX_REQUIRE_NATIVE) if unbuilt
-    return table[name] if layout == "kn" else _tiled(table[name])
+    return {"kn": table[name], "tiled": _tiled(table[name]), "stacked": _stacked(table[name])}[layout]
 
 
 @pytest.fixture

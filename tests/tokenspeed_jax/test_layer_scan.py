@@ -7,11 +7,14 @@ same logprobs, the same page ids; the scanned program holds one layer body per r
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
 
 from scheduler import SchedulerConfig, cache_layout
+from tests.native_kernels import need_native
 from tokenspeed_jax.engine.engine import Engine
 from tokenspeed_jax.models import build_model, tiny_random_config
 from tokenspeed_jax.models.layer_scan import LayerRun, ScannedGraph, layer_runs
@@ -138,3 +141,25 @@ def test_scan_updates_the_pools_in_place(setup):
     # donated and updated in place by the scan: the pools never moved
     assert before == after
     assert jax.tree.leaves(runner.state.caches)[0].ndim == 5
+
+
+def test_scanned_linears_read_their_stacked_weights_in_place(setup):
+    """On XLA:CPU a scanned layer's weights would be `dynamic-slice`d out of the stacks, and XLA
+    copies a slice before a custom call: a decode step read every weight three times. The
+    native matmul gets the whole stack and the layer index instead (`LayerSlice`): no slice in
+    the compiled program is as large as the smallest weight matrix."""
+    need_native("block_matmul")
+    runner = make_runner(setup, True)
+    shape = runner.shapes.step_shape(runner_padding(runner))
+    hlo = runner._lower(shape).compile().as_text()
+    assert hlo.count("codes_stacked = true") >= 4  # one body per run, each with its Linears
+    smallest = min(
+        np.prod(leaf.shape[1:])
+        for path, leaf in jax.tree_util.tree_flatten_with_path(runner.params["runs"])[0]
+        if "kernel" in jax.tree_util.keystr(path)
+    )
+    sliced = [
+        int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+        for m in re.finditer(r"= \w+\[([\d,]*)\]\S* (?:fusion|dynamic-slice)\([^\n]*dynamic.slice", hlo)
+    ]
+    assert sliced and max(sliced) < smallest

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import block_matmul_cpu
+from pallas_kernels.stacked import materialize
 from tokenspeed_jax.models.quant import split_rows, use_native
 
 BLOCK = 32  # inputs per block in Q8_0 / Q4_0 / Q4_1
@@ -83,6 +84,7 @@ def block_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Ar
     rows = x.size // x.shape[-1]
     if use_native(rows):
         return block_matmul_cpu.block_matmul_cpu(x, codes, scales, mins, out_dtype=x.dtype)
+    codes, scales, mins = (materialize(a) for a in (codes, scales, mins))  # scan_layers' slices
     # tile-major codes (`Linear.tile`) past NATIVE_MAX_ROWS: the float lowering, re-laid in the
     # same fusion as the dequantization
     codes = block_matmul_cpu.unpack_tiles(codes)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.stacked import LayerSlice
 from tokenspeed_jax.models.batch import PagedBatch
 from tokenspeed_jax.models.decoder import AttnFn, CausalLM
 
@@ -155,13 +156,33 @@ class ScannedGraph:
         page_size = batch.page_sizes[run.group]
         flat = {k: v.reshape(n * num_pages, *v.shape[2:]) for k, v in cache.items()}
 
+        # Linear weights go in whole, as LayerSlices the native matmul reads in place; the
+        # rest (norms, biases: small) is sliced by the scan as usual
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(run_params)
+        in_place = [_read_in_place(path) for path, _ in paths_leaves]
+        whole = [leaf for (_, leaf), keep in zip(paths_leaves, in_place, strict=True) if keep]
+        sliced = [leaf for (_, leaf), keep in zip(paths_leaves, in_place, strict=True) if not keep]
+
         def body(carry, xs):
             h, pools = carry
-            i, layer_params = xs
-            layer = nnx.merge(layer_def, layer_params)
+            i, layer_sliced = xs
+            whole_it, sliced_it = iter(whole), iter(layer_sliced)
+            leaves = [LayerSlice(next(whole_it), i) if keep else next(sliced_it) for keep in in_place]
+            layer = nnx.merge(layer_def, jax.tree_util.tree_unflatten(treedef, leaves))
             lb = _layer_batch(batch, run.group, i, num_pages, page_size, n)
             h, pools = layer.paged(h, pools, lb, run.group, attn_fn, conv_fn)
             return (h, pools), None
 
-        (x, flat), _ = jax.lax.scan(body, (x, flat), (jnp.arange(n, dtype=jnp.int32), run_params))
+        (x, flat), _ = jax.lax.scan(body, (x, flat), (jnp.arange(n, dtype=jnp.int32), sliced))
         return x, {k: flat[k].reshape(cache[k].shape) for k in cache}
+
+
+# a Linear's weights (models.layers.Linear: kernel, kernel_scale, kernel_min); every consumer
+# either reads a LayerSlice in place (native CPU matmul) or materializes it (pallas_kernels.stacked)
+_IN_PLACE = ("kernel", "kernel_scale", "kernel_min")
+
+
+def _read_in_place(path: tuple) -> bool:
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    names = [n for n in names if n != "value"]  # nnx.Variable's own level
+    return bool(names) and names[-1] in _IN_PLACE

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.block_matmul_cpu import dense_matmul_cpu, pack_tiles, tileable
+from pallas_kernels.stacked import materialize
 from tokenspeed_jax.models import cpu_dot
 from tokenspeed_jax.models.block_quant import block_matmul, check_blocks, quantize_blocks
 from tokenspeed_jax.models.config import ModelConfig
@@ -147,6 +148,7 @@ def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Arr
         # wanted dtype (the kernel converts: XLA:CPU's converts around each product were ~30%
         # of a bf16 512-token step)
         return dense_matmul_cpu(x, w, out_dtype)
+    w = materialize(w)  # scan_layers: only the native kernel reads a stacked weight in place
     return cpu_dot.dot(x, w, 1 if w_transposed else 0, jnp.float32).astype(out_dtype)
 
 

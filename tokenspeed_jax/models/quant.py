@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import block_matmul_cpu
+from pallas_kernels.stacked import materialize
 from tokenspeed_jax.engine_args import WEIGHT_QUANTIZATIONS
 from tokenspeed_jax.models import cpu_dot
 
@@ -82,13 +83,16 @@ def qmatmul(
 ) -> jax.Array:
     """x f[..., K] @ dequant(q int8[K, N] (q_transposed: [N, K]), scale f32[N]) in x's dtype."""
     dims = (((x.ndim - 1,), (1 if q_transposed else 0,)), ((), ()))
+    native = mode != "w8a8" and (q.ndim == 3 or (not q_transposed and use_native(x.size // x.shape[-1])))
+    if not native:  # scan_layers: only the native kernel reads a stacked weight in place
+        q, scale = materialize(q), materialize(scale)
     if mode == "w8a8":
         x32 = x.astype(jnp.float32)
         sx = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / _QMAX, _TINY)
         xq = jnp.round(x32 / sx).astype(jnp.int8)
         acc = cpu_dot.dot(xq, q, dims[0][1][0], jnp.int32)  # a lone row as two (cpu_dot)
         y = acc.astype(jnp.float32) * sx * scale
-    elif q.ndim == 3 or (not q_transposed and use_native(x.size // x.shape[-1])):
+    elif native:
         # tile-major q (`Linear.tile`): the native kernel at every size (30 chained 576 x 1536
         # layers: 1 row 3.5 ms, 1,024 rows 384 against the float lowering's 421)
         # one block of all K inputs: the per-channel scale is the block scale
