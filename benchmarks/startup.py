@@ -2,7 +2,7 @@
 
     python benchmarks/startup.py                          # tiny-random: 3 rounds of cold + warm
     python benchmarks/startup.py --model DIR --max-context-len 2048 --max-batch-requests 64 \
-        --max-scheduled-tokens 2048 --vllm-python /path/to/vllm-venv/bin/python [--scan-layers]
+        --max-scheduled-tokens 2048 --vllm-python /path/to/vllm-venv/bin/python [--scan-layers | --also-scan]
 
 Ready = the interpreter started, the engine built, every step shape compiled (ours: `warmup()`;
 vLLM: its own compile and warm-up inside `LLM(...)`) and one greedy answer of exactly 16 tokens
@@ -148,7 +148,8 @@ def _start(
     """One start of `engine` on the cache dir `cache` (vLLM: its VLLM_CACHE_ROOT)."""
     if is_vllm(engine):
         return _vllm_start(args.vllm_python, engine, vkw, cache)
-    return _ours_start(dict(kw, compile_cache_dir=cache), log_dir)
+    scan = {"scan_layers": True} if engine == "ours-scan" else {}
+    return _ours_start(dict(kw, compile_cache_dir=cache, **scan), log_dir)
 
 
 def _round(
@@ -192,6 +193,11 @@ def main() -> None:
         default=",".join(VLLM_CONFIGS),
         help="which vLLM configs: vllm (its default binding), vllm-both",
     )
+    p.add_argument(
+        "--also-scan",
+        action="store_true",
+        help="also start ours with scan_layers (`ours-scan`), in the same rounds",
+    )
     args = p.parse_args()
     print(f"CPU: {cpu_line()}", flush=True)
     kw = llm_kwargs(args, model=args.model, answer_tokens=ANSWER_TOKENS, prompt=PROMPT)
@@ -204,7 +210,8 @@ def main() -> None:
         answer_tokens=ANSWER_TOKENS,
         prompt=PROMPT,
     )
-    engines = ["ours"] + (args.vllm_engines.split(",") if args.vllm_python else [])
+    ours = ["ours", "ours-scan"] if args.also_scan else ["ours"]
+    engines = ours + (args.vllm_engines.split(",") if args.vllm_python else [])
     # every cache and log this run makes, removed at the end (hundreds of MB per vLLM start)
     with tempfile.TemporaryDirectory(prefix="tokenspeed-startup-") as args.scratch:
         starts = [s for r in range(args.reps) for s in _round(r, engines, args, kw, vkw, args.scratch)]
@@ -248,11 +255,11 @@ def _report(
             print(f"- {e} binding (vLLM log): {binding}")
     for k in ("cold", "warm"):
         peers = {e: xs for (e, kk), xs in ready.items() if kk == k and is_vllm(e) and xs}
-        if ready[("ours", k)] and peers:
+        for ours in (e for e in engines if not is_vllm(e) and ready[(e, k)] and peers):
             best = min(peers, key=lambda e: statistics.median(peers[e]))
             print(
-                f"- {k} ready, ours / vLLM's faster ({best}): "
-                f"{statistics.median(ready[('ours', k)]) / statistics.median(peers[best]):.2f}x "
+                f"- {k} ready, {ours} / vLLM's faster ({best}): "
+                f"{statistics.median(ready[(ours, k)]) / statistics.median(peers[best]):.2f}x "
                 "(below 1: ours starts faster)"
             )
 

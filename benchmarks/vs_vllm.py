@@ -74,7 +74,8 @@ def build(kw):
         from tokenspeed_jax import LLM, SamplingParams
         llm = LLM(kw["model"], dtype=kw["dtype"], max_context_len=2048,
                   max_batch_requests=kw["max_batch"], max_scheduled_tokens=kw["max_step_tokens"],
-                  attention_backend=kw["backend"], kv_cache_memory_bytes=kw["kv_gib"] << 30)
+                  attention_backend=kw["backend"], kv_cache_memory_bytes=kw["kv_gib"] << 30,
+                  scan_layers=kw["scan"])
         llm.warmup(max_kv_len=kw["max_kv"])
         sp = SamplingParams(temperature=0.0, max_tokens=kw["max_tokens"], ignore_eos=True)
         return lambda ps: [list(o.token_ids) for o in llm.generate(ps, sp)]
@@ -154,8 +155,9 @@ def _start(name: str, kw: dict[str, Any], args: argparse.Namespace, workdir: str
             workdir,
         )
     backend = name.partition(":")[2] or "auto"
+    scan = name.partition(":")[0] == "ours+scan"
     return EngineChild(
-        name, sys.executable, _CHILD, dict(kw, engine="ours", backend=backend), ours_env(), workdir
+        name, sys.executable, _CHILD, dict(kw, engine="ours", backend=backend, scan=scan), ours_env(), workdir
     )
 
 
@@ -201,7 +203,7 @@ def table(dtype: str, res: dict[str, list[dict[str, Any]]], new: int) -> list[st
     rows = []
     for name in (n for n in res if not is_vllm(n)):
         same = []
-        for peer in (n for n in res if is_vllm(n)):
+        for peer in (n for n in res if n != name):
             pairs = [
                 (a, b) for ro, rp in zip(res[name], res[peer]) for a, b in zip(ro["tokens"], rp["tokens"])
             ]
@@ -237,8 +239,8 @@ def main() -> None:
         "--engines",
         default="ours,vllm,vllm-both",
         help="engines in round order: ours (attention backend auto), ours:BACKEND "
-        "(e.g. ours:reference beside ours:native), vllm (vLLM CPU's default "
-        "thread binding), vllm-both (VLLM_CPU_NUM_OF_RESERVED_CPU=0)",
+        "(e.g. ours:reference beside ours:native), ours+scan[:BACKEND] (scan_layers), "
+        "vllm (vLLM CPU's default thread binding), vllm-both (VLLM_CPU_NUM_OF_RESERVED_CPU=0)",
     )
     p.add_argument(
         "--workload",

@@ -87,3 +87,26 @@ def test_update_from_dir_and_pairs_equals_fresh(checkpoints, quantization, monke
         llm.update_weights(bad.items())
     again = _run(llm)
     assert again[0] == old[0] and llm.weight_version == 2
+
+
+def test_partial_update_under_scan_layers(checkpoints):
+    """scan_layers stacks the 3 layers' weights into one array per tensor: an update naming
+    only layer 1's MLP (and the final norm) replaces layer 1 inside each stack and leaves
+    layers 0 and 2, as the same update does without scan."""
+    a, b = checkpoints
+    new = _tensors(b)
+    pick = [(k, v) for k, v in new.items() if k.startswith("model.layers.1.mlp.") or k == "model.norm.weight"]
+    assert len(pick) == 7  # gate / up / down kernels and biases, the norm
+    plain, scanned = LLM(a, **OPTS), LLM(a, scan_layers=True, **OPTS)
+    assert [r.size for r in scanned.engine.runner.scan_runs] == [3]
+    before = _run(scanned)
+    down = scanned.engine.runner.params["runs"][0]["mlp"]["down_proj"]["kernel"][...]
+    for llm in (plain, scanned):
+        llm.update_weights(pick)
+    got, want = _run(scanned), _run(plain)
+    assert got[0] == want[0] and max_diff(got[1], want[1]) < 1e-4
+    assert got[0] != before[0]
+    after = scanned.engine.runner.params["runs"][0]["mlp"]["down_proj"]["kernel"][...]
+    np.testing.assert_array_equal(after[0], down[0])
+    np.testing.assert_array_equal(after[2], down[2])
+    assert not np.array_equal(after[1], down[1])

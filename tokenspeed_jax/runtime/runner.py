@@ -43,7 +43,7 @@ from scheduler.cache_layout import CacheLayout
 from scheduler.step_ops import StepOps
 from tokenspeed_jax.models.batch import make_paged_batch
 from tokenspeed_jax.models.decoder import CausalLM
-from tokenspeed_jax.models.layer_scan import ScannedGraph
+from tokenspeed_jax.models.layer_scan import LayerRun, ScannedGraph
 from tokenspeed_jax.runtime import executables
 from tokenspeed_jax.runtime.backends import (
     check_fp8_support,
@@ -357,6 +357,11 @@ class ModelRunner:
     def scan_layers(self) -> bool:
         """Whether runs of identical layers are stacked and scanned (`models.layer_scan`)."""
         return self._scan is not None
+
+    @property
+    def scan_runs(self) -> tuple[LayerRun, ...]:
+        """The stacked runs of layers under scan_layers (params["runs"][r] is run r); ()."""
+        return () if self._scan is None else self._scan.runs
 
     @property
     def tp(self) -> TensorParallel | None:

@@ -19,7 +19,8 @@ bias, and, where the engine fused them (`PreparedModel.fused`), q / k / v togeth
 together (their columns live in one prepared tensor). Unnamed parameters are stand-in zeros (one
 buffer per shape) while the model is prepared, and their prepared leaves are dropped: a partial
 update costs the preparation of the whole model. Under `scan_layers` (layers stacked into one
-array per run) an update must name every tensor.
+array per run) a stack whose layers are named only in part is the running stack with those
+layers replaced (a new array of the stack's size).
 """
 
 from __future__ import annotations
@@ -193,20 +194,47 @@ class WeightLoader:
             if jax.tree.structure(new) != runner.param_treedef:
                 raise ValueError("the updated model's parameter tree differs from the running one's")
             mine: list[jax.Array | None] = []
-            for (kp, leaf), old in zip(new_leaves, runner.param_abstract):
+            for (kp, leaf), old, live in zip(new_leaves, runner.param_abstract, runner.param_leaves):
                 path = _keypath_parts(kp)
-                if owners is not None and (runner.scan_layers or prepared_owner(path) not in owners):
-                    if runner.scan_layers:
-                        raise ValueError("with scan_layers an update must name every tensor of the model")
-                    mine.append(None)
-                    continue
                 if tuple(leaf.shape) != tuple(old.shape) or leaf.dtype != old.dtype:
                     raise ValueError(
                         f"prepared tensor {dotted(path)}: {leaf.dtype}{list(leaf.shape)} differs from the "
                         f"running {old.dtype}{list(old.shape)}"
                     )
+                if owners is not None:
+                    layers = _owned_layers(runner, path, owners)
+                    if not layers:
+                        mine.append(None)
+                        continue
+                    if layers != [-1]:
+                        leaf = _merge_layers(live, leaf, layers, path)
                 mine.append(jax.device_put(leaf, old.sharding))
                 replaced += 1
                 nbytes += leaf.nbytes
             out.append(mine)
         return WeightPlan(out, len(values), replaced, nbytes)
+
+
+def _owned_layers(runner: Any, path: Path, owners: set[Path]) -> list[int]:
+    """Which part of the prepared leaf at `path` a partial update replaces: [-1] the whole
+    leaf, [] none of it, else the positions along a scan_layers stack (`models.layer_scan`:
+    params {"shell": model without layers, "runs": (run r's layers stacked, ...)}) whose layer
+    is named."""
+    if not runner.scan_layers:
+        return [-1] if prepared_owner(path) in owners else []
+    if path[0] == "shell":
+        return [-1] if prepared_owner(path[1:]) in owners else []
+    run = runner.scan_runs[path[1]]
+    named = [i for i in range(run.size) if prepared_owner(("layers", run.start + i, *path[2:])) in owners]
+    return [-1] if len(named) == run.size else named
+
+
+def _merge_layers(live: jax.Array | None, leaf: jax.Array, layers: list[int], path: Path) -> jax.Array:
+    """The running stacked leaf with positions `layers` taken from `leaf` (a new array)."""
+    if live is None:
+        raise ValueError(
+            f"{dotted(path)}: with scan_layers a partial update of some layers of a stack needs "
+            "the weights in memory (wake_up first, or name every layer)"
+        )
+    idx = jnp.asarray(layers, jnp.int32)
+    return live.at[idx].set(jax.device_put(leaf, live.sharding)[idx])
