@@ -80,17 +80,10 @@ def detect_platform() -> str:
     return "gpu" if any("cuda" in n or "rocm" in n for n in names) else "cpu"
 
 
-# Platform fields whose default also depends on the engine being built (`LLM` resolves them:
-# scan_layers is off with a mesh, several processes or the checkpoint weight layout), so the
-# commands leave them None.
-RESOLVED_BY_LLM = frozenset({"scan_layers"})
-
-
 def cli_platform_defaults(platform: str) -> dict[str, Any]:
-    """The commands' values of the platform fields on `platform` (None: `LLM` decides)."""
+    """The commands' values of the platform fields on `platform`."""
     kind = platform_kind(platform)
-    table = {k: v for k, v in PLATFORM_DEFAULTS[kind].items() if k not in RESOLVED_BY_LLM}
-    return {**table, **(CLI_DEFAULTS if kind == "cpu" else {})}
+    return {**PLATFORM_DEFAULTS[kind], **(CLI_DEFAULTS if kind == "cpu" else {})}
 
 
 def _opt(
@@ -262,8 +255,7 @@ class EngineArgs:
     scan_layers: bool | None = _opt(
         None,
         "trace and compile one decoder layer per run of identical layers (lax.scan): faster "
-        "cold compiles, same tokens (default: on for one CPU device; off on GPU, with tensor / "
-        "data parallelism, several processes, or weight_layout='checkpoint')",
+        "cold compiles, same tokens (default: on for CPU, off on GPU and the multi-process runtime)",
         kind="bool",
         platform=True,
     )

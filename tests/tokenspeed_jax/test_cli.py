@@ -64,7 +64,7 @@ SPEC_JSON = '{"num_speculative_tokens": 3}'
     "argv,key,want",
     [
         (["run", "--scan-layers"], "scan_layers", True),
-        (["run"], "scan_layers", None),  # LLM decides: on for one CPU device
+        (["run"], "scan_layers", True),  # the CPU default
         (["run", "--no-scan-layers"], "scan_layers", False),
         (["serve", "--scan-layers"], "scan_layers", True),
         (["run"], "speculative_config", None),

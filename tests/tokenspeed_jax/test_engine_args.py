@@ -10,7 +10,6 @@ import pytest
 
 from tokenspeed_jax.engine_args import (
     CLI_DEFAULTS,
-    RESOLVED_BY_LLM,
     EngineArgs,
     add_cli_args,
     cli_fields,
@@ -92,7 +91,7 @@ def test_cli_defaults_differ_from_llm_only_where_listed():
     args = from_cli(_parser().parse_args([]))
     llm = EngineArgs().for_platform("cpu")
     differ = {f.name for f in cli_fields() if getattr(args, f.name) != getattr(llm, f.name)}
-    assert differ == set(CLI_DEFAULTS) | RESOLVED_BY_LLM  # those stay None: LLM resolves them
+    assert differ == set(CLI_DEFAULTS)
 
 
 def test_platform_fields_are_filled_per_platform_and_given_values_stay():
@@ -112,7 +111,7 @@ def test_platform_fields_are_filled_per_platform_and_given_values_stay():
     assert (on_gpu.dtype, on_gpu.max_batch_requests, on_gpu.max_scheduled_tokens) == ("auto", 256, 8192)
     on_cpu = from_cli(_parser("cpu").parse_args([]))
     assert (on_cpu.dtype, on_cpu.max_batch_requests, on_cpu.max_scheduled_tokens) == ("float32", 32, 512)
-    assert on_cpu.scan_layers is None and on_gpu.scan_layers is None  # LLM resolves it
+    assert on_cpu.scan_layers is True and on_gpu.scan_layers is False
 
 
 @pytest.mark.parametrize(
