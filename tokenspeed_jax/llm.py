@@ -161,7 +161,7 @@ class LLM:
         # the "platform" options left None take the defaults of the devices we really got
         platform = (jax.devices()[0] if meshes[0] is None else meshes[0].devices.flat[0]).platform
         args = self.args = args.for_platform(platform)
-        assert args.dtype is not None and args.scan_layers is not None  # for_platform filled them
+        assert args.dtype is not None  # for_platform filled it
         self.kv_cache_dtype, self.quantization = args.kv_cache_dtype, args.quantization
         # Multi-process: parameters stay lazy (`param_sources`); each process reads / generates
         # only its own shards when the runner places them (`sharding.place`). GGUF files are
