@@ -2,8 +2,7 @@
 
     python benchmarks/startup.py                          # tiny-random: 3 rounds of cold + warm
     python benchmarks/startup.py --model DIR --max-context-len 2048 --max-batch-requests 64 \
-        --max-scheduled-tokens 2048 --vllm-python /path/to/vllm-venv/bin/python \
-        [--no-scan-layers | --also-unrolled]
+        --max-scheduled-tokens 2048 --vllm-python /path/to/vllm-venv/bin/python [--scan-layers | --also-scan]
 
 Ready = the interpreter started, the engine built, every step shape compiled (ours: `warmup()`;
 vLLM: its own compile and warm-up inside `LLM(...)`) and one greedy answer of exactly 16 tokens
@@ -149,7 +148,7 @@ def _start(
     """One start of `engine` on the cache dir `cache` (vLLM: its VLLM_CACHE_ROOT)."""
     if is_vllm(engine):
         return _vllm_start(args.vllm_python, engine, vkw, cache)
-    scan = {"scan_layers": False} if engine == "ours-unrolled" else {}
+    scan = {"scan_layers": True} if engine == "ours-scan" else {}
     return _ours_start(dict(kw, compile_cache_dir=cache, **scan), log_dir)
 
 
@@ -195,10 +194,9 @@ def main() -> None:
         help="which vLLM configs: vllm (its default binding), vllm-both",
     )
     p.add_argument(
-        "--also-unrolled",
+        "--also-scan",
         action="store_true",
-        help="also start ours without scan_layers (`ours-unrolled`; plain ours: --scan-layers, the "
-        "CPU default), in the same rounds",
+        help="also start ours with scan_layers (`ours-scan`), in the same rounds",
     )
     args = p.parse_args()
     print(f"CPU: {cpu_line()}", flush=True)
@@ -212,7 +210,7 @@ def main() -> None:
         answer_tokens=ANSWER_TOKENS,
         prompt=PROMPT,
     )
-    ours = ["ours", "ours-unrolled"] if args.also_unrolled else ["ours"]
+    ours = ["ours", "ours-scan"] if args.also_scan else ["ours"]
     engines = ours + (args.vllm_engines.split(",") if args.vllm_python else [])
     # every cache and log this run makes, removed at the end (hundreds of MB per vLLM start)
     with tempfile.TemporaryDirectory(prefix="tokenspeed-startup-") as args.scratch:

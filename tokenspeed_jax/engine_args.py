@@ -38,12 +38,9 @@ DEFAULT_MIN_KV_BUCKET = 256  # tokens: the shortest kv bucket (fewer levels = fe
 # below the GEMMs' ridge (~250 rows of an 8B bf16 model on an H100) a bucket costs what the
 # weight read costs, above it a bucket at most doubles the real rows (docs/architecture.md,
 # "GPU defaults").
-# scan_layers: on CPU one traced layer per run compiles a cold start ~30% faster and, since its
-# matmuls read the stacked weights in place, steps no slower (docs/compile-cache.md); on a GPU
-# the scanned step is not measured yet, so it stays unrolled there.
 PLATFORM_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
-    "cpu": {"dtype": "float32", "max_batch_requests": 64, "max_scheduled_tokens": 2048, "scan_layers": True},
-    "gpu": {"dtype": "auto", "max_batch_requests": 256, "max_scheduled_tokens": 8192, "scan_layers": False},
+    "cpu": {"dtype": "float32", "max_batch_requests": 64, "max_scheduled_tokens": 2048},
+    "gpu": {"dtype": "auto", "max_batch_requests": 256, "max_scheduled_tokens": 8192},
 }
 # The commands' defaults on CPU where they differ from LLM's: a CLI run shares its 2 CPU cores
 # with a load generator or an HTTP server, so smaller steps keep TTFT / TPOT steady. `num_pages`
@@ -252,12 +249,10 @@ class EngineArgs:
         "plan step N+1 on the host while the device runs step "
         "N (same outputs; off: the synchronous reference loop)",
     )
-    scan_layers: bool | None = _opt(
-        None,
-        "trace and compile one decoder layer per run of identical layers (lax.scan): faster "
-        "cold compiles, same tokens (default: on for CPU, off on GPU and the multi-process runtime)",
-        kind="bool",
-        platform=True,
+    scan_layers: bool = _opt(
+        False,
+        "trace and compile one decoder layer per run of identical "
+        "layers (lax.scan): faster cold compiles, same tokens",
     )
     min_token_bucket: int | None = _opt(
         None,

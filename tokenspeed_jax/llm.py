@@ -154,7 +154,6 @@ class LLM:
                     "(its parameters are placed shard by shard, before any "
                     "stacking)"
                 )
-            args = args.replace(scan_layers=False)  # None (the platform's) is off here
         tp, dp = args.tensor_parallel_size, args.data_parallel_size
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
