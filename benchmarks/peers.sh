@@ -22,7 +22,7 @@ step() {  # step NAME ARGS...: one benchmark, its output to OUT_DIR/NAME.log
   if "$py" "$@" > "$out/$name.log" 2>&1; then echo "  ok"; else echo "  FAILED (rc $?): $out/$name.log"; fi
 }
 step vs_vllm_chat "$here/vs_vllm.py" --model "$model" "${vllm[@]}" --dtypes float32,bfloat16 \
-  --engines ours,ours+scan,vllm,vllm-both --kv-cache-gib 2
+  --engines ours,ours+unrolled,vllm,vllm-both --kv-cache-gib 2
 step vs_vllm_random "$here/vs_vllm.py" --model "$model" "${vllm[@]}" --dtypes float32,bfloat16 \
   --workload random
 step serve_f32 "$here/vs_vllm_serve.py" --model "$model" "${vllm[@]}" --dtype float32
@@ -32,5 +32,5 @@ step gguf_vs_llama "$here/quantization.py" --model smollm2-135m "${llama[@]}" \
 step spec_decode "$here/spec_decode.py" --model "$model" --policies cost,padding:4
 step serve_bf16 "$here/vs_vllm_serve.py" --model "$model" "${vllm[@]}" --dtype bfloat16
 step startup "$here/startup.py" --model "$model" --max-context-len 2048 --max-batch-requests 64 \
-  --max-scheduled-tokens 2048 --also-scan "${vllm[@]}"
+  --max-scheduled-tokens 2048 --also-unrolled "${vllm[@]}"
 echo "$(date -u +%H:%M:%S) done: $out"

@@ -2,7 +2,8 @@
 
     python benchmarks/startup.py                          # tiny-random: 3 rounds of cold + warm
     python benchmarks/startup.py --model DIR --max-context-len 2048 --max-batch-requests 64 \
-        --max-scheduled-tokens 2048 --vllm-python /path/to/vllm-venv/bin/python [--scan-layers | --also-scan]
+        --max-scheduled-tokens 2048 --vllm-python /path/to/vllm-venv/bin/python \
+        [--no-scan-layers | --also-unrolled]
 
 Ready = the interpreter started, the engine built, every step shape compiled (ours: `warmup()`;
 vLLM: its own compile and warm-up inside `LLM(...)`) and one greedy answer of exactly 16 tokens
@@ -148,7 +149,7 @@ def _start(
     """One start of `engine` on the cache dir `cache` (vLLM: its VLLM_CACHE_ROOT)."""
     if is_vllm(engine):
         return _vllm_start(args.vllm_python, engine, vkw, cache)
-    scan = {"scan_layers": True} if engine == "ours-scan" else {}
+    scan = {"scan_layers": False} if engine == "ours-unrolled" else {}
     return _ours_start(dict(kw, compile_cache_dir=cache, **scan), log_dir)
 
 
@@ -194,9 +195,10 @@ def main() -> None:
         help="which vLLM configs: vllm (its default binding), vllm-both",
     )
     p.add_argument(
-        "--also-scan",
+        "--also-unrolled",
         action="store_true",
-        help="also start ours with scan_layers (`ours-scan`), in the same rounds",
+        help="also start ours without scan_layers (`ours-unrolled`; plain ours: --scan-layers, the "
+        "CPU default), in the same rounds",
     )
     args = p.parse_args()
     print(f"CPU: {cpu_line()}", flush=True)
@@ -210,7 +212,7 @@ def main() -> None:
         answer_tokens=ANSWER_TOKENS,
         prompt=PROMPT,
     )
-    ours = ["ours", "ours-scan"] if args.also_scan else ["ours"]
+    ours = ["ours", "ours-unrolled"] if args.also_unrolled else ["ours"]
     engines = ours + (args.vllm_engines.split(",") if args.vllm_python else [])
     # every cache and log this run makes, removed at the end (hundreds of MB per vLLM start)
     with tempfile.TemporaryDirectory(prefix="tokenspeed-startup-") as args.scratch:

@@ -154,8 +154,13 @@ def _start(name: str, kw: dict[str, Any], args: argparse.Namespace, workdir: str
             vllm_env(args.kv_cache_gib, name),
             workdir,
         )
-    backend = name.partition(":")[2] or "auto"
-    scan = name.partition(":")[0] == "ours+scan"
+    kind, _, backend = name.partition(":")
+    if kind not in ("ours", "ours+scan", "ours+unrolled"):
+        known = "ours, ours+scan, ours+unrolled, vllm, vllm-both"
+        raise SystemExit(f"--engines: unknown engine {name!r} ({known})")
+    backend = backend or "auto"
+    # ours: the platform's layout (scanned on CPU); ours+scan / ours+unrolled: forced
+    scan = {"ours+scan": True, "ours+unrolled": False}.get(kind)
     return EngineChild(
         name, sys.executable, _CHILD, dict(kw, engine="ours", backend=backend, scan=scan), ours_env(), workdir
     )
@@ -239,7 +244,8 @@ def main() -> None:
         "--engines",
         default="ours,vllm,vllm-both",
         help="engines in round order: ours (attention backend auto), ours:BACKEND "
-        "(e.g. ours:reference beside ours:native), ours+scan[:BACKEND] (scan_layers), "
+        "(e.g. ours:reference beside ours:native), ours+scan[:BACKEND] / ours+unrolled[:BACKEND] "
+        "(scan_layers on / off; plain ours: the platform's default, on for CPU), "
         "vllm (vLLM CPU's default thread binding), vllm-both (VLLM_CPU_NUM_OF_RESERVED_CPU=0)",
     )
     p.add_argument(

@@ -157,10 +157,15 @@ class LLM:
         tp, dp = args.tensor_parallel_size, args.data_parallel_size
         # one mesh per replica; None keeps the single-device path exactly as it was
         meshes = [None] if tp == dp == 1 and not multi else sharding.replica_meshes(tp, dp)
+        if args.scan_layers is None and (meshes[0] is not None or args.weight_layout == "checkpoint"):
+            # scan_layers' platform default is for one device: a mesh places (multi-process:
+            # shard by shard) the per-layer parameters, and the checkpoint layout shares a
+            # trainer's per-layer arrays, which stacking would copy
+            args = args.replace(scan_layers=False)
         # the "platform" options left None take the defaults of the devices we really got
         platform = (jax.devices()[0] if meshes[0] is None else meshes[0].devices.flat[0]).platform
         args = self.args = args.for_platform(platform)
-        assert args.dtype is not None  # for_platform filled it
+        assert args.dtype is not None and args.scan_layers is not None  # for_platform filled them
         self.kv_cache_dtype, self.quantization = args.kv_cache_dtype, args.quantization
         # Multi-process: parameters stay lazy (`param_sources`); each process reads / generates
         # only its own shards when the runner places them (`sharding.place`). GGUF files are

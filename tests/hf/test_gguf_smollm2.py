@@ -250,13 +250,17 @@ def test_gguf_blocks_match_transformers_dequantized_file(oracle):
         quantization="gguf",
         min_token_bucket=1,
     )
-    leaves = jax.tree.leaves(llm.engine.runner.params)
     # every Linear and the tied table (Q8_0 in this file: CausalLM.set_table_blocks); tile-major
     # on one CPU device, where q / k / v and gate / up are fused: 4 products a layer
-    # (models.layers.tile_linears)
-    per_layer = 4 if any(x.dtype == np.int8 and x.ndim == 3 for x in leaves) else 7
-    assert sum(x.dtype == np.int8 for x in leaves) == per_layer * 30 + 1
-    assert any(x.dtype == np.int8 and x.size == 49152 * 576 for x in leaves)  # the table
+    # (models.layers.tile_linears). scan_layers (the CPU default) stacks the 30 layers' leaves.
+    codes = [
+        (x, "['runs']" in jax.tree_util.keystr(p))
+        for p, x in jax.tree_util.tree_leaves_with_path(llm.engine.runner.params)
+        if x.dtype == np.int8
+    ]
+    per_layer = 4 if any(x.ndim - stacked == 3 for x, stacked in codes) else 7
+    assert sum(x.shape[0] if stacked else 1 for x, stacked in codes) == per_layer * 30 + 1
+    assert any(x.size == 49152 * 576 for x, stacked in codes if not stacked)  # the table
     prompt = _chat(llm.tokenizer, QUESTIONS[0])
     out = llm.generate(
         [prompt], SamplingParams(max_tokens=8, prompt_logprobs=True, logprobs=True, ignore_eos=True)

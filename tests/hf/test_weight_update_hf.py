@@ -68,7 +68,7 @@ def test_update_from_dir_and_pairs_equals_fresh(checkpoints, quantization, monke
     a, b = checkpoints
     want = _run(LLM(b, quantization=quantization, **OPTS))
     llm = LLM(a, quantization=quantization, **OPTS)
-    attn = llm.engine.runner.params["layers"][0]["self_attn"]
+    attn = llm.engine.runner.params["runs"][0]["self_attn"]  # scan_layers (the CPU default)
     assert "qkv_proj" in attn and "q_proj" not in attn  # q/k/v fused into one prepared tensor
     old = _run(llm)
     assert old[0] != want[0]
@@ -97,7 +97,7 @@ def test_partial_update_under_scan_layers(checkpoints):
     new = _tensors(b)
     pick = [(k, v) for k, v in new.items() if k.startswith("model.layers.1.mlp.") or k == "model.norm.weight"]
     assert len(pick) == 7  # gate / up / down kernels and biases, the norm
-    plain, scanned = LLM(a, **OPTS), LLM(a, scan_layers=True, **OPTS)
+    plain, scanned = LLM(a, scan_layers=False, **OPTS), LLM(a, scan_layers=True, **OPTS)
     assert [r.size for r in scanned.engine.runner.scan_runs] == [3]
     before = _run(scanned)
     down = scanned.engine.runner.params["runs"][0]["mlp"]["down_proj"]["kernel"][...]

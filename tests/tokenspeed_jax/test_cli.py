@@ -64,7 +64,8 @@ SPEC_JSON = '{"num_speculative_tokens": 3}'
     "argv,key,want",
     [
         (["run", "--scan-layers"], "scan_layers", True),
-        (["run"], "scan_layers", False),
+        (["run"], "scan_layers", None),  # LLM decides: on for one CPU device
+        (["run", "--no-scan-layers"], "scan_layers", False),
         (["serve", "--scan-layers"], "scan_layers", True),
         (["run"], "speculative_config", None),
         (["run", "--speculative-config", SPEC_JSON], "speculative_config", {"num_speculative_tokens": 3}),

@@ -10,6 +10,7 @@ import pytest
 
 from tokenspeed_jax.engine_args import (
     CLI_DEFAULTS,
+    RESOLVED_BY_LLM,
     EngineArgs,
     add_cli_args,
     cli_fields,
@@ -40,7 +41,7 @@ ROUND_TRIP = {
     "compile_workers": (4, ["--compile-workers", "4"]),
     "lazy_compile": ("sync", ["--lazy-compile", "sync"]),
     "async_scheduling": (False, ["--no-async-scheduling"]),
-    "scan_layers": (True, ["--scan-layers"]),
+    "scan_layers": (False, ["--no-scan-layers"]),
     "min_token_bucket": (16, ["--min-token-bucket", "16"]),
     "min_kv_bucket": (64, ["--min-kv-bucket", "64"]),
     "speculative_config": (
@@ -91,16 +92,18 @@ def test_cli_defaults_differ_from_llm_only_where_listed():
     args = from_cli(_parser().parse_args([]))
     llm = EngineArgs().for_platform("cpu")
     differ = {f.name for f in cli_fields() if getattr(args, f.name) != getattr(llm, f.name)}
-    assert differ == set(CLI_DEFAULTS)
+    assert differ == set(CLI_DEFAULTS) | RESOLVED_BY_LLM  # those stay None: LLM resolves them
 
 
 def test_platform_fields_are_filled_per_platform_and_given_values_stay():
     platform_fields = {f.name for f in dataclasses.fields(EngineArgs) if f.metadata["platform"]}
-    assert platform_fields == {"dtype", "max_batch_requests", "max_scheduled_tokens"}
+    assert platform_fields == {"dtype", "max_batch_requests", "max_scheduled_tokens", "scan_layers"}
     assert all(getattr(EngineArgs(), name) is None for name in platform_fields)
     cpu, gpu = EngineArgs().for_platform("cpu"), EngineArgs().for_platform("cuda")
     assert (cpu.dtype, cpu.max_batch_requests, cpu.max_scheduled_tokens) == ("float32", 64, 2048)
     assert (gpu.dtype, gpu.max_batch_requests, gpu.max_scheduled_tokens) == ("auto", 256, 8192)
+    assert cpu.scan_layers is True and gpu.scan_layers is False
+    assert EngineArgs(scan_layers=False).for_platform("cpu").scan_layers is False
     assert EngineArgs().for_platform("tpu") == gpu  # every accelerator: the GPU table
     given = EngineArgs(dtype="bfloat16", max_batch_requests=8).for_platform("gpu")
     assert (given.dtype, given.max_batch_requests, given.max_scheduled_tokens) == ("bfloat16", 8, 8192)
@@ -109,6 +112,7 @@ def test_platform_fields_are_filled_per_platform_and_given_values_stay():
     assert (on_gpu.dtype, on_gpu.max_batch_requests, on_gpu.max_scheduled_tokens) == ("auto", 256, 8192)
     on_cpu = from_cli(_parser("cpu").parse_args([]))
     assert (on_cpu.dtype, on_cpu.max_batch_requests, on_cpu.max_scheduled_tokens) == ("float32", 32, 512)
+    assert on_cpu.scan_layers is None and on_gpu.scan_layers is None  # LLM resolves it
 
 
 @pytest.mark.parametrize(

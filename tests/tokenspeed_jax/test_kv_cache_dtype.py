@@ -74,7 +74,8 @@ def test_quantized_cache_close_to_float(kv, float_run):
     assert set(attn) == {"k", "v", "k_scale", "v_scale"}
     # the reference backend stores fp8 values and f16 scales as their bits (pool_bits)
     assert attn["k"].dtype == (jnp.int8 if kv == "int8" else jnp.uint8)
-    assert attn["k_scale"].dtype == jnp.uint16 and attn["k_scale"].shape == attn["k"].shape[:3]
+    # a scale per head (and per layer under scan_layers' stacked pools)
+    assert attn["k_scale"].dtype == jnp.uint16 and attn["k_scale"].shape == attn["k"].shape[:-1]
     assert set(caches[1]) == {"conv"} and caches[1]["conv"].dtype == jnp.float32  # conv: as is
     diffs = _prompt_diffs(outs, float_run)
     top, mean = PROMPT_LOGPROB_TOL[kv]

@@ -108,7 +108,8 @@ def test_partial_update(llm, max_logprob_diff):
 
 def test_partial_update_of_part_of_a_module_names_the_rest(llm):
     q = dict(nnx.to_flat_state(_params(1)))[("layers", 0, "self_attn", "q_proj", "kernel")]
-    fused = llm.engine.runner.params["layers"][0]["self_attn"].get("qkv_proj") is not None
+    attn = llm.engine.runner.params["runs"][0]["self_attn"]  # scan_layers: the CPU default
+    fused = attn.get("qkv_proj") is not None
     with pytest.raises(ValueError, match="k_proj" if fused else "q_proj.bias|partial"):
         llm.update_weights([("layers.0.self_attn.q_proj.kernel", q), ("layers.0.self_attn.o_proj.kernel", q)])
 
@@ -178,10 +179,10 @@ def test_no_host_round_trip_for_jax_arrays(llm):
     applies (a norm weight), or copied with copy=True."""
     w = jax.numpy.full((64,), 1.5, jax.numpy.float32)
     llm.update_weights([("norm.weight", w)])
-    leaf = llm.engine.runner.params["norm"]["weight"].get_value()
+    leaf = llm.engine.runner.params["shell"]["norm"]["weight"].get_value()
     assert leaf is w or leaf.unsafe_buffer_pointer() == w.unsafe_buffer_pointer()
     llm.update_weights([("norm.weight", w)], copy=True)
-    leaf = llm.engine.runner.params["norm"]["weight"].get_value()
+    leaf = llm.engine.runner.params["shell"]["norm"]["weight"].get_value()
     assert leaf.unsafe_buffer_pointer() != w.unsafe_buffer_pointer()
     llm.update_weights(_params(0))
 
@@ -189,8 +190,9 @@ def test_no_host_round_trip_for_jax_arrays(llm):
 def test_checkpoint_layout_shares_a_trainers_arrays(fresh, max_logprob_diff):
     """weight_layout="checkpoint" (the RL loop's choice): nothing is tiled or fused, so every
     weight of a trainer's `nnx.State` in our dtype is used as it is, none copied; the outputs are
-    the default layout's."""
+    the default layout's (and scan_layers, which would stack the layers' arrays, stays off)."""
     llm = LLM("tiny-random", seed=0, weight_layout="checkpoint", **OPTS)
+    assert not llm.engine.runner.scan_layers
     new = _params(1)
     llm.update_weights(new)
     theirs = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(new)}
